@@ -1,0 +1,227 @@
+"""run_trinity.py: one-shot generation across 1..N ranks (contract in DESIGN.md).
+
+    python run_trinity.py --prompt "Hi"                      # 1 rank
+    python run_trinity.py --stages 2 --prompt "Hi"           # 2 stages, one process
+    mlx.launch -n 2 python run_trinity.py --prompt "Hi"      # 2 processes (ring)
+
+Rank 0 prints; other ranks print nothing on stdout.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import List, Optional
+
+import mlx.core as mx
+
+from . import TrinityError
+from .generate import generate_tokens
+from .pipeline import Pipeline
+from .shard.config import model_args, read_config
+from .shard.loader import fetch_stage_files, load_stage, model_dir
+from .shard.plan import layer_ranges, parse_split
+from .transport.local import LocalRing
+from .transport.mx_p2p import MxPointToPoint
+from .worker import StageWorker
+
+DEFAULT_PROMPT = "Explain pipeline parallelism in one sentence."
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="run_trinity.py", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="local checkpoint directory or Hugging Face repo id "
+                   "(default: an embedded tiny AFMoE checkpoint, made locally)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="text; the chat template is applied unless --no-chat-template")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids, fed as they are")
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=100)
+    p.add_argument("--temp", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--stages", type=int, default=1, help="run N stages inside this one process")
+    p.add_argument("--split", help="layers per rank, e.g. 10,12,10")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--max-context", type=int, default=None,
+                   help="prompt + max tokens limit (default: max_position_embeddings)")
+    return p.parse_args(argv)
+
+
+def validate(args: argparse.Namespace) -> None:
+    checks = [
+        (args.max_tokens >= 1, f"--max-tokens must be at least 1, got {args.max_tokens}"),
+        (args.temp >= 0 and not math.isnan(args.temp), f"--temp must be >= 0, got {args.temp}"),
+        (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
+        (args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}"),
+        (0 <= args.min_p <= 1, f"--min-p must be in [0, 1], got {args.min_p}"),
+        (args.stages >= 1, f"--stages must be at least 1, got {args.stages}"),
+        (args.prefill_step_size >= 1, f"--prefill-step-size must be at least 1, got {args.prefill_step_size}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise TrinityError(message)
+
+
+def prompt_tokens(args, tokenizer, vocab_size: int) -> List[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise TrinityError(f"--prompt-ids {args.prompt_ids!r} is not a comma-separated list of integers") from None
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise TrinityError(f"--prompt-ids has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    else:
+        text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+        if args.no_chat_template or tokenizer.chat_template is None:
+            ids = tokenizer.encode(text)
+        else:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    if not ids:
+        raise TrinityError("the prompt is empty")
+    return ids
+
+
+def startup_check(group, error: Optional[BaseException]) -> None:
+    """Every rank says whether it loaded; all fail together instead of one
+    waiting forever for a peer that already exited."""
+    flags = mx.zeros((group.size(),))
+    if error is not None:
+        flags[group.rank()] = 1
+    failed = [r for r, f in enumerate(mx.distributed.all_sum(flags, group=group).tolist()) if f]
+    if error is not None:
+        raise error
+    if failed:
+        raise TrinityError(f"rank {', '.join(map(str, failed))} failed to start (its error is printed above)")
+
+
+def build_pipeline(args):
+    """Load this process's stage(s). Returns (pipeline, path, config) on rank 0,
+    or None on other ranks once they have served until STOP."""
+    group = mx.distributed.init()
+    world = group.size()
+    if world > 1 and args.stages > 1:
+        raise TrinityError("--stages runs several stages in one process; do not combine it with a multi-rank launch")
+    model = args.model
+    if model is None:
+        from .tiny_checkpoint import default_checkpoint
+
+        model = str(default_checkpoint())
+    config = read_config(model_dir(model))
+    num_layers = model_args(config).num_hidden_layers
+    split = parse_split(args.split) if args.split else None
+    ranges = layer_ranges(num_layers, max(world, args.stages), split)
+
+    if world == 1:
+        path = fetch_stage_files(model, 0, num_layers, True)
+        stages = [load_stage(path, s, e, i == 0, config) for i, (s, e) in enumerate(ranges)]
+        workers = [StageWorker(st, i + 1, len(stages)).handle for i, st in enumerate(stages[1:])]
+        return Pipeline(stages[0], LocalRing(workers) if workers else None), path, config
+
+    rank = group.rank()
+    start, end = ranges[rank]
+    stage, path, error = None, None, None
+    try:
+        path = fetch_stage_files(model, start, end, rank == 0)
+        stage = load_stage(path, start, end, rank == 0, config)
+    except Exception as e:  # reported to every rank before anyone waits on a peer
+        error = e
+    startup_check(group, error)
+    transport = MxPointToPoint(group)
+    if rank != 0:
+        StageWorker(stage, rank, world).serve(transport)
+        return None
+    return Pipeline(stage, transport), path, config
+
+
+def generate_once(pipeline: Pipeline, tokenizer, args, config) -> dict:
+    from mlx_lm.sample_utils import make_sampler
+
+    vocab_size = model_args(config).vocab_size
+    prompt = prompt_tokens(args, tokenizer, vocab_size)
+    max_context = args.max_context or config.get("max_position_embeddings")
+    if max_context and len(prompt) + args.max_tokens > max_context:
+        raise TrinityError(
+            f"prompt ({len(prompt)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
+            f"context of {max_context} tokens"
+        )
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    tokens, logprobs, finish_reason = [], [], "length"
+    tic = time.perf_counter()
+    first_token_at = None
+    for token, logprob in generate_tokens(pipeline, prompt, args.max_tokens, sampler, args.prefill_step_size):
+        if first_token_at is None:
+            first_token_at = time.perf_counter()
+        if token in tokenizer.eos_token_ids:
+            finish_reason = "stop"
+            break
+        tokens.append(token)
+        logprobs.append(logprob)
+        detokenizer.add_token(token)
+        if not args.json:
+            print(detokenizer.last_segment, end="", flush=True)
+    detokenizer.finalize()
+    if not args.json:
+        print(detokenizer.last_segment, flush=True)
+    done = time.perf_counter()
+    decode_time = done - first_token_at
+    return {
+        "text": detokenizer.text,
+        "token_ids": tokens,
+        "logprobs": logprobs,
+        "prompt_token_ids": prompt,
+        "finish_reason": finish_reason,
+        "prefill_tokens_per_sec": len(prompt) / (first_token_at - tic),
+        "generation_tokens_per_sec": (len(tokens) - 1) / decode_time if len(tokens) > 1 and decode_time > 0 else 0.0,
+    }
+
+
+def print_summary(result: dict) -> None:
+    print("=" * 10)
+    print(f"Prompt: {len(result['prompt_token_ids'])} tokens, {result['prefill_tokens_per_sec']:.1f} tokens-per-sec")
+    print(f"Generation: {len(result['token_ids'])} tokens, {result['generation_tokens_per_sec']:.1f} tokens-per-sec")
+    for r in result["ranks"]:
+        extra = " + embedding and head" if r["embed"] else ""
+        print(f"rank {r['rank']} ({r['host']}): layers [{r['layers'][0]}, {r['layers'][1]}){extra}, "
+              f"peak memory {r['peak_memory_bytes'] / 2**20:.1f} MiB")
+
+
+def run(args) -> None:
+    validate(args)
+    built = build_pipeline(args)
+    if built is None:
+        return
+    pipeline, path, config = built
+    try:
+        from mlx_lm.utils import load_tokenizer
+
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        result = generate_once(pipeline, tokenizer, args, config)
+        result["ranks"] = pipeline.rank_info()
+    finally:
+        pipeline.close()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_summary(result)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except TrinityError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,77 @@
+"""The transport interface and the control header."""
+
+from abc import ABC, abstractmethod
+from dataclasses import astuple, dataclass
+from enum import IntEnum
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+# Wire codes for payload dtypes; the header carries one.
+DTYPES = [mx.float32, mx.float16, mx.bfloat16, mx.int32]
+
+
+class Op(IntEnum):
+    FORWARD = 1  # run the payload (batch, length, hidden) through the stage
+    RESET = 2  # drop the caches of `slot` (a new request starts there)
+    INFO = 3  # append this rank's row to the int32 payload table
+    STOP = 4  # shut down, after passing the frame on
+
+
+class Reply(IntEnum):
+    """What the last rank sends back to rank 0 after a FORWARD."""
+
+    NONE = 0  # nothing (a prefill chunk whose output nobody needs)
+    LAST = 1  # the hidden state of the last position only
+    ALL = 2  # every position's hidden state
+
+
+@dataclass
+class Header:
+    op: int
+    reply: int = Reply.NONE
+    slot: int = 0
+    batch: int = 0
+    length: int = 0
+    width: int = 0
+    dtype: int = 0
+    offset: int = 0  # tokens already in this slot's cache, for checks and logs
+
+    SIZE = 8
+
+    def to_array(self) -> mx.array:
+        return mx.array(astuple(self), dtype=mx.int32)
+
+    @classmethod
+    def from_array(cls, a: mx.array) -> "Header":
+        return cls(*a.tolist())
+
+    @classmethod
+    def for_payload(cls, op: int, payload: mx.array, **fields) -> "Header":
+        b, l, w = payload.shape
+        return cls(op, batch=b, length=l, width=w, dtype=DTYPES.index(payload.dtype), **fields)
+
+    @property
+    def has_payload(self) -> bool:
+        return self.batch * self.length * self.width > 0
+
+    def payload_shape(self) -> Tuple[int, int, int]:
+        return (self.batch, self.length, self.width)
+
+    def payload_dtype(self) -> mx.Dtype:
+        return DTYPES[self.dtype]
+
+
+class Transport(ABC):
+    """Point-to-point links of a ring: send to rank+1, receive from rank-1."""
+
+    rank: int
+    size: int
+
+    @abstractmethod
+    def send(self, header: Header, payload: Optional[mx.array] = None) -> None:
+        """Send a frame to the next rank (the last rank's next is rank 0)."""
+
+    @abstractmethod
+    def recv(self) -> Tuple[Header, Optional[mx.array]]:
+        """Receive the next frame from the previous rank."""

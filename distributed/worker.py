@@ -1,0 +1,60 @@
+"""What a rank other than 0 runs: receive a frame, run its stage, pass it on."""
+
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from . import rank_info
+from .shard.loader import parameter_bytes
+from .shard.stage import Stage
+from .transport import Header, Op, Reply, Transport
+
+Frame = Tuple[Header, Optional[mx.array]]
+
+
+class StageWorker:
+    def __init__(self, stage: Stage, rank: int, size: int):
+        self.stage = stage
+        self.rank, self.is_last = rank, rank == size - 1
+        self.caches: Dict[int, List] = {}  # slot -> this stage's KV caches
+        self.parameter_bytes = parameter_bytes(stage)
+
+    def handle(self, header: Header, payload: Optional[mx.array]) -> Optional[Frame]:
+        """Process one frame; return the frame to pass on, or None to send nothing."""
+        if header.op == Op.FORWARD:
+            return self._forward(header, payload)
+        if header.op == Op.RESET:
+            self.caches.pop(header.slot, None)
+            # The ring keeps frames in order, so rank 0 needs no acknowledgement.
+            return None if self.is_last else (header, None)
+        if header.op == Op.INFO:
+            row = rank_info.encode_row(
+                self.rank, self.stage.start, self.stage.end, False, self.parameter_bytes
+            )
+            table = mx.concatenate([payload, row], axis=1)
+            return Header.for_payload(Op.INFO, table), table
+        if header.op == Op.STOP:
+            return header, None
+        raise ValueError(f"rank {self.rank} received unknown op {header.op}")
+
+    def _forward(self, header: Header, h: mx.array) -> Optional[Frame]:
+        cache = self.caches.setdefault(header.slot, self.stage.make_cache())
+        h = self.stage(h, cache)
+        if self.is_last:
+            if header.reply == Reply.NONE:
+                mx.eval([c.state for c in cache])
+                return None
+            if header.reply == Reply.LAST:
+                h = h[:, -1:, :]
+        fields = dict(reply=header.reply, slot=header.slot, offset=header.offset)
+        return Header.for_payload(Op.FORWARD, h, **fields), h
+
+    def serve(self, transport: Transport) -> None:
+        """Loop until rank 0 sends STOP."""
+        while True:
+            header, payload = transport.recv()
+            out = self.handle(header, payload)
+            if out is not None:
+                transport.send(*out)
+            if header.op == Op.STOP:
+                return

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny checkpoints made at test time, and real rank launches."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distributed.tiny_checkpoint import make_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = str(ROOT / "run_trinity.py")
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory) -> Path:
+    """HF layout, float32, per-expert keys, 8 layers (S S S F S S S F), window 16."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny_hf"), layout="hf", seed=0)
+
+
+@pytest.fixture(scope="session")
+def mlx_checkpoint(tmp_path_factory) -> Path:
+    """mlx-community layout: stacked experts, 4-bit, router 8-bit override."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny_mlx"), layout="mlx", seed=0)
+
+
+def mlx_launch() -> str:
+    exe = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    return exe
+
+
+def run_cli(args, ranks: int = 1, backend: str = "ring", timeout: int = 180) -> subprocess.CompletedProcess:
+    """Run run_trinity.py as `ranks` real processes (mlx.launch ring, or mpirun)."""
+    if ranks == 1:
+        cmd = [sys.executable, RUN, *args]
+    elif backend == "mpi":
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ranks), sys.executable, RUN, *args]
+    else:
+        cmd = [mlx_launch(), "-n", str(ranks), sys.executable, RUN, *args]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def run_json(args, ranks: int = 1, backend: str = "ring") -> dict:
+    proc = run_cli([*args, "--json"], ranks, backend)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)

@@ -2,7 +2,9 @@
 
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +34,21 @@ def mlx_launch() -> str:
     return exe
 
 
+def free_port_range(n: int) -> int:
+    """A base port with n free ports after it: the ring backend listens on base + rank.
+    mlx.launch's fixed default would collide with any other ring on this machine."""
+    for _ in range(100):
+        base = random.randrange(20000, 60000 - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
 def run_cli(args, ranks: int = 1, backend: str = "ring", timeout: int = 180) -> subprocess.CompletedProcess:
     """Run run_trinity.py as `ranks` real processes (mlx.launch ring, or mpirun)."""
     if ranks == 1:
@@ -39,7 +56,8 @@ def run_cli(args, ranks: int = 1, backend: str = "ring", timeout: int = 180) -> 
     elif backend == "mpi":
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ranks), sys.executable, RUN, *args]
     else:
-        cmd = [mlx_launch(), "-n", str(ranks), sys.executable, RUN, *args]
+        cmd = [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks)),
+               sys.executable, RUN, *args]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 

@@ -1,0 +1,38 @@
+"""One-device mlx-lm on the same weights: the reference the pipeline must equal."""
+
+from functools import lru_cache
+from pathlib import Path
+from typing import List, Tuple
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model
+
+from distributed.shard.config import model_args, read_config
+
+EOS = (256, 258)
+PROMPT = [(7 * i + 3) % 250 + 1 for i in range(40)]  # 40 ids: longer than the window (16)
+
+
+@lru_cache(maxsize=None)
+def mlx_lm_model(path: Path):
+    config = read_config(path)
+    # HF-layout configs carry rope_parameters, which mlx-lm's ModelArgs ignores.
+    model, _ = load_model(Path(path), model_config={"rope_theta": model_args(config).rope_theta})
+    return model
+
+
+def mlx_lm_logprobs(path: Path, prompt: List[int]) -> mx.array:
+    logits = mlx_lm_model(path)(mx.array(prompt)[None])[0]
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def mlx_lm_greedy(path: Path, prompt: List[int], max_tokens: int, prefill_step_size: int) -> Tuple[List[int], List[float]]:
+    """Greedy tokens and their logprobs from mlx-lm's generate_step, stopping at EOS."""
+    tokens, logprobs = [], []
+    for token, lp in generate_step(mx.array(prompt), mlx_lm_model(path), max_tokens=max_tokens, prefill_step_size=prefill_step_size):
+        if token in EOS:
+            break
+        tokens.append(token)
+        logprobs.append(lp[token].item())
+    return tokens, logprobs

@@ -1,0 +1,124 @@
+"""run_trinity.py as real processes: 1 rank, --stages N, mlx.launch ring, OpenMPI."""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import run_cli, run_json
+from reference import PROMPT, mlx_lm_greedy
+from shard.test_loader import checkpoint_bytes
+
+IDS = ",".join(map(str, PROMPT))
+COMMON = ["--prompt-ids", IDS, "--max-tokens", "64", "--prefill-step-size", "8"]
+
+# (ranks, backend, extra args, expected layer ranges). 8 layers: S S S F S S S F.
+LAUNCHES = [
+    (1, None, [], [[0, 8]]),
+    (1, None, ["--stages", "3", "--split", "3,1,4"], [[0, 3], [3, 4], [4, 8]]),
+    (2, "ring", [], [[0, 4], [4, 8]]),
+    (3, "ring", ["--split", "3,1,4"], [[0, 3], [3, 4], [4, 8]]),
+    (4, "ring", ["--split", "3,1,3,1"], [[0, 3], [3, 4], [4, 7], [7, 8]]),
+    (2, "mpi", ["--split", "1,7"], [[0, 1], [1, 8]]),
+]
+
+
+@pytest.mark.parametrize("ranks, backend, extra, layers", LAUNCHES)
+def test_greedy_output_is_independent_of_ranks_and_split(hf_checkpoint, ranks, backend, extra, layers):
+    ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, 64, 8)
+    out = run_json(["--model", str(hf_checkpoint), *COMMON, *extra], ranks, backend)
+    assert out["token_ids"] == ref_tokens
+    assert max(abs(a - b) for a, b in zip(out["logprobs"], ref_logprobs)) < 1e-5
+    assert out["prompt_token_ids"] == PROMPT
+    assert out["finish_reason"] == "length"
+    assert [r["layers"] for r in out["ranks"]] == layers
+    assert [r["rank"] for r in out["ranks"]] == list(range(len(layers)))
+    assert [r["embed"] for r in out["ranks"]] == [True] + [False] * (len(layers) - 1)
+    for r in out["ranks"]:
+        assert r["parameter_bytes"] == checkpoint_bytes(hf_checkpoint, *r["layers"], r["rank"] == 0)
+        assert r["peak_memory_bytes"] > 0 and r["host"]
+
+
+def test_quantized_checkpoint_across_two_processes(mlx_checkpoint):
+    ref_tokens, _ = mlx_lm_greedy(mlx_checkpoint, PROMPT, 32, 8)
+    out = run_json(["--model", str(mlx_checkpoint), "--prompt-ids", IDS, "--max-tokens", "32",
+                    "--prefill-step-size", "8", "--split", "3,5"], ranks=2)
+    assert out["token_ids"] == ref_tokens
+
+
+def test_text_prompt_uses_the_chat_template(hf_checkpoint):
+    chat = run_json(["--model", str(hf_checkpoint), "--prompt", "hi", "--max-tokens", "4"])
+    raw = run_json(["--model", str(hf_checkpoint), "--prompt", "hi", "--max-tokens", "4", "--no-chat-template"])
+    assert raw["prompt_token_ids"] == [ord("h"), ord("i")]
+    assert chat["prompt_token_ids"][0] == 257  # <|im_start|>
+    assert chat["prompt_token_ids"][-10:] == list(b"assistant\n") and 258 in chat["prompt_token_ids"]
+    assert set(chat) >= {"text", "token_ids", "logprobs", "prompt_token_ids", "finish_reason",
+                         "prefill_tokens_per_sec", "generation_tokens_per_sec", "ranks"}
+
+
+def test_plain_output_prints_text_and_rank_map(hf_checkpoint):
+    proc = run_cli(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "8"], ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0 (" in proc.stdout and "layers [0, 4) + embedding and head" in proc.stdout
+    assert "rank 1 (" in proc.stdout and "layers [4, 8)," in proc.stdout
+
+
+def _broken_copy(src, dst, remove_file=None, config_update=None):
+    shutil.copytree(src, dst)
+    if remove_file:
+        (dst / remove_file).unlink()
+    if config_update:
+        config = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**config, **config_update}))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--split", "4,x"], "--split '4,x' is malformed"),
+        (["--split", "4,4"], "2 entries but there are 1 ranks"),
+        (["--stages", "2", "--split", "4,5"], "sums to 9 but the model has 8 layers"),
+        (["--stages", "2", "--split", "8,0"], "must be positive"),
+        (["--prompt-ids", "1,2,999"], "token id 999 outside the vocabulary"),
+        (["--prompt-ids", "1,a"], "not a comma-separated list of integers"),
+        (["--temp", "-1"], "--temp must be >= 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
+        (["--top-k", "-2"], "--top-k must be >= 0"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--max-tokens", "4090"], "exceeds the context of 4096 tokens"),
+    ],
+)
+def test_bad_arguments_exit_nonzero_naming_the_cause(hf_checkpoint, args, message):
+    proc = run_cli(["--model", str(hf_checkpoint), "--prompt-ids", "1,2,3,4,5,6,7", *args])
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_missing_model_and_unknown_model_type(hf_checkpoint, tmp_path):
+    proc = run_cli(["--model", str(tmp_path / "nope"), "--prompt", "hi"])
+    assert proc.returncode != 0 and "does not exist" in proc.stderr
+    bad = _broken_copy(hf_checkpoint, tmp_path / "llama", config_update={"model_type": "llama"})
+    proc = run_cli(["--model", str(bad), "--prompt", "hi"])
+    assert proc.returncode != 0 and "unsupported model_type 'llama'" in proc.stderr
+
+
+def test_missing_shard_file_single_process(hf_checkpoint, tmp_path):
+    bad = _broken_copy(hf_checkpoint, tmp_path / "ckpt", remove_file="model-00002-of-00003.safetensors")
+    proc = run_cli(["--model", str(bad), "--prompt", "hi", "--stages", "2"])
+    assert proc.returncode != 0
+    assert "weight file model-00002-of-00003.safetensors is missing" in proc.stderr
+
+
+def test_missing_shard_on_one_rank_stops_every_rank(hf_checkpoint, tmp_path):
+    # With --split 3,5, only rank 1 needs model-00002 (layers 3-5).
+    bad = _broken_copy(hf_checkpoint, tmp_path / "ckpt", remove_file="model-00002-of-00003.safetensors")
+    proc = run_cli(["--model", str(bad), "--prompt", "hi", "--split", "3,5"], ranks=2, timeout=60)
+    assert "weight file model-00002-of-00003.safetensors is missing" in proc.stderr
+    assert "rank 1 failed to start" in proc.stderr  # rank 0's view
+    assert proc.stdout == ""
+    # mlx.launch itself exits 0 whatever its ranks return; it reports their codes.
+    assert "Node with rank 0 exited with code 2" in proc.stderr
+    assert "Node with rank 1 exited with code 2" in proc.stderr

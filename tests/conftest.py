@@ -49,16 +49,27 @@ def free_port_range(n: int) -> int:
     raise RuntimeError("no free port range")
 
 
+def system_mpirun() -> str:
+    """Debian's Open MPI (4.1) where installed; started directly, as a user would."""
+    return "/usr/bin/mpirun" if Path("/usr/bin/mpirun").exists() else "mpirun"
+
+
 def run_cli(args, ranks: int = 1, backend: str = "ring", timeout: int = 180) -> subprocess.CompletedProcess:
-    """Run run_trinity.py as `ranks` real processes (mlx.launch ring, or mpirun)."""
+    """Run run_trinity.py as `ranks` real processes: `mlx.launch` with the ring
+    backend ("ring") or the MPI one ("mlx-mpi", Open MPI 5 from PyPI), or the
+    system's `mpirun` directly ("mpirun")."""
     if ranks == 1:
         cmd = [sys.executable, RUN, *args]
-    elif backend == "mpi":
-        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ranks), sys.executable, RUN, *args]
+    elif backend == "mpirun":
+        cmd = [system_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", str(ranks), sys.executable, RUN, *args]
+    elif backend == "mlx-mpi":
+        cmd = [mlx_launch(), "--backend", "mpi", "--mpi-arg=--oversubscribe", "-n", str(ranks), sys.executable, RUN, *args]
     else:
         cmd = [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks)),
                sys.executable, RUN, *args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    # The environment's own bin first, so mlx.launch finds the mpirun that pip installed.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 

@@ -1,0 +1,209 @@
+"""Single-stream decode and 1k-token prefill speed: one-process mlx-lm vs this runner.
+
+    python bench/bench_decode.py [--quick] [--json-out PATH] [--reps N] [--blas reference|openblas]
+
+Builds (once, cached in $TMPDIR/trinity-bench/) a float32 AFMoE checkpoint (hidden 512,
+16 layers, 32 experts; --quick: a much smaller one) and times, each configuration in a
+fresh process, one greedy generation from the same deterministic prompt ids:
+  mlx-lm       mlx_lm.utils.load + mlx_lm.generate.generate_step, in one process
+  runner P=1   python run_trinity.py --json
+  stages=P     python run_trinity.py --stages P --json          (P stages, one process)
+  ring P       mlx.launch -n P python run_trinity.py --json     (ring backend)
+  mpi P        mpirun -np P python run_trinity.py --json        (MLX's MPI backend)
+Prefill tok/s = prompt tokens / time to first token; decode tok/s = (tokens - 1) / time
+from the first token to the last. Both are measured inside the process, after loading, so
+start-up is excluded. Configurations are run in interleaved rounds (--reps, default 3) and
+the median is reported, with the ratio to mlx-lm from the same invocation.
+
+--blas openblas preloads the system OpenBLAS (apt-get install libopenblas0) into every
+process: on Linux the MLX CPU wheel links a reference BLAS, which makes prefill slow.
+Results: a table on stdout, JSON to --json-out (default bench/results/decode.json).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+
+FULL = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=16,
+            num_experts=32, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=2,
+            head_dim=64, sliding_window=512, max_position_embeddings=8192, layers_per_file=4)
+QUICK = dict(FULL, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=6,
+             num_experts=8, num_experts_per_tok=2, head_dim=32, sliding_window=64, layers_per_file=2)
+
+
+def checkpoint(sizes: dict) -> Path:
+    """Make the checkpoint once per machine; a rename makes it appear atomically."""
+    tag = "afmoe-" + "-".join(str(sizes[k]) for k in ("hidden_size", "num_hidden_layers", "num_experts"))
+    cache = Path(tempfile.gettempdir()) / "trinity-bench"
+    path = cache / tag
+    if not (path / "config.json").exists():
+        sys.path.insert(0, str(ROOT))
+        from distributed.tiny_checkpoint import make_checkpoint
+
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-"))
+        print(f"making checkpoint {path} ...", file=sys.stderr, flush=True)
+        make_checkpoint(tmp, layout="hf", seed=0, **sizes)
+        try:
+            tmp.rename(path)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def prompt_ids(n: int) -> str:
+    """Deterministic byte-token ids (0..255: no special tokens)."""
+    return ",".join(str((i * 37 + 11) % 251) for i in range(n))
+
+
+def mlx_lm_child(model: str, ids: str, max_tokens: int) -> None:
+    """One mlx-lm generation, reported with the runner's JSON keys."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    model, _ = load(model)
+    prompt = mx.array([int(t) for t in ids.split(",")], dtype=mx.uint32)
+    tokens = []
+    tic = time.perf_counter()
+    for token, _ in generate_step(prompt, model, max_tokens=max_tokens):
+        tokens.append(int(token))
+        if len(tokens) == 1:
+            first = time.perf_counter()
+    done = time.perf_counter()
+    print(json.dumps({"prefill_tokens_per_sec": prompt.size / (first - tic),
+                      "generation_tokens_per_sec": (len(tokens) - 1) / (done - first),
+                      "token_ids": tokens}))
+
+
+def configs(max_ranks: int) -> dict:
+    """Name -> command prefix to which the runner's arguments are appended (None: mlx-lm)."""
+    runner = [PY, str(ROOT / "run_trinity.py")]
+    launch = str(Path(PY).parent / "mlx.launch")
+    mpirun = shutil.which("mpirun")
+    root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+    out = {"mlx-lm (1 process)": None, "runner P=1": runner}
+    for p in range(2, max_ranks + 1):
+        out[f"runner --stages {p}"] = runner + ["--stages", str(p)]
+    for p in range(2, max_ranks + 1):
+        out[f"runner ring P={p}"] = [launch, "-n", str(p)] + runner
+    if mpirun:
+        for p in range(2, max_ranks + 1):
+            out[f"runner mpi P={p}"] = [mpirun, *root, "--oversubscribe", "-np", str(p)] + runner
+    return out
+
+
+def run_once(prefix, model: Path, ids: str, max_tokens: int, env: dict, timeout: float) -> dict:
+    if prefix is None:
+        cmd = [PY, __file__, "--mlx-lm-child", str(model), ids, str(max_tokens)]
+    else:
+        cmd = prefix + ["--model", str(model), "--prompt-ids", ids, "--max-tokens", str(max_tokens), "--json"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-400:]}"}
+    r = json.loads(lines[-1])
+    return {k: r[k] for k in ("prefill_tokens_per_sec", "generation_tokens_per_sec", "token_ids")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small model, short prompt, 1 rep (smoke test)")
+    p.add_argument("--json-out", default=str(ROOT / "bench" / "results" / "decode.json"))
+    p.add_argument("--reps", type=int, default=None, help="runs per configuration (default 3; --quick 1)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 1024 (--quick 128)")
+    p.add_argument("--decode-tokens", type=int, default=None, help="default 64 (--quick 16)")
+    p.add_argument("--max-ranks", type=int, default=3)
+    p.add_argument("--blas", choices=["reference", "openblas"], default="reference")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per process")
+    p.add_argument("--mlx-lm-child", nargs=3, metavar=("MODEL", "IDS", "MAX_TOKENS"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.mlx_lm_child:
+        model, ids, n = args.mlx_lm_child
+        return mlx_lm_child(model, ids, int(n))
+
+    start = time.perf_counter()
+    reps = args.reps or (1 if args.quick else 3)
+    prompt_len = args.prompt_len or (128 if args.quick else 1024)
+    decode = args.decode_tokens or (16 if args.quick else 64)
+    sizes = QUICK if args.quick else FULL
+    model = checkpoint(sizes)
+    ids = prompt_ids(prompt_len)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if args.blas == "openblas":
+        if not Path(OPENBLAS).exists():
+            sys.exit(f"--blas openblas: {OPENBLAS} not found (apt-get install -y libopenblas0)")
+        env["LD_PRELOAD"] = " ".join(filter(None, [OPENBLAS, env.get("LD_PRELOAD")]))
+    table = configs(args.max_ranks)
+    runs = {name: [] for name in table}
+    for rep in range(reps):  # interleaved rounds: drift and neighbours' load hit every config alike
+        for name, prefix in table.items():
+            t = time.perf_counter()
+            r = run_once(prefix, model, ids, decode + 1, env, args.timeout)
+            runs[name].append(r)
+            status = r.get("error") or (f"prefill {r['prefill_tokens_per_sec']:.1f} tok/s, "
+                                        f"decode {r['generation_tokens_per_sec']:.2f} tok/s")
+            print(f"[{rep + 1}/{reps}] {name}: {status} ({time.perf_counter() - t:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    results = {}
+    for name, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        row = {"runs": rs, "ok_runs": len(ok)}
+        if ok:
+            row["prefill_tokens_per_sec"] = statistics.median(r["prefill_tokens_per_sec"] for r in ok)
+            row["generation_tokens_per_sec"] = statistics.median(r["generation_tokens_per_sec"] for r in ok)
+            row["generated_tokens"] = len(ok[0]["token_ids"])
+        results[name] = row
+    base = results["mlx-lm (1 process)"]
+    ref_tokens = next((r["token_ids"] for r in base["runs"] if "error" not in r), None)
+    for row in results.values():
+        for key in ("prefill_tokens_per_sec", "generation_tokens_per_sec"):
+            if key in row and key in base:
+                row[key.split("_")[0] + "_ratio"] = row[key] / base[key]
+        ok = [r for r in row["runs"] if "error" not in r]
+        # The runner drops EOS and stops there; mlx-lm's generate_step does not.
+        row["same_tokens_as_mlx_lm"] = bool(ok and ref_tokens) and all(
+            r["token_ids"] == ref_tokens[: len(r["token_ids"])] for r in ok)
+
+    wall = time.perf_counter() - start
+    mib = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
+    print(f"\nAFMoE fp32: hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} layers, "
+          f"{sizes['num_experts']} experts (top {sizes['num_experts_per_tok']}), {mib:.0f} MiB; prompt "
+          f"{prompt_len} tokens, {decode} decode steps; median of {reps}; BLAS: {args.blas}; "
+          f"{os.cpu_count()} CPUs")
+    print(f"{'config':<22}{'prefill tok/s':>14}{'ratio':>8}{'decode tok/s':>14}{'ratio':>8}  tokens=mlx-lm")
+    for name, row in results.items():
+        if "prefill_tokens_per_sec" not in row:
+            print(f"{name:<22}  failed: {row['runs'][0].get('error', '')[:200]}")
+            continue
+        print(f"{name:<22}{row['prefill_tokens_per_sec']:>14.1f}{row['prefill_ratio']:>8.2f}"
+              f"{row['generation_tokens_per_sec']:>14.2f}{row['generation_ratio']:>8.2f}  "
+              f"{'yes' if row['same_tokens_as_mlx_lm'] else 'NO'}"
+              + ("" if row["ok_runs"] == reps else f"  ({row['ok_runs']}/{reps} runs ok)"))
+    print(f"wall time {wall:.0f} s")
+
+    out = Path(args.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = dict(sizes, prompt_len=prompt_len, decode_tokens=decode, reps=reps, blas=args.blas,
+                    quick=args.quick, checkpoint=str(model), cpus=os.cpu_count())
+    out.write_text(json.dumps({"settings": settings, "results": results, "wall_s": wall}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -50,7 +50,8 @@ def tiny_config(**overrides) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        # Not mlx-lm's default theta, so a lost rope_parameters translation shows up.
+        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
         "tie_word_embeddings": False,
         "num_experts": 8,
         "num_experts_per_tok": 2,

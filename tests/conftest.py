@@ -76,4 +76,7 @@ def run_cli(args, ranks: int = 1, backend: str = "ring", timeout: int = 180) -> 
 def run_json(args, ranks: int = 1, backend: str = "ring") -> dict:
     proc = run_cli([*args, "--json"], ranks, backend)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    try:
+        return json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        raise AssertionError(f"stdout is not one JSON object:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-3000:]}")

@@ -9,7 +9,6 @@ Rank 0 prints; other ranks print nothing on stdout.
 
 import argparse
 import json
-import math
 import sys
 import time
 from typing import List, Optional
@@ -17,8 +16,9 @@ from typing import List, Optional
 import mlx.core as mx
 
 from . import TrinityError
-from .generate import generate_tokens
 from .pipeline import Pipeline
+from .request import GenerationRequest, RequestError, TokenEvent
+from .scheduler import Scheduler
 from .shard.config import model_args, read_config
 from .shard.loader import fetch_stage_files, load_stage, model_dir
 from .shard.plan import layer_ranges, parse_split
@@ -53,29 +53,50 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def validate(args: argparse.Namespace) -> None:
-    checks = [
-        (args.max_tokens >= 1, f"--max-tokens must be at least 1, got {args.max_tokens}"),
-        (args.temp >= 0 and not math.isnan(args.temp), f"--temp must be >= 0, got {args.temp}"),
-        (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
-        (args.top_k >= 0, f"--top-k must be >= 0, got {args.top_k}"),
-        (0 <= args.min_p <= 1, f"--min-p must be in [0, 1], got {args.min_p}"),
-        (args.stages >= 1, f"--stages must be at least 1, got {args.stages}"),
-        (args.prefill_step_size >= 1, f"--prefill-step-size must be at least 1, got {args.prefill_step_size}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise TrinityError(message)
+    """Checks that need no model; sampling values are checked with the request."""
+    if args.stages < 1:
+        raise TrinityError(f"--stages must be at least 1, got {args.stages}")
+    if args.prefill_step_size < 1:
+        raise TrinityError(f"--prefill-step-size must be at least 1, got {args.prefill_step_size}")
+    try:
+        _request(args, []).validate_sampling()
+    except RequestError as e:
+        raise _flag_error(e) from None
 
 
-def prompt_tokens(args, tokenizer, vocab_size: int) -> List[int]:
+def _request(args, prompt_ids: List[int]) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_ids=prompt_ids,
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+    )
+
+
+def _flag_error(e: RequestError) -> TrinityError:
+    flag = {"token_ids": "--prompt-ids", "temperature": "--temp"}.get(e.field, "--" + e.field.replace("_", "-"))
+    return TrinityError(f"{flag}: {str(e).split(': ', 1)[1]}")
+
+
+def build_request(args, tokenizer, config) -> GenerationRequest:
+    request = _request(args, prompt_tokens(args, tokenizer))
+    max_context = args.max_context or config.get("max_position_embeddings") or 2**31
+    try:
+        request.validate(model_args(config).vocab_size, max_context)
+    except RequestError as e:
+        raise _flag_error(e) from None
+    return request
+
+
+def prompt_tokens(args, tokenizer) -> List[int]:
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
             raise TrinityError(f"--prompt-ids {args.prompt_ids!r} is not a comma-separated list of integers") from None
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise TrinityError(f"--prompt-ids has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
     else:
         text = DEFAULT_PROMPT if args.prompt is None else args.prompt
         if args.no_chat_template or tokenizer.chat_template is None:
@@ -85,8 +106,6 @@ def prompt_tokens(args, tokenizer, vocab_size: int) -> List[int]:
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
             )
             ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    if not ids:
-        raise TrinityError("the prompt is empty")
     return ids
 
 
@@ -142,49 +161,28 @@ def build_pipeline(args):
     return Pipeline(stage, transport), path, config
 
 
-def generate_once(pipeline: Pipeline, tokenizer, args, config) -> dict:
-    from mlx_lm.sample_utils import make_sampler
-
-    vocab_size = model_args(config).vocab_size
-    prompt = prompt_tokens(args, tokenizer, vocab_size)
-    max_context = args.max_context or config.get("max_position_embeddings")
-    if max_context and len(prompt) + args.max_tokens > max_context:
-        raise TrinityError(
-            f"prompt ({len(prompt)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
-            f"context of {max_context} tokens"
-        )
-    if args.seed is not None:
-        mx.random.seed(args.seed)
-    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    tokens, logprobs, finish_reason = [], [], "length"
-    tic = time.perf_counter()
-    first_token_at = None
-    for token, logprob in generate_tokens(pipeline, prompt, args.max_tokens, sampler, args.prefill_step_size):
-        if first_token_at is None:
-            first_token_at = time.perf_counter()
-        if token in tokenizer.eos_token_ids:
-            finish_reason = "stop"
-            break
-        tokens.append(token)
-        logprobs.append(logprob)
-        detokenizer.add_token(token)
-        if not args.json:
-            print(detokenizer.last_segment, end="", flush=True)
-    detokenizer.finalize()
-    if not args.json:
-        print(detokenizer.last_segment, flush=True)
-    done = time.perf_counter()
-    decode_time = done - first_token_at
+def generate_once(scheduler: Scheduler, request: GenerationRequest, stream: bool) -> dict:
+    """Run one request through the scheduler, printing text as it comes if `stream`."""
+    tokens, logprobs, text = [], [], []
+    for event in scheduler.submit(request).events():
+        text.append(event.text)
+        if stream:
+            print(event.text, end="", flush=True)
+        if isinstance(event, TokenEvent):
+            tokens.append(event.token_id)
+            logprobs.append(event.logprob)
+    if stream:
+        print(flush=True)
+    if event.finish_reason == "error":
+        raise TrinityError(f"generation failed: {event.error}")
     return {
-        "text": detokenizer.text,
+        "text": "".join(text),
         "token_ids": tokens,
         "logprobs": logprobs,
-        "prompt_token_ids": prompt,
-        "finish_reason": finish_reason,
-        "prefill_tokens_per_sec": len(prompt) / (first_token_at - tic),
-        "generation_tokens_per_sec": (len(tokens) - 1) / decode_time if len(tokens) > 1 and decode_time > 0 else 0.0,
+        "prompt_token_ids": request.prompt_ids,
+        "finish_reason": event.finish_reason,
+        "prefill_tokens_per_sec": event.prefill_tokens_per_sec,
+        "generation_tokens_per_sec": event.generation_tokens_per_sec,
     }
 
 
@@ -204,14 +202,16 @@ def run(args) -> None:
     if built is None:
         return
     pipeline, path, config = built
-    try:
-        from mlx_lm.utils import load_tokenizer
+    from mlx_lm.utils import load_tokenizer
 
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-        result = generate_once(pipeline, tokenizer, args, config)
-        result["ranks"] = pipeline.rank_info()
+    scheduler = Scheduler(pipeline, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")),
+                          prefill_step_size=args.prefill_step_size).start()
+    try:
+        request = build_request(args, scheduler.tokenizer, config)
+        result = generate_once(scheduler, request, stream=not args.json)
+        result["ranks"] = scheduler.call(Pipeline.rank_info)
     finally:
-        pipeline.close()
+        scheduler.close()
     if args.json:
         print(json.dumps(result))
     else:

@@ -34,6 +34,13 @@ class Pipeline:
         if self.transport is not None:
             self.transport.send(Header(Op.RESET, slot=slot))
 
+    def release(self, slot: int = 0) -> None:
+        """Free `slot`'s caches on every rank (a request finished or was cancelled)."""
+        self.caches.pop(slot, None)
+        self.offsets.pop(slot, None)
+        if self.transport is not None:
+            self.transport.send(Header(Op.RESET, slot=slot))
+
     def forward(self, tokens: mx.array, reply: Reply, slot: int = 0) -> Optional[mx.array]:
         """Run tokens (batch, length) through all stages; return the final hidden
         states asked for by `reply` (None for Reply.NONE)."""

@@ -1,0 +1,87 @@
+"""The scheduler: FIFO requests over an in-process ring, streaming, stop, cancel."""
+
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from distributed.request import FinishEvent, GenerationRequest, TokenEvent
+from distributed.scheduler import QueueFull, Scheduler, StopStrings
+from reference import PROMPT, mlx_lm_greedy
+from stages import in_process_pipeline
+
+
+@pytest.fixture
+def scheduler(hf_checkpoint):
+    pipeline, _ = in_process_pipeline(hf_checkpoint, (3, 1, 4))
+    s = Scheduler(pipeline, load_tokenizer(hf_checkpoint), max_queue=2, prefill_step_size=8).start()
+    yield s
+    s.close()
+
+
+def collect(handle):
+    events = list(handle.events())
+    assert isinstance(events[-1], FinishEvent)
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    return tokens, events[-1], "".join(e.text for e in events)
+
+
+def test_stop_strings_hold_back_partial_matches():
+    s = StopStrings(["END"])
+    assert s.feed("abcE") == ("abc", False)
+    assert s.feed("N") == ("", False)
+    assert s.feed("x") == ("ENx", False)
+    assert s.feed("yyEND and more") == ("yy", True)
+    assert StopStrings([]).feed("abc") == ("abc", False)
+
+
+def test_stream_equals_mlx_lm_and_caches_are_freed(scheduler, hf_checkpoint):
+    ref, _ = mlx_lm_greedy(hf_checkpoint, PROMPT, 40, 8)
+    tokens, finish, _ = collect(scheduler.submit(GenerationRequest(PROMPT, max_tokens=40)))
+    assert [t.token_id for t in tokens] == ref
+    assert finish.finish_reason == "length" and finish.completion_tokens == 40
+    assert scheduler.pipeline.caches == {}  # released after the request
+    worker = scheduler.pipeline.transport.handlers[0].__self__
+    assert worker.caches == {}
+
+
+def test_stop_string_ends_generation(scheduler):
+    tokens, _, text = collect(scheduler.submit(GenerationRequest(PROMPT, max_tokens=40)))
+    stop = text[10:13]
+    stopped, finish, stopped_text = collect(scheduler.submit(GenerationRequest(PROMPT, max_tokens=40, stop=[stop])))
+    assert finish.finish_reason == "stop"
+    assert stopped_text == text[: text.index(stop)]
+    assert len(stopped) < len(tokens)
+
+
+def test_cancel_mid_stream_then_next_request_is_exact(scheduler, hf_checkpoint):
+    handle = scheduler.submit(GenerationRequest(PROMPT, max_tokens=200))
+    seen = 0
+    for event in handle.events():
+        if isinstance(event, TokenEvent):
+            seen += 1
+            if seen == 3:
+                handle.cancel()
+        else:
+            finish = event
+    assert finish.finish_reason == "cancelled" and seen <= 4
+    ref, _ = mlx_lm_greedy(hf_checkpoint, PROMPT, 20, 8)
+    tokens, _, _ = collect(scheduler.submit(GenerationRequest(PROMPT, max_tokens=20)))
+    assert [t.token_id for t in tokens] == ref
+
+
+def test_seeded_sampling_is_reproducible(scheduler):
+    def run(seed):
+        req = GenerationRequest(PROMPT, max_tokens=16, temperature=1.0, seed=seed)
+        return [t.token_id for t in collect(scheduler.submit(req))[0]]
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_queue_is_bounded(scheduler):
+    handles = []
+    with pytest.raises(QueueFull):
+        for _ in range(10):
+            handles.append(scheduler.submit(GenerationRequest(PROMPT, max_tokens=50)))
+    for h in handles:
+        h.cancel()
+        collect(h)

@@ -19,6 +19,7 @@ from . import TrinityError
 from .pipeline import Pipeline
 from .request import GenerationRequest, RequestError, TokenEvent
 from .scheduler import Scheduler
+from .server import AUTH_TOKEN_ENV, ServeOptions, check_options, start_front_ends, wait_for_shutdown
 from .shard.config import model_args, read_config
 from .shard.loader import fetch_stage_files, load_stage, model_dir
 from .shard.plan import layer_ranges, parse_split
@@ -49,6 +50,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--max-context", type=int, default=None,
                    help="prompt + max tokens limit (default: max_position_embeddings)")
+    serve = p.add_argument_group("serving (rank 0)")
+    serve.add_argument("--serve", metavar="HOST:PORT", help="serve gRPC (trinity.v1.Generation) instead of one generation")
+    serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--auth-token", help=f"require `authorization: Bearer TOKEN` (or set {AUTH_TOKEN_ENV})")
+    serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
+    serve.add_argument("--tls-cert", help="PEM certificate chain for TLS")
+    serve.add_argument("--tls-key", help="PEM private key for TLS")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get RESOURCE_EXHAUSTED")
+    serve.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a client may ask for")
     return p.parse_args(argv)
 
 
@@ -196,8 +206,64 @@ def print_summary(result: dict) -> None:
               f"peak memory {r['peak_memory_bytes'] / 2**20:.1f} MiB")
 
 
+def serve_options(args) -> ServeOptions:
+    if args.http and not args.serve:
+        raise TrinityError("--http needs --serve")
+    return check_options(ServeOptions(
+        grpc_address=args.serve, http_address=args.http, auth_token=args.auth_token, insecure=args.insecure,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap,
+    ))
+
+
+def serve(args, options: ServeOptions, front_ends) -> None:
+    """Rank 0 with --serve: load, attach the scheduler to the front ends, serve until a signal."""
+    from .frontend import ModelInfo
+
+    try:
+        built = build_pipeline(args)
+    except BaseException:
+        for front_end in front_ends:
+            front_end.stop()
+        raise
+    pipeline, path, config = built
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+    def on_failure(reason: str) -> None:
+        for front_end in front_ends:
+            front_end.set_not_serving(reason)
+
+    scheduler = Scheduler(pipeline, tokenizer, max_queue=options.max_queue,
+                          prefill_step_size=args.prefill_step_size, on_failure=on_failure).start()
+    info = ModelInfo(
+        model_id=args.model or "trinity-tiny",
+        vocab_size=model_args(config).vocab_size,
+        max_context=args.max_context or config.get("max_position_embeddings") or 2**31,
+        max_tokens_cap=options.max_tokens_cap,
+        ranks=scheduler.call(Pipeline.rank_info),
+    )
+    for front_end in front_ends:
+        front_end.attach(scheduler, tokenizer, info)
+    print(f"serving {info.model_id} on {options.grpc_address} (gRPC)"
+          + (f" and {options.http_address} (HTTP)" if options.http_address else ""), flush=True)
+    try:
+        wait_for_shutdown()
+    finally:
+        for front_end in front_ends:
+            front_end.stop()
+        scheduler.close()
+
+
 def run(args) -> None:
     validate(args)
+    if args.serve or args.http:
+        options = serve_options(args)
+        if mx.distributed.init().rank() != 0:
+            build_pipeline(args)  # serves the ring until rank 0 stops it
+            return
+        serve(args, options, start_front_ends(options))
+        return
     built = build_pipeline(args)
     if built is None:
         return

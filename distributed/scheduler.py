@@ -82,8 +82,10 @@ class StopStrings:
 
 
 class Scheduler:
-    def __init__(self, pipeline: Pipeline, tokenizer, max_queue: int = 64, prefill_step_size: int = 2048):
+    def __init__(self, pipeline: Pipeline, tokenizer, max_queue: int = 64, prefill_step_size: int = 2048,
+                 on_failure: Optional[Callable[[str], None]] = None):
         self.pipeline = pipeline
+        self.on_failure = on_failure  # e.g. turn health to NOT_SERVING
         self.tokenizer = tokenizer
         self.prefill_step_size = prefill_step_size
         self._waiting: "queue.Queue[Optional[RequestHandle]]" = queue.Queue(maxsize=max_queue)
@@ -140,6 +142,8 @@ class Scheduler:
             except Exception as e:  # the ring is broken: fail this and every later request
                 self.failure = f"{type(e).__name__}: {e}"
                 handle.emit(FinishEvent("error", len(handle.request.prompt_ids), 0, error=self.failure))
+                if self.on_failure is not None:
+                    self.on_failure(self.failure)
 
     def _generate(self, handle: RequestHandle) -> None:
         req = handle.request

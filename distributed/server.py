@@ -1,0 +1,86 @@
+"""`run_trinity.py --serve`: rank 0's network front ends around the scheduler.
+
+The front ends start before the weights load (health says NOT_SERVING), turn
+SERVING once every rank has loaded, and NOT_SERVING again if the ring breaks.
+"""
+
+import ipaddress
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from typing import List, Optional
+
+from . import TrinityError
+
+AUTH_TOKEN_ENV = "TRINITY_AUTH_TOKEN"
+
+
+@dataclass
+class ServeOptions:
+    grpc_address: str  # HOST:PORT
+    http_address: Optional[str] = None  # HOST:PORT for the OpenAI-compatible API
+    auth_token: Optional[str] = None  # clients send `authorization: Bearer <token>`
+    insecure: bool = False  # allow a non-loopback bind without a token
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    max_queue: int = 64
+    max_tokens_cap: int = 4096
+
+
+def split_address(address: str, flag: str):
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise TrinityError(f"{flag} {address!r} is not HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_options(options: ServeOptions) -> ServeOptions:
+    """Refuse unsafe or inconsistent settings before anything loads."""
+    options.auth_token = options.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
+    for flag, address in (("--serve", options.grpc_address), ("--http", options.http_address)):
+        if address is None:
+            continue
+        host, _ = split_address(address, flag)
+        if not is_loopback(host) and not options.auth_token and not options.insecure:
+            raise TrinityError(
+                f"{flag} {address} is not a loopback address: set --auth-token (or {AUTH_TOKEN_ENV}) "
+                "or pass --insecure to serve without authentication"
+            )
+    if bool(options.tls_cert) != bool(options.tls_key):
+        raise TrinityError("--tls-cert and --tls-key go together")
+    for path in (options.tls_cert, options.tls_key):
+        if path and not os.path.exists(path):
+            raise TrinityError(f"TLS file {path} does not exist")
+    if options.max_queue < 1:
+        raise TrinityError(f"--max-queue must be at least 1, got {options.max_queue}")
+    return options
+
+
+def start_front_ends(options: ServeOptions) -> List:
+    """gRPC (and HTTP if asked), listening but NOT_SERVING until attach()."""
+    from .service import start_grpc_server
+
+    front_ends = [start_grpc_server(options)]
+    if options.http_address:
+        from .http_api import start_http_server
+
+        front_ends.append(start_http_server(options))
+    return front_ends
+
+
+def wait_for_shutdown() -> None:
+    """Block until SIGINT or SIGTERM."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()

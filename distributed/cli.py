@@ -16,6 +16,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from . import TrinityError
+from .frontend import prompt_ids
 from .pipeline import Pipeline
 from .request import GenerationRequest, RequestError, TokenEvent
 from .scheduler import Scheduler
@@ -107,16 +108,14 @@ def prompt_tokens(args, tokenizer) -> List[int]:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
             raise TrinityError(f"--prompt-ids {args.prompt_ids!r} is not a comma-separated list of integers") from None
-    else:
-        text = DEFAULT_PROMPT if args.prompt is None else args.prompt
-        if args.no_chat_template or tokenizer.chat_template is None:
-            ids = tokenizer.encode(text)
-        else:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return ids
+        return ids
+    text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    if not text:
+        raise TrinityError("--prompt: the prompt is empty")
+    try:
+        return prompt_ids(tokenizer, prompt=text, chat_template=not args.no_chat_template)
+    except RequestError as e:
+        raise _flag_error(e) from None
 
 
 def startup_check(group, error: Optional[BaseException]) -> None:

@@ -39,7 +39,8 @@ def prompt_ids(
         return _chat(tokenizer, messages)
     if chat_template and tokenizer.chat_template is not None:
         return _chat(tokenizer, [{"role": "user", "content": prompt}])
-    return list(tokenizer.encode(prompt, add_special_tokens=False))
+    # As mlx-lm does for raw prompts: the tokenizer adds its BOS, if it has one.
+    return list(tokenizer.encode(prompt))
 
 
 def _chat(tokenizer, messages) -> List[int]:

@@ -123,3 +123,8 @@ def test_missing_shard_on_one_rank_stops_every_rank(hf_checkpoint, tmp_path):
     # mlx.launch itself exits 0 whatever its ranks return; it reports their codes.
     assert "Node with rank 0 exited with code 2" in proc.stderr
     assert "Node with rank 1 exited with code 2" in proc.stderr
+
+
+def test_empty_text_prompt(hf_checkpoint):
+    proc = run_cli(["--model", str(hf_checkpoint), "--prompt", ""])
+    assert proc.returncode != 0 and "--prompt: the prompt is empty" in proc.stderr

@@ -9,6 +9,7 @@ Rank 0 prints; other ranks print nothing on stdout.
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import List, Optional
@@ -25,6 +26,7 @@ from .shard.config import model_args, read_config
 from .shard.loader import fetch_stage_files, load_stage, model_dir
 from .shard.plan import layer_ranges, parse_split
 from .transport.local import LocalRing
+from .transport.collective import MxCollective
 from .transport.mx_p2p import MxPointToPoint
 from .worker import StageWorker
 
@@ -48,6 +50,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--stages", type=int, default=1, help="run N stages inside this one process")
     p.add_argument("--split", help="layers per rank, e.g. 10,12,10")
+    p.add_argument("--transport", choices=["auto", "p2p", "collective"], default="auto",
+                   help="how hidden states move between ranks: point-to-point send/recv, or collectives "
+                   "(for backends without send/recv, such as NCCL); auto picks collective under NCCL")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--max-context", type=int, default=None,
                    help="prompt + max tokens limit (default: max_position_embeddings)")
@@ -131,6 +136,13 @@ def startup_check(group, error: Optional[BaseException]) -> None:
         raise TrinityError(f"rank {', '.join(map(str, failed))} failed to start (its error is printed above)")
 
 
+def make_transport(group, kind: str):
+    # MLX's NCCL backend has no send/recv; mlx.launch --backend nccl sets NCCL_HOST_IP.
+    if kind == "collective" or (kind == "auto" and "NCCL_HOST_IP" in os.environ):
+        return MxCollective(group)
+    return MxPointToPoint(group)
+
+
 def build_pipeline(args):
     """Load this process's stage(s). Returns (pipeline, path, config) on rank 0,
     or None on other ranks once they have served until STOP."""
@@ -163,7 +175,7 @@ def build_pipeline(args):
     except Exception as e:  # reported to every rank before anyone waits on a peer
         error = e
     startup_check(group, error)
-    transport = MxPointToPoint(group)
+    transport = make_transport(group, args.transport)
     if rank != 0:
         StageWorker(stage, rank, world).serve(transport)
         return None

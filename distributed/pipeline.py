@@ -78,4 +78,5 @@ class Pipeline:
         if self.transport is not None:
             self.transport.send(Header(Op.STOP))
             self.transport.recv()
+            self.transport.close()
             self.transport = None

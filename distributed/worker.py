@@ -57,4 +57,5 @@ class StageWorker:
             if out is not None:
                 transport.send(*out)
             if header.op == Op.STOP:
+                transport.close()
                 return

@@ -21,6 +21,9 @@ LAUNCHES = [
     (4, "ring", ["--split", "3,1,3,1"], [[0, 3], [3, 4], [4, 7], [7, 8]]),
     (2, "mpirun", ["--split", "1,7"], [[0, 1], [1, 8]]),
     (3, "mlx-mpi", ["--split", "2,5,1"], [[0, 2], [2, 7], [7, 8]]),
+    # Collectives-only transport (what NCCL needs), forced over the ring backend.
+    (2, "ring", ["--transport", "collective"], [[0, 4], [4, 8]]),
+    (3, "ring", ["--transport", "collective", "--split", "3,1,4"], [[0, 3], [3, 4], [4, 8]]),
 ]
 
 

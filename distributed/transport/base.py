@@ -75,3 +75,6 @@ class Transport(ABC):
     @abstractmethod
     def recv(self) -> Tuple[Header, Optional[mx.array]]:
         """Receive the next frame from the previous rank."""
+
+    def close(self) -> None:
+        """Called by every rank once it has passed STOP on."""

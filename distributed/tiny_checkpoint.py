@@ -155,14 +155,16 @@ def shards_values(shards):
         yield from shard.values()
 
 
-def write_tokenizer(path: Path):
-    """A byte-level BPE tokenizer (no merges: one token per byte) plus ChatML specials."""
+def write_tokenizer(path: Path, vocab_size: int = 256 + len(SPECIAL_TOKENS)):
+    """A byte-level BPE tokenizer (no merges: one token per byte) plus ChatML specials,
+    padded with placeholder tokens `<tN>` up to `vocab_size` (for full-size model shapes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
     alphabet = ByteLevel.alphabet()
     byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
-    vocab = {c: i for i, c in enumerate(byte_chars)}
+    vocab = {c: i for i, c in enumerate(byte_chars + SPECIAL_TOKENS)}
+    vocab.update({f"<t{i}>": i for i in range(len(vocab), vocab_size)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -202,7 +204,7 @@ def make_checkpoint(path, layout: str = "hf", seed: int = 0, layers_per_file: in
         weights, config = _to_mlx_layout(weights, config)
     _save_sharded(path, weights, config["num_hidden_layers"], layers_per_file, "pt" if layout == "hf" else "mlx")
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(path)
+    write_tokenizer(path, config["vocab_size"])
     return path
 
 

@@ -49,7 +49,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--stages", type=int, default=1, help="run N stages inside this one process")
-    p.add_argument("--split", help="layers per rank, e.g. 10,12,10")
+    p.add_argument("--split", help="layers per rank, e.g. 10,12,10; `auto` plans from each rank's memory")
     p.add_argument("--transport", choices=["auto", "p2p", "collective"], default="auto",
                    help="how hidden states move between ranks: point-to-point send/recv, or collectives "
                    "(for backends without send/recv, such as NCCL); auto picks collective under NCCL")
@@ -136,6 +136,18 @@ def startup_check(group, error: Optional[BaseException]) -> None:
         raise TrinityError(f"rank {', '.join(map(str, failed))} failed to start (its error is printed above)")
 
 
+def planned_split(config: dict, group, max_context: Optional[int]) -> List[int]:
+    """--split auto: every rank measures its memory, all exchange it, and each
+    computes the same memory-proportional plan (from config.json alone, so
+    ranks holding different weight files still agree)."""
+    from launch.startup import startup_plan
+
+    plan = startup_plan(config, group, context=max_context)
+    if not plan.fits:
+        raise TrinityError("the model does not fit:\n" + plan.shortfall())
+    return plan.split
+
+
 def make_transport(group, kind: str):
     # MLX's NCCL backend has no send/recv; mlx.launch --backend nccl sets NCCL_HOST_IP.
     if kind == "collective" or (kind == "auto" and "NCCL_HOST_IP" in os.environ):
@@ -157,7 +169,10 @@ def build_pipeline(args):
         model = str(default_checkpoint())
     config = read_config(model_dir(model))
     num_layers = model_args(config).num_hidden_layers
-    split = parse_split(args.split) if args.split else None
+    if args.split == "auto":
+        split = planned_split(config, group, args.max_context)
+    else:
+        split = parse_split(args.split) if args.split else None
     ranges = layer_ranges(num_layers, max(world, args.stages), split)
 
     if world == 1:

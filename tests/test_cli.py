@@ -131,3 +131,12 @@ def test_missing_shard_on_one_rank_stops_every_rank(hf_checkpoint, tmp_path):
 def test_empty_text_prompt(hf_checkpoint):
     proc = run_cli(["--model", str(hf_checkpoint), "--prompt", ""])
     assert proc.returncode != 0 and "--prompt: the prompt is empty" in proc.stderr
+
+
+def test_split_auto_plans_from_exchanged_memory(hf_checkpoint):
+    ref_tokens, _ = mlx_lm_greedy(hf_checkpoint, PROMPT, 16, 8)
+    out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "16",
+                    "--prefill-step-size", "8", "--split", "auto"], ranks=2)
+    assert out["token_ids"] == ref_tokens
+    layers = [r["layers"] for r in out["ranks"]]
+    assert layers[0][0] == 0 and layers[0][1] == layers[1][0] and layers[1][1] == 8

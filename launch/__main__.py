@@ -1,0 +1,5 @@
+"""python -m launch plan|run (see launch/cli.py)."""
+
+from .cli import main
+
+main()

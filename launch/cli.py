@@ -1,0 +1,200 @@
+"""python -m launch plan|run: plan a split over unequal hosts, start the ranks.
+
+    python -m launch plan --model PATH_OR_REPO --hostfile hosts.json [--context N] [--json]
+    python -m launch run --hostfile hosts.json [--dry-run] -- run_trinity.py --model … --prompt …
+    python -m launch run --single-host 2 -- run_trinity.py --prompt "Hi"
+"""
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from distributed import TrinityError
+
+from . import hostfile, runner
+from .memory import usable_memory_bytes
+from .plan import DEFAULT_MARGIN, plan_layers
+from .sizes import quantize_config
+from .startup import PLAN_ENV, plan_spec
+
+PRESETS = Path(__file__).resolve().parent.parent / "configs" / "presets"
+SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
+
+
+def _hosts_args(p: argparse.ArgumentParser, plan: bool) -> None:
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--hostfile", help="mlx.launch hostfile (JSON); per host optional memory_gb and speed")
+    g.add_argument("--single-host", type=int, metavar="N", help="N ranks on this machine")
+    if plan:
+        g.add_argument("--memory-gb", help="memory per host in GiB, e.g. 64,16 (no hostfile needed)")
+    p.add_argument("--backend", help="override the hostfile's backend (ring, mpi, nccl, jaccl, jaccl-ring)")
+    p.add_argument("--preset", help="a name in configs/presets (trinity-mini, trinity-nano) or a preset file")
+    p.add_argument("--context", type=int, help="target tokens per request, prompt + generation "
+                   "(default: run_trinity's --max-context, else the preset's, else max_position_embeddings)")
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="share of each host's memory kept free")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m launch", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="verb", required=True)
+    plan = sub.add_parser("plan", help="print the layer split per host")
+    _hosts_args(plan, plan=True)
+    plan.add_argument("--model", help="checkpoint folder or Hugging Face repo id (only config.json and "
+                      "safetensors headers are read); default: the preset's config, else the embedded tiny model")
+    plan.add_argument("--quantize", type=int, metavar="BITS", help="plan as if converted by mlx-lm at BITS "
+                      "(group 64, routers at 8 bits), for a config that is not quantized")
+    plan.add_argument("--json", action="store_true", help='print {"fits", "hosts": [...]} as JSON')
+    run = sub.add_parser("run", help="plan, then start the ranks through mlx.launch")
+    _hosts_args(run, plan=False)
+    run.add_argument("--dry-run", action="store_true", help="print the plan and the exact command, start nothing")
+    run.add_argument("--no-plan", action="store_true", help="start the command as it is (no --split added)")
+    run.add_argument("--starting-port", type=int, help="ring backend: first port (mlx.launch's --starting-port)")
+    run.add_argument("--python", help="interpreter for a .py command (default: this one)")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- run_trinity.py …")
+    args = p.parse_args(argv)
+    if args.verb == "run":
+        args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not args.command:
+            p.error("run needs a command after --, e.g. -- run_trinity.py --prompt Hi")
+    return args
+
+
+def load_preset(name: Optional[str]) -> dict:
+    if not name:
+        return {}
+    path = Path(name) if Path(name).exists() else PRESETS / f"{name}.json"
+    if not path.exists():
+        known = ", ".join(sorted(f.stem for f in PRESETS.glob("*.json")))
+        raise TrinityError(f"no preset {name!r} (known: {known}, or give a file path)")
+    return json.loads(path.read_text())
+
+
+def load_hosts(args) -> hostfile.Hostfile:
+    if args.hostfile:
+        return hostfile.load(args.hostfile, args.backend)
+    if getattr(args, "memory_gb", None):
+        try:
+            gbs = [float(x) for x in args.memory_gb.split(",")]
+        except ValueError:
+            raise TrinityError(f"--memory-gb {args.memory_gb!r}: expected GiB per host, e.g. 64,16") from None
+        return hostfile.parse([{"ssh": f"host{i}", "ips": [f"10.0.0.{i + 1}"], "memory_gb": g}
+                               for i, g in enumerate(gbs)], "--memory-gb")
+    hf = hostfile.local_hosts(args.single_host)
+    hf.backend = args.backend or hf.backend
+    return hostfile.check(hf, "--single-host")
+
+
+def fill_local_memory(hf: hostfile.Hostfile) -> None:
+    """Measure this machine for the local ranks the hostfile gives no memory; they share it."""
+    local = [h for h in hf.hosts if h.is_local and h.memory_bytes is None]
+    if local:
+        share = usable_memory_bytes() // len(local)
+        for h in local:
+            h.memory_bytes = share
+
+
+def flag_value(cmd: List[str], flag: str) -> Optional[str]:
+    for i, a in enumerate(cmd):
+        if a == flag and i + 1 < len(cmd):
+            return cmd[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def choose_context(*candidates, config: dict) -> int:
+    """The first context given, never past what the model allows."""
+    limit = config.get("max_position_embeddings")
+    context = next((int(c) for c in candidates if c), None) or limit or 4096
+    return min(context, limit) if limit else context
+
+
+def make_plan(config: dict, tensor_sizes, hf: hostfile.Hostfile, context: int, margin: float):
+    return plan_layers(config, [h.memory_bytes for h in hf.hosts], [h.speed for h in hf.hosts],
+                       context, tensor_sizes, hf.names, margin)
+
+
+def cmd_plan(args) -> int:
+    from . import checkpoint  # imports mlx_lm (slow): only when planning
+
+    preset = load_preset(args.preset)
+    if args.model is None and "config" in preset:
+        label, config, sizes = f"preset {args.preset}", preset["config"], None
+    else:
+        model, path, config = checkpoint.load_config(args.model or preset.get("model"))
+        label, sizes = model, checkpoint.tensor_sizes(model, path)
+    if args.quantize:
+        config, sizes = quantize_config(config, args.quantize), None
+    context = choose_context(args.context, preset.get("context"), config=config)
+    hf = load_hosts(args)
+    fill_local_memory(hf)
+    unknown = [h for h in hf.hosts if h.memory_bytes is None]
+    if unknown:
+        h = unknown[0]
+        raise TrinityError(f"host {h.ssh} (rank {h.rank}) has no memory_gb in the hostfile; `launch plan` needs "
+                           "one per remote host (`launch run` measures it at start-up instead)")
+    plan = make_plan(config, sizes, hf, context, args.margin)
+    if args.json:
+        print(json.dumps(plan.to_json()))
+    else:
+        print(f"{label}: {sum(plan.split)} layers over {len(plan.hosts)} hosts")
+        print(plan.describe())
+    if not plan.fits:
+        print(f"launch: the model does not fit:\n{plan.shortfall()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_run(args) -> int:
+    preset = load_preset(args.preset)
+    hf = load_hosts(args)
+    cmd = list(args.command)
+    if cmd[0].endswith(".py"):  # mlx.launch runs the command as it is
+        cmd.insert(0, args.python or sys.executable)
+    if preset.get("model") and flag_value(cmd, "--model") is None:
+        cmd += ["--model", preset["model"]]
+    for key, flag in SAMPLING_FLAGS.items():
+        if key in preset.get("sampling", {}) and flag_value(cmd, flag) is None:
+            cmd += [flag, str(preset["sampling"][key])]
+    envs = []
+    if not args.no_plan and flag_value(cmd, "--split") is None:
+        from . import checkpoint  # imports mlx_lm (slow): only when planning
+
+        model, path, config = checkpoint.load_config(flag_value(cmd, "--model"))
+        max_context = flag_value(cmd, "--max-context")
+        context = choose_context(args.context, max_context, preset.get("context"), config=config)
+        if max_context is None:  # the ranks then refuse what the plan did not budget for
+            cmd += ["--max-context", str(context)]
+        fill_local_memory(hf)
+        if any(h.memory_bytes is None for h in hf.hosts):
+            # Some remote host's memory is unknown: the ranks measure, exchange and plan at start-up.
+            cmd += ["--split", "auto"]
+            envs.append(f"{PLAN_ENV}={plan_spec(hf.hosts, args.margin, context)}")
+            print("launch: memory_gb missing for "
+                  + ", ".join(h.ssh for h in hf.hosts if h.memory_bytes is None)
+                  + ": the ranks measure it and plan at start-up (--split auto)", file=sys.stderr)
+        else:
+            plan = make_plan(config, checkpoint.tensor_sizes(model, path), hf, context, args.margin)
+            print(plan.describe(), file=sys.stderr)
+            if not plan.fits:
+                print(f"launch: the model does not fit:\n{plan.shortfall()}", file=sys.stderr)
+                return 1
+            cmd += ["--split", ",".join(map(str, plan.split))]
+    launch_cmd = runner.build_command(hf, cmd, single_host=args.single_host, backend=args.backend,
+                                      starting_port=args.starting_port, envs=envs)
+    if args.dry_run:
+        print(shlex.join(launch_cmd))
+        return 0
+    return runner.run(launch_cmd)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    try:
+        sys.exit(cmd_plan(args) if args.verb == "plan" else cmd_run(args))
+    except TrinityError as e:
+        print(f"launch: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -2,9 +2,10 @@
 send/recv (MLX's NCCL backend: "Send has no CUDA implementation").
 
 Every call to send or recv is one or more *rounds*: all ranks all_gather a
-fixed-size header (a frame for their next rank, or nothing), then, if any
-header announces a payload, all_gather the payload bytes padded to the
-round's largest. Each rank keeps what its previous rank addressed to it.
+fixed-size frame (a header for their next rank, or nothing, with a small
+payload inline), then, if any header announces a payload too big to inline,
+all_gather the payload bytes padded to the round's largest. Each rank keeps
+what its previous rank addressed to it.
 Several frames can move in one round (rank 0 sends chunk k+1 while rank 1
 sends chunk k on), so ranks stay in lock-step without a central schedule:
 a rank that waits in recv simply joins rounds until its frame arrives.
@@ -17,7 +18,10 @@ import mlx.core as mx
 
 from .base import Header, Op, Transport
 
-_NOTHING = [0] * Header.SIZE
+HEADER_BYTES = Header.SIZE * 4
+# Payloads up to this size ride in the same gather as their header: one
+# collective per round for decode steps (a Trinity-Mini hidden state is 4 KB).
+INLINE_BYTES = 16384
 
 
 class MxCollective(Transport):
@@ -29,22 +33,32 @@ class MxCollective(Transport):
         self.ring_stopped = False  # the STOP frame came back to rank 0
 
     def _round(self, header: Optional[Header] = None, payload: Optional[mx.array] = None) -> None:
-        row = mx.array(_NOTHING if header is None else header.to_array().tolist(), dtype=mx.int32)
-        headers = [Header.from_array(h) for h in mx.distributed.all_gather(row[None], group=self.group)]
+        nbytes = 0 if payload is None else payload.nbytes
+        head = header.to_array() if header is not None else mx.zeros((Header.SIZE,), dtype=mx.int32)
+        parts = [mx.view(head, mx.uint8)]
+        if 0 < nbytes <= INLINE_BYTES:
+            parts.append(mx.view(payload, mx.uint8).reshape(-1))
+        parts.append(mx.zeros((HEADER_BYTES + INLINE_BYTES - sum(p.size for p in parts),), dtype=mx.uint8))
+        frames = mx.distributed.all_gather(mx.concatenate(parts)[None], group=self.group)
+        # Every rank evaluates every gather, sender or not: collectives match
+        # by order, so one skipped would pair with the next round's.
+        mx.eval(frames)
+        headers = [Header(*row) for row in mx.view(frames[:, :HEADER_BYTES], mx.int32).tolist()]
         sizes = [h.batch * h.length * h.width * h.payload_dtype().size if h.op else 0 for h in headers]
-        incoming = headers[self.prev]
+        incoming, size = headers[self.prev], sizes[self.prev]
         data = None
-        if max(sizes) > 0:
+        if max(sizes) > INLINE_BYTES:  # rare (prefill chunks): a second gather, padded to the largest
             buf = mx.zeros((max(sizes),), dtype=mx.uint8)
-            if payload is not None:
-                buf[: sizes[self.rank]] = mx.view(payload, mx.uint8).reshape(-1)
-            # Every rank evaluates the gather, sender or not: collectives
-            # match by order, so one skipped would pair with the next header.
-            gathered = mx.distributed.all_gather(buf[None], group=self.group)
-            mx.eval(gathered)
-            if sizes[self.prev]:
-                raw = gathered[self.prev, : sizes[self.prev]]
-                data = mx.view(raw, incoming.payload_dtype()).reshape(incoming.payload_shape())
+            if nbytes > INLINE_BYTES:
+                buf[:nbytes] = mx.view(payload, mx.uint8).reshape(-1)
+            big = mx.distributed.all_gather(buf[None], group=self.group)
+            mx.eval(big)
+            if size > INLINE_BYTES:
+                data = big[self.prev, :size]
+        if size and data is None:
+            data = frames[self.prev, HEADER_BYTES : HEADER_BYTES + size]
+        if data is not None:
+            data = mx.view(data, incoming.payload_dtype()).reshape(incoming.payload_shape())
         if incoming.op:
             self.inbox.append((incoming, data))
         if headers[self.size - 1].op == Op.STOP:

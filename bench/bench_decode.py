@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -109,15 +110,23 @@ def run_once(prefix, model: Path, ids: str, max_tokens: int, env: dict, timeout:
         cmd = [PY, __file__, "--mlx-lm-child", str(model), ids, str(max_tokens)]
     else:
         cmd = prefix + ["--model", str(model), "--prompt-ids", ids, "--max-tokens", str(max_tokens), "--json"]
+    load = os.getloadavg()[0]
+    # A session of its own, so that a timeout ends the launcher and every rank it started.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-400:]}"}
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"error": f"timed out after {timeout:.0f} s", "loadavg": load}
+    lines = [l for l in stdout.splitlines() if l.startswith("{")]
+    if not lines:
+        return {"error": f"exit {proc.returncode}: {(stderr or stdout).strip()[-400:]}", "loadavg": load}
     r = json.loads(lines[-1])
-    return {k: r[k] for k in ("prefill_tokens_per_sec", "generation_tokens_per_sec", "token_ids")}
+    out = {k: r[k] for k in ("prefill_tokens_per_sec", "generation_tokens_per_sec", "token_ids")}
+    # Kept, but recorded: under mpirun a rank sometimes aborts at exit after printing its result.
+    return dict(out, loadavg=load, exit_code=proc.returncode)
 
 
 def main() -> None:
@@ -127,7 +136,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=None, help="runs per configuration (default 3; --quick 1)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 1024 (--quick 128)")
     p.add_argument("--decode-tokens", type=int, default=None, help="default 64 (--quick 16)")
-    p.add_argument("--max-ranks", type=int, default=3)
+    p.add_argument("--max-ranks", type=int, default=None, help="largest P (default 3; --quick 2)")
     p.add_argument("--blas", choices=["reference", "openblas"], default="reference")
     p.add_argument("--timeout", type=float, default=900, help="seconds per process")
     p.add_argument("--mlx-lm-child", nargs=3, metavar=("MODEL", "IDS", "MAX_TOKENS"), help=argparse.SUPPRESS)
@@ -148,15 +157,19 @@ def main() -> None:
         if not Path(OPENBLAS).exists():
             sys.exit(f"--blas openblas: {OPENBLAS} not found (apt-get install -y libopenblas0)")
         env["LD_PRELOAD"] = " ".join(filter(None, [OPENBLAS, env.get("LD_PRELOAD")]))
-    table = configs(args.max_ranks)
+    table = configs(args.max_ranks or (2 if args.quick else 3))
     runs = {name: [] for name in table}
     for rep in range(reps):  # interleaved rounds: drift and neighbours' load hit every config alike
         for name, prefix in table.items():
             t = time.perf_counter()
             r = run_once(prefix, model, ids, decode + 1, env, args.timeout)
             runs[name].append(r)
-            status = r.get("error") or (f"prefill {r['prefill_tokens_per_sec']:.1f} tok/s, "
-                                        f"decode {r['generation_tokens_per_sec']:.2f} tok/s")
+            if "error" in r:
+                status = r["error"]
+            else:
+                status = (f"prefill {r['prefill_tokens_per_sec']:.1f} tok/s, decode "
+                          f"{r['generation_tokens_per_sec']:.2f} tok/s, load {r['loadavg']:.1f}"
+                          + (f" (exit {r['exit_code']} after its output)" if r["exit_code"] else ""))
             print(f"[{rep + 1}/{reps}] {name}: {status} ({time.perf_counter() - t:.0f} s)",
                   file=sys.stderr, flush=True)
 
@@ -167,6 +180,8 @@ def main() -> None:
         if ok:
             row["prefill_tokens_per_sec"] = statistics.median(r["prefill_tokens_per_sec"] for r in ok)
             row["generation_tokens_per_sec"] = statistics.median(r["generation_tokens_per_sec"] for r in ok)
+            row["generation_range"] = [min(r["generation_tokens_per_sec"] for r in ok),
+                                       max(r["generation_tokens_per_sec"] for r in ok)]
             row["generated_tokens"] = len(ok[0]["token_ids"])
         results[name] = row
     base = results["mlx-lm (1 process)"]
@@ -181,18 +196,20 @@ def main() -> None:
             r["token_ids"] == ref_tokens[: len(r["token_ids"])] for r in ok)
 
     wall = time.perf_counter() - start
+    loads = [r["loadavg"] for rs in runs.values() for r in rs]
     mib = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
     print(f"\nAFMoE fp32: hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} layers, "
           f"{sizes['num_experts']} experts (top {sizes['num_experts_per_tok']}), {mib:.0f} MiB; prompt "
           f"{prompt_len} tokens, {decode} decode steps; median of {reps}; BLAS: {args.blas}; "
-          f"{os.cpu_count()} CPUs")
-    print(f"{'config':<22}{'prefill tok/s':>14}{'ratio':>8}{'decode tok/s':>14}{'ratio':>8}  tokens=mlx-lm")
+          f"{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f}")
+    print(f"{'config':<22}{'prefill tok/s':>14}{'ratio':>8}{'decode tok/s':>14}{'ratio':>8}{'decode range':>15}  tokens=mlx-lm")
     for name, row in results.items():
         if "prefill_tokens_per_sec" not in row:
             print(f"{name:<22}  failed: {row['runs'][0].get('error', '')[:200]}")
             continue
         print(f"{name:<22}{row['prefill_tokens_per_sec']:>14.1f}{row['prefill_ratio']:>8.2f}"
-              f"{row['generation_tokens_per_sec']:>14.2f}{row['generation_ratio']:>8.2f}  "
+              f"{row['generation_tokens_per_sec']:>14.2f}{row['generation_ratio']:>8.2f}"
+              f"{'%.1f-%.1f' % tuple(row['generation_range']):>15}  "
               f"{'yes' if row['same_tokens_as_mlx_lm'] else 'NO'}"
               + ("" if row["ok_runs"] == reps else f"  ({row['ok_runs']}/{reps} runs ok)"))
     print(f"wall time {wall:.0f} s")

@@ -271,8 +271,7 @@ def serve(args, options: ServeOptions, front_ends) -> None:
     )
     for front_end in front_ends:
         front_end.attach(scheduler, tokenizer, info)
-    print(f"serving {info.model_id} on {options.grpc_address} (gRPC)"
-          + (f" and {options.http_address} (HTTP)" if options.http_address else ""), flush=True)
+    print(f"serving {info.model_id} on " + " and ".join(f.describe() for f in front_ends), flush=True)
     try:
         wait_for_shutdown()
     finally:

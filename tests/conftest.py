@@ -38,7 +38,7 @@ def free_port_range(n: int) -> int:
     """A base port with n free ports after it: the ring backend listens on base + rank.
     mlx.launch's fixed default would collide with any other ring on this machine."""
     for _ in range(100):
-        base = random.randrange(20000, 60000 - n)
+        base = random.randrange(20000, 32000 - n)  # below Linux's ephemeral range (32768+)
         try:
             for port in range(base, base + n):
                 with socket.socket() as s:

@@ -1,0 +1,519 @@
+"""The gRPC service end to end: real `run_trinity.py --serve` processes on free ports.
+
+One server per configuration (module-scoped, torn down before the next starts:
+idle ring ranks and mlx.launch still use CPU): `--stages 2` in one process, and
+2 and 3 ranks under `mlx.launch`. Greedy output through gRPC must equal the
+one-shot command line's (`run_json`, 1 rank) for the same request.
+"""
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool, message_factory
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from conftest import ROOT, RUN, free_port_range, mlx_launch, run_json
+from distributed.proto import generation_pb2 as pb
+from distributed.proto import generation_pb2_grpc as pb_grpc
+from reference import PROMPT
+
+IDS = ",".join(map(str, PROMPT))
+MAX_TOKENS = 16
+SERVICE = "trinity.v1.Generation"
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+SERVER_ARGS = ["--max-context", "2048", "--max-tokens-cap", "1024"]
+LONG = 1000  # max_tokens of a request that is still running when the test acts (EOS comes at ~400)
+# name -> (ranks, extra args, layer ranges)
+CONFIGS = {
+    "stages2": (1, ["--stages", "2"], [[0, 4], [4, 8]]),
+    "ranks2": (2, [], [[0, 4], [4, 8]]),
+    "ranks3": (3, ["--split", "3,1,4"], [[0, 3], [3, 4], [4, 8]]),
+}
+
+
+def env():
+    e = dict(os.environ, PYTHONPATH=str(ROOT))
+    e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
+    return e
+
+
+def children(pid: int):
+    """Process ids whose parent is pid (from /proc)."""
+    out = []
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{child}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            out.append(int(child))
+    return out
+
+
+class Server:
+    """run_trinity.py --serve as real processes: 1 process, `mlx.launch -n N`, or
+    N processes started by hand (`manual`: MLX_RANK/MLX_HOSTFILE, as mlx.launch
+    sets them, but without a launcher that stops every rank when one dies)."""
+
+    def __init__(self, model, ranks=1, extra=(), manual=False, credentials=None):
+        # Port 0: the server picks a free port and logs it, so nothing can take it meanwhile.
+        args = [sys.executable, RUN, "--model", str(model), "--serve", "127.0.0.1:0", *extra]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="trinity-serve-", suffix=".log")
+        self.procs = []
+        popen = dict(stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        if ranks == 1:
+            self.procs.append(subprocess.Popen(args, env=env(), **popen))
+        elif manual:
+            base = free_port_range(ranks)
+            self.hostfile = tempfile.NamedTemporaryFile("w", suffix=".json")
+            json.dump([[f"127.0.0.1:{base + r}"] for r in range(ranks)], self.hostfile)
+            self.hostfile.flush()
+            for r in range(ranks):
+                self.procs.append(subprocess.Popen(
+                    args, env=dict(env(), MLX_RANK=str(r), MLX_HOSTFILE=self.hostfile.name), **popen))
+        else:
+            cmd = [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks)), *args]
+            self.procs.append(subprocess.Popen(cmd, env=env(), **popen))
+        self.credentials = credentials
+        self.launcher = ranks > 1 and not manual
+        self.address = self.channel = None  # known once the server logs its port
+
+    def rank_pid(self, rank: int):
+        if not self.launcher:
+            return self.procs[rank].pid
+        for pid in children(self.procs[0].pid):  # mlx.launch execs each rank in a child shell
+            try:
+                if f"MLX_RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    return pid
+            except OSError:
+                continue
+        return None
+
+    def connect(self):
+        if self.credentials is None:
+            self.channel = grpc.insecure_channel(self.address)
+        else:
+            self.channel = grpc.secure_channel(self.address, self.credentials)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def output(self, tail=4000) -> str:
+        self.log.seek(0)
+        return self.log.read()[-tail:]
+
+    def health_status(self, service=SERVICE):
+        try:
+            return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        except grpc.RpcError as e:
+            return e.code()
+
+    def alive(self):
+        assert all(p.poll() is None for p in self.procs), f"the server exited:\n{self.output()}"
+
+    def wait_port(self, timeout=300):
+        """Wait for the port to open (before the weights load), then connect."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.alive()
+            listening = re.search(r"gRPC listening on (\S+)", self.output(0))
+            if listening:
+                self.address = listening.group(1)
+                return self.connect()
+            time.sleep(0.005)
+        raise AssertionError(f"no port after {timeout}s:\n{self.output()}")
+
+    def wait_serving(self, timeout=300):
+        """Poll health until SERVING; returns the distinct states seen, in order."""
+        if self.channel is None:
+            self.wait_port(timeout)
+        seen, end = [], time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.alive()
+            status = self.health_status()
+            if not seen or seen[-1] != status:
+                seen.append(status)
+            if status == SERVING:
+                return seen
+            time.sleep(0.01)
+        raise AssertionError(f"not SERVING after {timeout}s (seen {seen}):\n{self.output()}")
+
+    def stop(self):
+        """SIGTERM to rank 0 (a clean shutdown stops the ring), then SIGKILL whatever is left."""
+        if self.channel is not None:
+            self.channel.close()
+        rank0 = self.rank_pid(0)
+        try:
+            if rank0:
+                os.kill(rank0, signal.SIGTERM)
+            for p in self.procs:
+                p.wait(timeout=10)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def generate(stub, timeout=120, metadata=None, **fields):
+    """One Generate; checks the stream's shape and returns what it carried."""
+    out = {"text": "", "token_ids": [], "logprobs": [], "responses": 0}
+    for r in stub.Generate(pb.GenerateRequest(**fields), timeout=timeout, metadata=metadata):
+        assert not out.get("finish_reason"), "a response after the one with finish_reason"
+        out["responses"] += 1
+        out["text"] += r.text
+        out["token_ids"] += list(r.token_ids)
+        out["logprobs"] += list(r.logprobs)
+        if r.finish_reason:
+            out["finish_reason"], out["usage"] = r.finish_reason, r.usage
+            assert not r.token_ids
+        else:
+            assert len(r.token_ids) == len(r.logprobs) == 1 and not r.HasField("usage")
+    assert out.get("finish_reason"), "the stream ended without finish_reason"
+    return out
+
+
+def rpc_error(fn, *args, **kwargs) -> grpc.RpcError:
+    """The error fn(...) raises (fn must consume any stream: `rpc_error(list, call)`)."""
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+def assert_matches(out, ref, n=None):
+    """Greedy output equals the command line's (its first n tokens if n)."""
+    n = n or len(ref["token_ids"])
+    assert out["token_ids"] == ref["token_ids"][:n]
+    assert max(abs(a - b) for a, b in zip(out["logprobs"], ref["logprobs"][:n])) < 1e-5
+    if n == len(ref["token_ids"]):
+        assert out["text"] == ref["text"]
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def reference(hf_checkpoint):
+    return run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", str(MAX_TOKENS)])
+
+
+@pytest.fixture(scope="module")
+def chat_reference(hf_checkpoint):
+    return run_json(["--model", str(hf_checkpoint), "--prompt", "hi", "--max-tokens", "8"])
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def server(request, hf_checkpoint, reference, chat_reference):
+    ranks, extra, layers = CONFIGS[request.param]
+    s = Server(hf_checkpoint, ranks, [*extra, *SERVER_ARGS])
+    s.name, s.layers = request.param, layers
+    try:
+        s.wait_serving()
+        yield s
+    finally:
+        s.stop()
+
+
+def openssl_cert(directory: Path):
+    """A self-signed certificate for 127.0.0.1 (None without openssl)."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    proc = subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], capture_output=True)
+    return (cert, key) if proc.returncode == 0 else None
+
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def secure_server(hf_checkpoint, reference, tmp_path_factory):
+    """1 rank with --auth-token, --max-queue 1 and (where openssl exists) TLS."""
+    tls = openssl_cert(tmp_path_factory.mktemp("tls"))
+    extra = ["--auth-token", TOKEN, "--max-queue", "1"]
+    credentials = None
+    if tls:
+        extra += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
+        credentials = grpc.ssl_channel_credentials(tls[0].read_bytes())
+    s = Server(hf_checkpoint, 1, extra, credentials=credentials)
+    s.cert = tls[0] if tls else None
+    try:
+        s.wait_serving()
+        yield s
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------- every configuration
+
+
+def test_stream_equals_the_command_line(server, reference):
+    out = generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS)
+    assert_matches(out, reference)
+    assert out["finish_reason"] == reference["finish_reason"] == "length"
+    assert out["responses"] == MAX_TOKENS + 1
+    assert (out["usage"].prompt_tokens, out["usage"].completion_tokens) == (len(PROMPT), MAX_TOKENS)
+    assert out["usage"].generation_tokens_per_sec > 0
+
+
+def test_chat_messages_and_chat_template_prompt(server, chat_reference):
+    for fields in ({"messages": [pb.ChatMessage(role="user", content="hi")]},
+                   {"prompt": "hi", "chat_template": True}):
+        out = generate(server.stub, max_tokens=8, **fields)
+        assert out["usage"].prompt_tokens == len(chat_reference["prompt_token_ids"])
+        assert out["token_ids"] == chat_reference["token_ids"] and out["text"] == chat_reference["text"]
+    raw = generate(server.stub, prompt="hi", max_tokens=2)  # no template: the bytes of "hi"
+    assert raw["usage"].prompt_tokens == 2
+
+
+def test_concurrent_clients_all_get_their_output(server, reference):
+    sizes = [6 + i for i in range(8)]  # different lengths, so requests cannot stand in for each other
+    with ThreadPoolExecutor(len(sizes)) as pool:
+        outs = list(pool.map(lambda n: generate(server.stub, token_ids=PROMPT, max_tokens=n), sizes))
+    for n, out in zip(sizes, outs):
+        assert_matches(out, reference, n)
+        assert out["finish_reason"] == "length" and out["usage"].completion_tokens == n
+
+
+def test_cancel_mid_stream_then_exact(server, reference):
+    call = server.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=LONG), timeout=120)
+    got = [next(call) for _ in range(3)]
+    assert [r.token_ids[0] for r in got] == reference["token_ids"][:3]
+    call.cancel()
+    assert rpc_error(list, call).code() == grpc.StatusCode.CANCELLED
+    # If the cancelled request kept generating (~400 tokens), this would wait behind it.
+    assert_matches(generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, timeout=60), reference)
+
+
+def test_deadline_then_exact(server, reference):
+    error = rpc_error(generate, server.stub, token_ids=PROMPT, max_tokens=LONG, timeout=0.3)
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_matches(generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, timeout=60), reference)
+
+
+BAD = [  # (request fields, field named in the message, words in the message)
+    ({"prompt": ""}, "prompt", "exactly one"),  # proto3: an empty prompt is no prompt
+    ({}, "prompt", "got none"),
+    ({"prompt": "hi", "token_ids": [1, 2]}, "prompt", "prompt and token_ids"),
+    ({"prompt": "hi", "messages": [pb.ChatMessage(role="user", content="hi")]}, "prompt", "prompt and messages"),
+    ({"token_ids": [1, 259]}, "token_ids", "259"),
+    ({"token_ids": [1] * 1100, "max_tokens": 1000}, "max_tokens", "context of 2048"),
+    ({"token_ids": PROMPT, "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"token_ids": PROMPT, "max_tokens": 1025}, "max_tokens", "cap of 1024"),
+    ({"token_ids": PROMPT, "temperature": -0.5}, "temperature", ">= 0"),
+    ({"token_ids": PROMPT, "temperature": math.nan}, "temperature", "nan"),
+    ({"token_ids": PROMPT, "top_p": 0.0}, "top_p", "(0, 1]"),
+    ({"token_ids": PROMPT, "top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"token_ids": PROMPT, "top_k": -1}, "top_k", ">= 0"),
+    ({"token_ids": PROMPT, "min_p": -0.1}, "min_p", "[0, 1]"),
+    ({"token_ids": PROMPT, "min_p": 1.5}, "min_p", "[0, 1]"),
+    ({"token_ids": PROMPT, "stop": [""]}, "stop", "empty"),
+]
+
+
+def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(server, reference):
+    for fields, field, words in BAD:
+        error = rpc_error(generate, server.stub, **fields)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (fields, error)
+        assert error.details().startswith(f"{field}:") and words in error.details(), (fields, error.details())
+    assert server.health_status() == SERVING
+    assert_matches(generate(server.stub, token_ids=PROMPT, max_tokens=4), reference, 4)
+
+
+def test_model_info_has_the_rank_map(server, hf_checkpoint):
+    # Auth is off: a stray authorization header is ignored.
+    for metadata in (None, [("authorization", "Bearer whatever")]):
+        info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30, metadata=metadata)
+    assert (info.model_id, info.vocab_size, info.max_context, info.max_tokens_cap) == (str(hf_checkpoint), 259, 2048, 1024)
+    assert [[r.layer_start, r.layer_end] for r in info.ranks] == server.layers
+    assert [r.rank for r in info.ranks] == list(range(len(server.layers)))
+    assert [r.embed for r in info.ranks] == [True] + [False] * (len(server.layers) - 1)
+    assert info.ranks[0].head
+    assert all(r.host and r.peak_memory_bytes > 0 and r.parameter_bytes > 0 for r in info.ranks)
+
+
+def reflection_generate(channel, request_fields, call_credentials=None):
+    """Generate through server reflection alone: no generated stubs."""
+    database = ProtoReflectionDescriptorDatabase(channel)
+    services = set(database.get_services())
+    pool = descriptor_pool.DescriptorPool(database)
+    method = pool.FindServiceByName(SERVICE).methods_by_name["Generate"]
+    request_class = message_factory.GetMessageClass(method.input_type)
+    response_class = message_factory.GetMessageClass(method.output_type)
+    call = channel.unary_stream(f"/{SERVICE}/Generate", request_serializer=request_class.SerializeToString,
+                                response_deserializer=response_class.FromString)
+    responses = list(call(request_class(**request_fields), timeout=60, credentials=call_credentials))
+    return services, responses
+
+
+def test_reflection_only_client(server, reference):
+    services, responses = reflection_generate(server.channel, {"token_ids": PROMPT, "max_tokens": 8})
+    assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+    assert [t for r in responses for t in r.token_ids] == reference["token_ids"][:8]
+    assert responses[-1].finish_reason == "length" and responses[-1].usage.completion_tokens == 8
+
+
+def client(*args, env_token=None):
+    """python -m distributed.client, as a user runs it."""
+    e = dict(env(), TRINITY_AUTH_TOKEN=env_token) if env_token else env()
+    return subprocess.run([sys.executable, "-m", "distributed.client", *args], capture_output=True, text=True,
+                          timeout=120, env=e, cwd=ROOT)
+
+
+def test_client_command_line(server, reference):
+    proc = client("--target", server.address, "--token-ids", IDS, "--max-tokens", str(MAX_TOKENS), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert_matches(out, reference)
+    assert out["finish_reason"] == "length" and out["usage"] == {"prompt_tokens": 40, "completion_tokens": MAX_TOKENS}
+    info = client("--target", server.address, "--info", "--json")
+    assert info.returncode == 0, info.stderr
+    assert [[r["layer_start"], r["layer_end"]] for r in json.loads(info.stdout)["ranks"]] == server.layers
+
+
+# ---------------------------------------------------------------- auth, TLS, queue
+
+
+def test_auth_token_required_except_for_health(secure_server, reference):
+    s = secure_server
+    wrong, right = [("authorization", "Bearer nope")], [("authorization", f"Bearer {TOKEN}")]
+    for metadata in (None, wrong, [("authorization", TOKEN)]):
+        error = rpc_error(generate, s.stub, token_ids=PROMPT, max_tokens=4, metadata=metadata)
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED, error
+        error = rpc_error(s.stub.GetModelInfo, pb.GetModelInfoRequest(), timeout=30, metadata=metadata)
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED, error
+    assert_matches(generate(s.stub, token_ids=PROMPT, max_tokens=4, metadata=right), reference, 4)
+    assert s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30, metadata=right).vocab_size == 259
+    assert s.health_status() == SERVING and s.health_status("") == SERVING  # open: probes need no secret
+    # Reflection is protected too; over TLS the standard access-token credentials carry the token.
+    error = rpc_error(reflection_generate, s.channel, {"token_ids": PROMPT, "max_tokens": 2})
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    if s.cert:
+        channel = grpc.secure_channel(s.address, grpc.composite_channel_credentials(
+            s.credentials, grpc.access_token_call_credentials(TOKEN)))
+        with channel:
+            _, responses = reflection_generate(channel, {"token_ids": PROMPT, "max_tokens": 2})
+        assert [t for r in responses for t in r.token_ids] == reference["token_ids"][:2]
+
+
+def test_client_command_line_with_token_and_tls(secure_server, reference):
+    s = secure_server
+    target = ["--target", s.address, *(["--tls-ca", str(s.cert)] if s.cert else [])]
+    request = ["--token-ids", IDS, "--max-tokens", str(MAX_TOKENS)]
+    streamed = client(*target, *request, "--auth-token", TOKEN)
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == reference["text"] + "\n"
+    assert f"[length: 40 prompt + {MAX_TOKENS} completion tokens" in streamed.stderr
+    denied = client(*target, *request, "--json")
+    assert denied.returncode == 1 and "error: UNAUTHENTICATED:" in denied.stderr
+    bad = client(*target, "--prompt", "hi", "--top-p", "2", env_token=TOKEN)  # the token from the environment
+    assert bad.returncode == 1 and "error: INVALID_ARGUMENT: top_p:" in bad.stderr
+    info = client(*target, "--info", env_token=TOKEN)
+    assert info.returncode == 0 and "rank 0 (" in info.stdout and "layers [0, 8) + embedding and head" in info.stdout
+
+
+def test_queue_overflow_is_resource_exhausted(secure_server, reference):
+    """--max-queue 1: one request running, one waiting, the next refused."""
+    meta = [("authorization", f"Bearer {TOKEN}")]
+    running = secure_server.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=LONG), metadata=meta, timeout=120)
+    next(running)  # it has left the queue and is generating
+    results = [None, None]
+
+    def waiting(i):
+        try:
+            results[i] = generate(secure_server.stub, token_ids=PROMPT, max_tokens=8, metadata=meta)
+        except grpc.RpcError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=waiting, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not any(isinstance(r, grpc.RpcError) for r in results) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    running.cancel()
+    for t in threads:
+        t.join(timeout=120)
+    errors = [r for r in results if isinstance(r, grpc.RpcError)]
+    assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED, results
+    assert "retry" in errors[0].details()
+    served = [r for r in results if isinstance(r, dict)]
+    assert len(served) == 1
+    assert_matches(served[0], reference, 8)
+
+
+# ---------------------------------------------------------------- health over the lifetime
+
+
+def test_health_before_load_after_load_and_after_a_rank_dies(hf_checkpoint, reference):
+    """NOT_SERVING while loading, SERVING, NOT_SERVING once a rank dies. The two
+    ranks are started by hand, with the environment mlx.launch gives them:
+    mlx.launch itself SIGTERMs every rank within ~1 s of one dying, which races
+    with what rank 0 reports (see the next test)."""
+    s = Server(hf_checkpoint, 2, SERVER_ARGS, manual=True)
+    try:
+        # Rank 0 listens before loading; it cannot finish (startup check, rank map)
+        # while rank 1 is stopped, so "loading" lasts as long as the test needs.
+        s.wait_port()
+        os.kill(s.procs[1].pid, signal.SIGSTOP)
+        try:
+            assert s.health_status() == NOT_SERVING and s.health_status("") == NOT_SERVING
+            for call in (lambda: generate(s.stub, token_ids=PROMPT, max_tokens=4),
+                         lambda: s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)):
+                error = rpc_error(call)
+                assert error.code() == grpc.StatusCode.UNAVAILABLE and error.details() == "model is loading"
+        finally:
+            os.kill(s.procs[1].pid, signal.SIGCONT)
+        assert s.wait_serving()[-1] == SERVING and s.health_status("") == SERVING
+        assert_matches(generate(s.stub, token_ids=PROMPT, max_tokens=4), reference, 4)
+
+        # Killed mid-stream, the ring fails at once. (Killed while the ring is idle,
+        # rank 0's next send to the dead peer can block forever: no watchdog yet.)
+        call = s.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=LONG), timeout=120)
+        assert next(call).token_ids[0] == reference["token_ids"][0]
+        os.kill(s.procs[1].pid, signal.SIGKILL)
+        error = rpc_error(list, call)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "peer was lost" in error.details(), error
+        assert s.health_status() == NOT_SERVING and s.health_status("") == NOT_SERVING
+        for call in (lambda: generate(s.stub, token_ids=PROMPT, max_tokens=4),
+                     lambda: s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)):
+            error = rpc_error(call)
+            assert error.code() == grpc.StatusCode.UNAVAILABLE and "peer was lost" in error.details(), error
+        assert s.procs[0].poll() is None  # rank 0 stays up, reporting NOT_SERVING
+    finally:
+        s.stop()
+
+
+# Keep this test last: it breaks the module's server (pytest runs each server's
+# tests together, in file order, so it runs last for each configuration).
+def test_a_rank_dies_under_mlx_launch(server, reference):
+    """Kill rank 1 mid-stream: the stream fails UNAVAILABLE and the service
+    never reports SERVING again (rank 0 reports NOT_SERVING until mlx.launch,
+    which stops every rank once one exits non-zero, stops it)."""
+    if not server.launcher:
+        pytest.skip("one process: no rank to kill")
+    call = server.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=LONG), timeout=120)
+    assert next(call).token_ids[0] == reference["token_ids"][0]
+    os.kill(server.rank_pid(1), signal.SIGKILL)
+    error = rpc_error(list, call)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    # Then NOT_SERVING, or no answer at all once mlx.launch has stopped rank 0.
+    states = [server.health_status() for _ in range(10)]
+    assert SERVING not in states, states
+    rpc_error(generate, server.stub, token_ids=PROMPT, max_tokens=4, timeout=30)

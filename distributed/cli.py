@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from . import TrinityError
 from .frontend import prompt_ids
+from .handshake import handshake
 from .pipeline import Pipeline
 from .request import GenerationRequest, RequestError, TokenEvent
 from .scheduler import Scheduler
@@ -183,6 +184,8 @@ def build_pipeline(args):
 
     rank = group.rank()
     start, end = ranges[rank]
+    context = args.max_context or config.get("max_position_embeddings") or 4096
+    handshake(group, model_dir(model), config, ranges, context)
     stage, path, error = None, None, None
     try:
         path = fetch_stage_files(model, start, end, rank == 0)

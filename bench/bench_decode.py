@@ -3,20 +3,24 @@
     python bench/bench_decode.py [--quick] [--json-out PATH] [--reps N] [--blas reference|openblas]
 
 Builds (once, cached in $TMPDIR/trinity-bench/) a float32 AFMoE checkpoint (hidden 512,
-16 layers, 32 experts; --quick: a much smaller one) and times, each configuration in a
-fresh process, one greedy generation from the same deterministic prompt ids:
-  mlx-lm       mlx_lm.utils.load + mlx_lm.generate.generate_step, in one process
-  runner P=1   python run_trinity.py --json
-  stages=P     python run_trinity.py --stages P --json          (P stages, one process)
-  ring P       mlx.launch -n P python run_trinity.py --json     (ring backend)
-  mpi P        mpirun -np P python run_trinity.py --json        (MLX's MPI backend)
+16 layers, 32 experts, 807 MiB) and times, each configuration in a fresh process, one
+greedy generation from the same deterministic prompt ids (1024 tokens, then 64 decode steps):
+  mlx-lm              mlx_lm.utils.load + mlx_lm.generate.generate_step, one process
+  runner P=1          python run_trinity.py --json
+  runner --stages P   python run_trinity.py --stages P --json       (P stages, one process)
+  runner ring P       mlx.launch -n P python run_trinity.py --json  (ring backend)
+  runner ring P direct  the same ranks started by this script (MLX_HOSTFILE, MLX_RANK):
+                      the ring backend without mlx.launch, whose I/O loop keeps a core busy
+  runner mpi P        mpirun --oversubscribe -np P python run_trinity.py --json  (MPI backend)
 Prefill tok/s = prompt tokens / time to first token; decode tok/s = (tokens - 1) / time
-from the first token to the last. Both are measured inside the process, after loading, so
-start-up is excluded. Configurations are run in interleaved rounds (--reps, default 3) and
-the median is reported, with the ratio to mlx-lm from the same invocation.
+from the first token to the last. Both are measured inside the process after loading, so
+start-up is excluded. Configurations run in interleaved rounds (--reps, default 3); the
+table shows medians and the ratio to mlx-lm from the same invocation. --quick: a small
+model, 128-token prompt, 16 steps, P <= 2, one round (about 30-50 s here).
 
 --blas openblas preloads the system OpenBLAS (apt-get install libopenblas0) into every
-process: on Linux the MLX CPU wheel links a reference BLAS, which makes prefill slow.
+process: on Linux the MLX CPU wheel links a reference BLAS, which makes prefill slow
+(the full run takes ~45 min on 2 cores with it, ~8 min with OpenBLAS).
 Results: a table on stdout, JSON to --json-out (default bench/results/decode.json).
 """
 
@@ -25,6 +29,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -89,44 +94,73 @@ def mlx_lm_child(model: str, ids: str, max_tokens: int) -> None:
 
 
 def configs(max_ranks: int) -> dict:
-    """Name -> command prefix to which the runner's arguments are appended (None: mlx-lm)."""
+    """Name -> (command prefix, ranks this script starts itself). The runner's arguments
+    are appended to the prefix; None is mlx-lm."""
     runner = [PY, str(ROOT / "run_trinity.py")]
     launch = str(Path(PY).parent / "mlx.launch")
     mpirun = shutil.which("mpirun")
     root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
-    out = {"mlx-lm (1 process)": None, "runner P=1": runner}
-    for p in range(2, max_ranks + 1):
-        out[f"runner --stages {p}"] = runner + ["--stages", str(p)]
-    for p in range(2, max_ranks + 1):
-        out[f"runner ring P={p}"] = [launch, "-n", str(p)] + runner
+    ps = range(2, max_ranks + 1)
+    out = {"mlx-lm (1 process)": (None, 1), "runner P=1": (runner, 1)}
+    out.update({f"runner --stages {p}": (runner + ["--stages", str(p)], 1) for p in ps})
+    out.update({f"runner ring P={p}": ([launch, "-n", str(p)] + runner, 1) for p in ps})
+    # The ring backend again, its ranks started here (MLX_HOSTFILE, MLX_RANK) as mlx.launch
+    # does, but without mlx.launch's output-relaying loop, which keeps a core busy.
+    out.update({f"runner ring P={p} direct": (runner, p) for p in ps})
     if mpirun:
-        for p in range(2, max_ranks + 1):
-            out[f"runner mpi P={p}"] = [mpirun, *root, "--oversubscribe", "-np", str(p)] + runner
+        out.update({f"runner mpi P={p}": ([mpirun, *root, "--oversubscribe", "-np", str(p)] + runner, 1)
+                    for p in ps})
     return out
 
 
-def run_once(prefix, model: Path, ids: str, max_tokens: int, env: dict, timeout: float) -> dict:
+def free_ports(n: int) -> list:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_once(prefix, ranks: int, model: Path, ids: str, max_tokens: int, env: dict, timeout: float) -> dict:
     if prefix is None:
         cmd = [PY, __file__, "--mlx-lm-child", str(model), ids, str(max_tokens)]
     else:
         cmd = prefix + ["--model", str(model), "--prompt-ids", ids, "--max-tokens", str(max_tokens), "--json"]
     load = os.getloadavg()[0]
-    # A session of its own, so that a timeout ends the launcher and every rank it started.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    # Sessions of their own, so that a timeout ends a launcher and every rank it started.
+    start = dict(cwd=ROOT, start_new_session=True)
+    helpers, hostfile = [], None
+    if ranks > 1:
+        fd, hostfile = tempfile.mkstemp(suffix=".json")
+        os.write(fd, json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(ranks)]).encode())
+        os.close(fd)
+        env = dict(env, MLX_HOSTFILE=hostfile)
+        helpers = [subprocess.Popen(cmd, env=dict(env, MLX_RANK=str(r)), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, **start) for r in range(1, ranks)]
+        env = dict(env, MLX_RANK="0")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **start)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
+        for h in helpers:
+            h.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for p in [proc] + helpers:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
         proc.communicate()
         return {"error": f"timed out after {timeout:.0f} s", "loadavg": load}
+    finally:
+        if hostfile:
+            os.unlink(hostfile)
     lines = [l for l in stdout.splitlines() if l.startswith("{")]
     if not lines:
         return {"error": f"exit {proc.returncode}: {(stderr or stdout).strip()[-400:]}", "loadavg": load}
     r = json.loads(lines[-1])
     out = {k: r[k] for k in ("prefill_tokens_per_sec", "generation_tokens_per_sec", "token_ids")}
     # Kept, but recorded: under mpirun a rank sometimes aborts at exit after printing its result.
-    return dict(out, loadavg=load, exit_code=proc.returncode)
+    return dict(out, loadavg=load, exit_code=max([proc.returncode] + [h.returncode for h in helpers], key=abs))
 
 
 def main() -> None:
@@ -160,9 +194,9 @@ def main() -> None:
     table = configs(args.max_ranks or (2 if args.quick else 3))
     runs = {name: [] for name in table}
     for rep in range(reps):  # interleaved rounds: drift and neighbours' load hit every config alike
-        for name, prefix in table.items():
+        for name, (prefix, ranks) in table.items():
             t = time.perf_counter()
-            r = run_once(prefix, model, ids, decode + 1, env, args.timeout)
+            r = run_once(prefix, ranks, model, ids, decode + 1, env, args.timeout)
             runs[name].append(r)
             if "error" in r:
                 status = r["error"]
@@ -188,8 +222,8 @@ def main() -> None:
     ref_tokens = next((r["token_ids"] for r in base["runs"] if "error" not in r), None)
     for row in results.values():
         for key in ("prefill_tokens_per_sec", "generation_tokens_per_sec"):
-            if key in row and key in base:
-                row[key.split("_")[0] + "_ratio"] = row[key] / base[key]
+            if key in row:
+                row[key.split("_")[0] + "_ratio"] = row[key] / base[key] if key in base else float("nan")
         ok = [r for r in row["runs"] if "error" not in r]
         # The runner drops EOS and stops there; mlx-lm's generate_step does not.
         row["same_tokens_as_mlx_lm"] = bool(ok and ref_tokens) and all(
@@ -202,16 +236,17 @@ def main() -> None:
           f"{sizes['num_experts']} experts (top {sizes['num_experts_per_tok']}), {mib:.0f} MiB; prompt "
           f"{prompt_len} tokens, {decode} decode steps; median of {reps}; BLAS: {args.blas}; "
           f"{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f}")
-    print(f"{'config':<22}{'prefill tok/s':>14}{'ratio':>8}{'decode tok/s':>14}{'ratio':>8}{'decode range':>15}  tokens=mlx-lm")
+    print(f"{'config':<26}{'prefill tok/s':>14}{'ratio':>8}{'decode tok/s':>14}{'ratio':>8}{'decode range':>15}  tokens=mlx-lm")
     for name, row in results.items():
         if "prefill_tokens_per_sec" not in row:
-            print(f"{name:<22}  failed: {row['runs'][0].get('error', '')[:200]}")
+            print(f"{name:<26}  failed: {row['runs'][0].get('error', '')[:200]}")
             continue
-        print(f"{name:<22}{row['prefill_tokens_per_sec']:>14.1f}{row['prefill_ratio']:>8.2f}"
+        print(f"{name:<26}{row['prefill_tokens_per_sec']:>14.1f}{row['prefill_ratio']:>8.2f}"
               f"{row['generation_tokens_per_sec']:>14.2f}{row['generation_ratio']:>8.2f}"
               f"{'%.1f-%.1f' % tuple(row['generation_range']):>15}  "
               f"{'yes' if row['same_tokens_as_mlx_lm'] else 'NO'}"
-              + ("" if row["ok_runs"] == reps else f"  ({row['ok_runs']}/{reps} runs ok)"))
+              + ("" if row["ok_runs"] == reps else f"  ({row['ok_runs']}/{reps} runs ok)")
+              + ("  (a rank aborted after its output)" if any(r.get("exit_code") for r in row["runs"]) else ""))
     print(f"wall time {wall:.0f} s")
 
     out = Path(args.json_out)

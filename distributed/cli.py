@@ -10,7 +10,9 @@ Rank 0 prints; other ranks print nothing on stdout.
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from typing import List, Optional
 
@@ -22,7 +24,7 @@ from .handshake import handshake
 from .pipeline import Pipeline
 from .request import GenerationRequest, RequestError, TokenEvent
 from .scheduler import Scheduler
-from .server import AUTH_TOKEN_ENV, ServeOptions, check_options, start_front_ends, wait_for_shutdown
+from .server import AUTH_TOKEN_ENV, ServeOptions, check_options, start_front_ends
 from .shard.config import model_args, read_config
 from .shard.loader import fetch_stage_files, load_stage, model_dir
 from .shard.plan import layer_ranges, parse_split
@@ -201,27 +203,34 @@ def build_pipeline(args):
 
 
 def generate_once(scheduler: Scheduler, request: GenerationRequest, stream: bool) -> dict:
-    """Run one request through the scheduler, printing text as it comes if `stream`."""
-    tokens, logprobs, text = [], [], []
-    for event in scheduler.submit(request).events():
-        text.append(event.text)
+    """Run one request on this (main) thread; a plain-Python thread prints text as it comes."""
+    handle = scheduler.submit(request)
+    events = []
+
+    def consume():
+        for event in handle.events():
+            events.append(event)
+            if stream:
+                print(event.text, end="", flush=True)
         if stream:
-            print(event.text, end="", flush=True)
-        if isinstance(event, TokenEvent):
-            tokens.append(event.token_id)
-            logprobs.append(event.logprob)
-    if stream:
-        print(flush=True)
-    if event.finish_reason == "error":
-        raise TrinityError(f"generation failed: {event.error}")
+            print(flush=True)
+
+    printer = threading.Thread(target=consume, name="printer")
+    printer.start()
+    scheduler.run_pending()
+    printer.join()
+    finish = events[-1]
+    if finish.finish_reason == "error":
+        raise TrinityError(f"generation failed: {finish.error}")
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
     return {
-        "text": "".join(text),
-        "token_ids": tokens,
-        "logprobs": logprobs,
+        "text": "".join(e.text for e in events),
+        "token_ids": [e.token_id for e in tokens],
+        "logprobs": [e.logprob for e in tokens],
         "prompt_token_ids": request.prompt_ids,
-        "finish_reason": event.finish_reason,
-        "prefill_tokens_per_sec": event.prefill_tokens_per_sec,
-        "generation_tokens_per_sec": event.generation_tokens_per_sec,
+        "finish_reason": finish.finish_reason,
+        "prefill_tokens_per_sec": finish.prefill_tokens_per_sec,
+        "generation_tokens_per_sec": finish.generation_tokens_per_sec,
     }
 
 
@@ -263,20 +272,23 @@ def serve(args, options: ServeOptions, front_ends) -> None:
         for front_end in front_ends:
             front_end.set_not_serving(reason)
 
+    # The scheduler runs on this main thread (see Scheduler.start); front ends' threads only queue.
     scheduler = Scheduler(pipeline, tokenizer, max_queue=options.max_queue,
-                          prefill_step_size=args.prefill_step_size, on_failure=on_failure).start()
+                          prefill_step_size=args.prefill_step_size, on_failure=on_failure)
     info = ModelInfo(
         model_id=args.model or "trinity-tiny",
         vocab_size=model_args(config).vocab_size,
         max_context=args.max_context or config.get("max_position_embeddings") or 2**31,
         max_tokens_cap=options.max_tokens_cap,
-        ranks=scheduler.call(Pipeline.rank_info),
+        ranks=pipeline.rank_info(),
     )
     for front_end in front_ends:
         front_end.attach(scheduler, tokenizer, info)
     print(f"serving {info.model_id} on " + " and ".join(f.describe() for f in front_ends), flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: scheduler.stop())
     try:
-        wait_for_shutdown()
+        scheduler.serve_forever()
     finally:
         for front_end in front_ends:
             front_end.stop()
@@ -299,11 +311,11 @@ def run(args) -> None:
     from mlx_lm.utils import load_tokenizer
 
     scheduler = Scheduler(pipeline, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")),
-                          prefill_step_size=args.prefill_step_size).start()
+                          prefill_step_size=args.prefill_step_size)
     try:
         request = build_request(args, scheduler.tokenizer, config)
         result = generate_once(scheduler, request, stream=not args.json)
-        result["ranks"] = scheduler.call(Pipeline.rank_info)
+        result["ranks"] = pipeline.rank_info()
     finally:
         scheduler.close()
     if args.json:

@@ -88,13 +88,31 @@ class Scheduler:
         self.on_failure = on_failure  # e.g. turn health to NOT_SERVING
         self.tokenizer = tokenizer
         self.prefill_step_size = prefill_step_size
-        self._waiting: "queue.Queue[Optional[RequestHandle]]" = queue.Queue(maxsize=max_queue)
+        self._waiting: "queue.Queue[RequestHandle]" = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self.failure: Optional[str] = None
+        self._stopping = threading.Event()
 
     def start(self) -> "Scheduler":
+        """Run the loop on a background thread (tests, in-process front ends).
+
+        Processes that exit should rather call serve_forever() or run_pending()
+        on the main thread: MLX tears down per-thread state when a thread ends,
+        and a thread that used MLX and ends while Python finalizes aborts."""
         self._thread.start()
         return self
+
+    def serve_forever(self) -> None:
+        """Run the loop on the calling thread until stop()."""
+        self._run()
+
+    def run_pending(self) -> None:
+        """Process what is queued now on the calling thread, then return."""
+        self._run(until_idle=True)
+
+    def stop(self) -> None:
+        """Make serve_forever() return after the current request (safe from a signal handler)."""
+        self._stopping.set()
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         if self.failure is not None:
@@ -115,18 +133,21 @@ class Scheduler:
         return future.result()
 
     def close(self) -> None:
-        """Finish what is queued, then stop the other ranks."""
+        """Stop the loop (after the current request), then stop the other ranks."""
         if self._thread.is_alive():
-            self._waiting.put(None)
+            self.stop()
             self._thread.join()
         if self.failure is None:
             self.pipeline.close()
 
-    def _run(self) -> None:
-        while True:
-            handle = self._waiting.get()
-            if handle is None:
-                return
+    def _run(self, until_idle: bool = False) -> None:
+        while not self._stopping.is_set():
+            try:
+                handle = self._waiting.get(timeout=0.1)
+            except queue.Empty:
+                if until_idle:
+                    return
+                continue
             if isinstance(handle, tuple):
                 fn, future = handle
                 try:

@@ -6,8 +6,6 @@ SERVING once every rank has loaded, and NOT_SERVING again if the ring breaks.
 
 import ipaddress
 import os
-import signal
-import threading
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -76,11 +74,3 @@ def start_front_ends(options: ServeOptions) -> List:
 
         front_ends.append(start_http_server(options))
     return front_ends
-
-
-def wait_for_shutdown() -> None:
-    """Block until SIGINT or SIGTERM."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()

@@ -25,6 +25,7 @@ Results: a table on stdout, JSON to --json-out (default bench/results/decode.jso
 """
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -50,7 +51,8 @@ QUICK = dict(FULL, hidden_size=128, intermediate_size=256, moe_intermediate_size
 
 def checkpoint(sizes: dict) -> Path:
     """Make the checkpoint once per machine; a rename makes it appear atomically."""
-    tag = "afmoe-" + "-".join(str(sizes[k]) for k in ("hidden_size", "num_hidden_layers", "num_experts"))
+    digest = hashlib.sha1(json.dumps(sizes, sort_keys=True).encode()).hexdigest()[:8]
+    tag = f"afmoe-{sizes['hidden_size']}-{sizes['num_hidden_layers']}-{sizes['num_experts']}-{digest}"
     cache = Path(tempfile.gettempdir()) / "trinity-bench"
     path = cache / tag
     if not (path / "config.json").exists():

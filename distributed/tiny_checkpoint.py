@@ -231,7 +231,9 @@ def _to_mlx_layout(weights: dict, config: dict):
 def default_checkpoint() -> Path:
     """The embedded default model: made once per machine in a cache folder, atomically."""
     cache = Path(os.environ.get("TRINITY_CACHE", Path.home() / ".cache" / "trinity-pipeline"))
-    path = cache / "tiny-afmoe-hf-seed0"
+    # The name carries a hash of the config, so a changed maker never reuses a stale cache.
+    digest = hashlib.sha256(json.dumps(tiny_config(), sort_keys=True).encode()).hexdigest()[:12]
+    path = cache / f"tiny-afmoe-hf-seed0-{digest}"
     if (path / "config.json").exists():
         return path
     cache.mkdir(parents=True, exist_ok=True)

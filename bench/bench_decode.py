@@ -51,14 +51,15 @@ QUICK = dict(FULL, hidden_size=128, intermediate_size=256, moe_intermediate_size
 
 def checkpoint(sizes: dict) -> Path:
     """Make the checkpoint once per machine; a rename makes it appear atomically."""
-    digest = hashlib.sha1(json.dumps(sizes, sort_keys=True).encode()).hexdigest()[:8]
-    tag = f"afmoe-{sizes['hidden_size']}-{sizes['num_hidden_layers']}-{sizes['num_experts']}-{digest}"
-    cache = Path(tempfile.gettempdir()) / "trinity-bench"
-    path = cache / tag
-    if not (path / "config.json").exists():
-        sys.path.insert(0, str(ROOT))
-        from distributed.tiny_checkpoint import make_checkpoint
+    sys.path.insert(0, str(ROOT))
+    from distributed.tiny_checkpoint import make_checkpoint, tiny_config
 
+    # Keyed by everything the maker writes, so a changed maker never reuses a stale one.
+    config = tiny_config(**{k: v for k, v in sizes.items() if k != "layers_per_file"})
+    digest = hashlib.sha1(json.dumps([config, sizes], sort_keys=True).encode()).hexdigest()[:10]
+    cache = Path(tempfile.gettempdir()) / "trinity-bench"
+    path = cache / f"afmoe-{sizes['hidden_size']}-{sizes['num_hidden_layers']}-{digest}"
+    if not (path / "config.json").exists():
         cache.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-"))
         print(f"making checkpoint {path} ...", file=sys.stderr, flush=True)
@@ -81,7 +82,13 @@ def mlx_lm_child(model: str, ids: str, max_tokens: int) -> None:
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load
 
-    model, _ = load(model)
+    # HF transformers >= 5 writes `rope_parameters`; mlx-lm reads only `rope_theta`
+    # (and would silently use its default), so pass it on as the runner does.
+    config = json.loads((Path(model) / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}
+    assert rope.get("rope_type", "default") == "default", "only default RoPE is handled here"
+    extra = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope and "rope_theta" not in config else None
+    model, _ = load(model, model_config=extra)
     prompt = mx.array([int(t) for t in ids.split(",")], dtype=mx.uint32)
     tokens = []
     tic = time.perf_counter()

@@ -77,6 +77,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             handle.cancel()  # the stream was closed early; a no-op once finished
         if event.finish_reason == "error":
             context.abort(grpc.StatusCode.UNAVAILABLE, f"generation failed, the pipeline is down: {event.error}")
+        if event.finish_reason == "cancelled" and req.expired():
+            # Our own deadline check can win the race with gRPC's: answer as gRPC would.
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         yield pb.GenerateResponse(
             text=event.text,
             finish_reason=event.finish_reason,

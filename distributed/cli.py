@@ -21,14 +21,13 @@ import mlx.core as mx
 from . import TrinityError
 from .frontend import prompt_ids
 from .handshake import handshake
-from .pipeline import Pipeline
+from .pipeline import Pipeline, in_process_pipeline
 from .request import GenerationRequest, RequestError, TokenEvent
 from .scheduler import Scheduler
 from .server import AUTH_TOKEN_ENV, ServeOptions, check_options, start_front_ends
 from .shard.config import model_args, read_config
 from .shard.loader import fetch_stage_files, load_stage, model_dir
 from .shard.plan import layer_ranges, parse_split
-from .transport.local import LocalRing
 from .transport.collective import MxCollective
 from .transport.mx_p2p import MxPointToPoint
 from .worker import StageWorker
@@ -181,8 +180,7 @@ def build_pipeline(args):
     if world == 1:
         path = fetch_stage_files(model, 0, num_layers, True)
         stages = [load_stage(path, s, e, i == 0, config) for i, (s, e) in enumerate(ranges)]
-        workers = [StageWorker(st, i + 1, len(stages)).handle for i, st in enumerate(stages[1:])]
-        return Pipeline(stages[0], LocalRing(workers) if workers else None), path, config
+        return in_process_pipeline(stages), path, config
 
     rank = group.rank()
     start, end = ranges[rank]

@@ -80,3 +80,12 @@ class Pipeline:
             self.transport.recv()
             self.transport.close()
             self.transport = None
+
+
+def in_process_pipeline(stages: List[Stage]) -> "Pipeline":
+    """Single-host mode (--stages N): stage 0 here, the others behind an in-process ring."""
+    from .transport.local import LocalRing
+    from .worker import StageWorker
+
+    workers = [StageWorker(stage, i + 1, len(stages)).handle for i, stage in enumerate(stages[1:])]
+    return Pipeline(stages[0], LocalRing(workers) if workers else None)

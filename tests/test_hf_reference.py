@@ -9,13 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import run_json
-from distributed.pipeline import Pipeline
-from distributed.shard.loader import load_stage
-from distributed.shard.plan import layer_ranges
+from distributed.shard.plan import even_split
 from distributed.tiny_checkpoint import _hf_weights, tiny_config, weights_fingerprint
 from distributed.transport import Reply
-from distributed.transport.local import LocalRing
-from distributed.worker import StageWorker
+from stages import in_process_pipeline
 
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "hf_reference.json").read_text())
 TOL = 1e-4
@@ -28,16 +25,9 @@ def test_fixture_matches_the_weights_the_maker_makes_now():
     )
 
 
-def in_process_pipeline(path: Path, stages: int) -> Pipeline:
-    ranges = layer_ranges(tiny_config()["num_hidden_layers"], stages)
-    loaded = [load_stage(path, s, e, i == 0) for i, (s, e) in enumerate(ranges)]
-    workers = [StageWorker(st, i + 1, stages).handle for i, st in enumerate(loaded[1:])]
-    return Pipeline(loaded[0], LocalRing(workers) if workers else None)
-
-
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_prompt_logprobs_match_hf(hf_checkpoint, stages):
-    pipeline = in_process_pipeline(hf_checkpoint, stages)
+    pipeline, _ = in_process_pipeline(hf_checkpoint, even_split(tiny_config()["num_hidden_layers"], stages))
     pipeline.reset()
     tokens = mx.array([REFERENCE["prompt_token_ids"]], dtype=mx.uint32)
     logits = pipeline.logits(tokens, Reply.ALL)[0].astype(mx.float32)

@@ -71,9 +71,13 @@ def failed_ranks(stderr: str) -> Dict[int, int]:
 
 
 def exit_status(failed: Dict[int, int], launcher_status: int) -> int:
-    """Our exit status: the first failing rank's (signals as 128 + n), else mlx.launch's own."""
+    """Our exit status: the first failing rank's (signals as 128 + n), else mlx.launch's own.
+
+    A rank that exited on its own is preferred over one killed by a signal: once
+    one rank fails, mlx.launch SIGTERMs the others, and that is not the cause."""
     if failed:
-        code = failed[min(failed)]
+        own = {r: c for r, c in failed.items() if c > 0}
+        code = (own or failed)[min(own or failed)]
         code = 128 - code if code < 0 else code
         return code if 0 < code < 256 else 1
     return launcher_status

@@ -130,6 +130,7 @@ def test_failed_ranks_from_launcher_output():
     assert failed_ranks("[WARN] Node with rank 2 was killed") == {2: 1}
     assert failed_ranks("[WARN] Node with rank 0 exited with code -9") == {0: -9}
     assert exit_status({0: -9}, 0) == 137
+    assert exit_status({0: -15, 1: 3}, 0) == 3  # the SIGTERM mlx.launch sent rank 0 is not the cause
     assert failed_ranks("launch: rank 1 exited with code 2\n") == {1: 2}
     mpi = "prterun detected that one or more processes exited with non-zero status,\n   Exit code:    4\n"
     assert failed_ranks(mpi) == {-1: 4}

@@ -92,6 +92,8 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self.failure: Optional[str] = None
         self._stopping = threading.Event()
+        self._active: set = set()  # handles being generated now
+        self._lock = threading.Lock()
 
     def start(self) -> "Scheduler":
         """Run the loop on a background thread (tests, in-process front ends).
@@ -123,6 +125,29 @@ class Scheduler:
         except queue.Full:
             raise QueueFull(f"{self._waiting.maxsize} requests are already waiting") from None
         return handle
+
+    def abort(self, reason: str) -> None:
+        """The ring is broken (called from a watchdog thread while the loop may be
+        blocked on a dead peer): end every running and queued request with an
+        error naming `reason`, and refuse new ones."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = reason
+            doomed = list(self._active)
+        while True:
+            try:
+                item = self._waiting.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, tuple):
+                item[1].set_exception(RingUnavailable(reason))
+            else:
+                doomed.append(item)
+        for handle in doomed:
+            handle.emit(FinishEvent("error", len(handle.request.prompt_ids), 0, error=reason))
+        if self.on_failure is not None:
+            self.on_failure(reason)
 
     def call(self, fn: Callable[[Pipeline], object]) -> object:
         """Run fn(pipeline) on the scheduler thread between requests (e.g. rank info)."""
@@ -158,13 +183,13 @@ class Scheduler:
             if self.failure is not None:
                 handle.emit(FinishEvent("error", len(handle.request.prompt_ids), 0, error=self.failure))
                 continue
+            self._active.add(handle)
             try:
                 self._generate(handle)
             except Exception as e:  # the ring is broken: fail this and every later request
-                self.failure = f"{type(e).__name__}: {e}"
-                handle.emit(FinishEvent("error", len(handle.request.prompt_ids), 0, error=self.failure))
-                if self.on_failure is not None:
-                    self.on_failure(self.failure)
+                self.abort(f"{type(e).__name__}: {e}")
+            finally:
+                self._active.discard(handle)
 
     def _generate(self, handle: RequestHandle) -> None:
         req = handle.request

@@ -2,7 +2,11 @@
 
     python -m launch plan --model PATH_OR_REPO --hostfile hosts.json [--context N] [--json]
     python -m launch run --hostfile hosts.json [--dry-run] -- run_trinity.py --model … --prompt …
-    python -m launch run --single-host 2 -- run_trinity.py --prompt "Hi"
+    python -m launch run --single-host 2 [--restart N] -- run_trinity.py --serve 127.0.0.1:50051
+
+Local rings (every host 127.0.0.1, ring backend) are started directly, without
+mlx.launch (--via mlx.launch to use it anyway); remote hosts go through mlx.launch.
+--restart N starts the whole ring again after a rank fails, up to N times.
 """
 
 import argparse
@@ -47,18 +51,32 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     plan.add_argument("--quantize", type=int, metavar="BITS", help="plan as if converted by mlx-lm at BITS "
                       "(group 64, routers at 8 bits), for a config that is not quantized")
     plan.add_argument("--json", action="store_true", help='print {"fits", "hosts": [...]} as JSON')
-    run = sub.add_parser("run", help="plan, then start the ranks through mlx.launch")
+    run = sub.add_parser("run", help="plan, then start the ranks (directly when local, else through mlx.launch)")
     _hosts_args(run, plan=False)
     run.add_argument("--dry-run", action="store_true", help="print the plan and the exact command, start nothing")
     run.add_argument("--no-plan", action="store_true", help="start the command as it is (no --split added)")
     run.add_argument("--starting-port", type=int, help="ring backend: first port (mlx.launch's --starting-port)")
     run.add_argument("--python", help="interpreter for a .py command (default: this one)")
+    run.add_argument("--restart", type=int, default=0, metavar="N",
+                     help="after a rank fails, stop what is left of the ring and start the whole ring "
+                          "again, up to N times (then exit with the last failure's status)")
+    run.add_argument("--grace", type=float, default=20.0, metavar="S",
+                     help="seconds the other ranks get to exit on their own after a rank fails or after "
+                          "a stop signal, before SIGTERM (then SIGKILL 3 s later); default 20")
+    run.add_argument("--restart-delay", type=float, default=1.0, metavar="S", help="pause before a restart")
+    run.add_argument("--via", choices=["auto", "direct", "mlx.launch"], default="auto",
+                     help="auto: start ranks directly when all are local on the ring backend "
+                          "(mlx.launch's output loop keeps a core busy), else through mlx.launch")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- run_trinity.py …")
     args = p.parse_args(argv)
     if args.verb == "run":
         args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
         if not args.command:
             p.error("run needs a command after --, e.g. -- run_trinity.py --prompt Hi")
+        if args.restart < 0:
+            p.error(f"--restart must be >= 0, got {args.restart}")
+        if args.grace < 0 or args.restart_delay < 0:
+            p.error("--grace and --restart-delay must be >= 0")
     return args
 
 
@@ -183,12 +201,26 @@ def cmd_run(args) -> int:
                 print(f"launch: the model does not fit:\n{plan.shortfall()}", file=sys.stderr)
                 return 1
             cmd += ["--split", ",".join(map(str, plan.split))]
+    direct = runner.can_start_directly(hf, args.backend)
+    if args.via == "direct" and not direct:
+        raise TrinityError("--via direct needs every host local (127.0.0.1) and the ring backend; "
+                           "use --via mlx.launch (or auto) for remote hosts or other backends")
+    restart = dict(restarts=args.restart, grace=args.grace, restart_delay=args.restart_delay)
+    if direct and args.via != "mlx.launch":
+        if args.dry_run:
+            from .supervisor import DirectRing
+
+            ring = DirectRing(cmd, len(hf.hosts), {}, list(hf.envs) + envs, [h.ips[0] for h in hf.hosts],
+                              args.starting_port)
+            print("\n".join(ring.describe_commands()))
+            return 0
+        return runner.run_direct(cmd, hf, envs, args.starting_port, **restart)
     launch_cmd = runner.build_command(hf, cmd, single_host=args.single_host, backend=args.backend,
                                       starting_port=args.starting_port, envs=envs)
     if args.dry_run:
         print(shlex.join(launch_cmd))
         return 0
-    return runner.run(launch_cmd)
+    return runner.run(launch_cmd, **restart)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -1,4 +1,4 @@
-"""Starting the ranks through mlx.launch, and telling whether any of them failed.
+"""Starting the ranks (through mlx.launch, or directly when all are local), and telling whether any failed.
 
 mlx.launch exits 0 even when a rank fails: it only prints "Node with rank N
 exited with code C" (and, for MPI, mpirun's own report, while ignoring mpirun's
@@ -10,9 +10,7 @@ launch.guard, which prints such a line itself.
 import os
 import re
 import shutil
-import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -83,31 +81,35 @@ def exit_status(failed: Dict[int, int], launcher_status: int) -> int:
     return launcher_status
 
 
-def run(cmd: List[str]) -> int:
-    """Run mlx.launch, stdout straight through, stderr through and read; our exit status."""
+def launch_env() -> dict:
+    """Our environment, with this interpreter's bin first: mlx.launch --backend mpi looks for
+    `mpirun` on PATH (this environment's first), and ranks find the same tools."""
     env = dict(os.environ)
-    # mlx.launch --backend mpi looks for `mpirun` on PATH: this environment's first.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)
-    seen: List[str] = []
+    return env
 
-    def pump():
-        for line in iter(proc.stderr.readline, b""):
-            sys.stderr.buffer.write(line)
-            sys.stderr.buffer.flush()
-            seen.append(line.decode(errors="replace"))
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    while True:
-        try:
-            status = proc.wait()
-            break
-        except KeyboardInterrupt:  # the ranks got the same Ctrl-C; wait for mlx.launch to wind down
-            continue
-    reader.join(timeout=10)
-    failed = failed_ranks("".join(seen))
-    for rank, code in sorted(failed.items()):
-        who = "a rank (mpirun's report above)" if rank < 0 else f"rank {rank}"
-        print(f"launch: {who} failed with exit status {code}", file=sys.stderr)
-    return exit_status(failed, status)
+def run(cmd: List[str], restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0) -> int:
+    """Run mlx.launch (restarted up to `restarts` times after a failure); our exit status."""
+    from .supervisor import MlxLaunchRing, Supervisor
+
+    env = launch_env()
+    return Supervisor(restarts, grace, restart_delay).run(lambda: MlxLaunchRing(cmd, env))
+
+
+def run_direct(command: List[str], hostfile: Hostfile, envs: Optional[List[str]] = None,
+               starting_port: Optional[int] = None, restarts: int = 0, grace: float = 20.0,
+               restart_delay: float = 1.0) -> int:
+    """Start the local ranks of a ring hostfile here, without mlx.launch; our exit status."""
+    from .supervisor import DirectRing, Supervisor
+
+    env = launch_env()
+    all_envs = list(hostfile.envs) + list(envs or [])
+    ips = [h.ips[0] for h in hostfile.hosts]
+    return Supervisor(restarts, grace, restart_delay).run(
+        lambda: DirectRing(command, len(hostfile.hosts), env, all_envs, ips, starting_port))
+
+
+def can_start_directly(hostfile: Hostfile, backend: Optional[str] = None) -> bool:
+    """Every rank is on this machine and the backend is ring: no need for mlx.launch."""
+    return (backend or hostfile.backend) == "ring" and all(h.is_local and h.ips for h in hostfile.hosts)

@@ -69,15 +69,29 @@ def test_run_hostfile_errors_are_clear(capsys, tmp_path):
 
 def test_dry_run_prints_the_exact_command(capsys, hf_checkpoint):
     model = str(hf_checkpoint)
-    code, out, err = cli(capsys, "run", "--single-host", "2", "--starting-port", "5000", "--dry-run", "--",
-                         "run_trinity.py", "--model", model, "--prompt", "Hi there")
+    code, out, err = cli(capsys, "run", "--single-host", "2", "--starting-port", "5000", "--via", "mlx.launch",
+                         "--dry-run", "--", "run_trinity.py", "--model", model, "--prompt", "Hi there")
     assert code == 0
     split = plan_layers(read_config(hf_checkpoint), [GIB, GIB], context=4096).split
-    assert out.strip() == shlex.join([
-        mlx_launch(), "-n", "2", "--starting-port", "5000", "--", sys.executable, "run_trinity.py",
-        "--model", model, "--prompt", "Hi there", "--max-context", "4096", "--split", ",".join(map(str, split)),
-    ])
+    rank_cmd = [sys.executable, "run_trinity.py", "--model", model, "--prompt", "Hi there",
+                "--max-context", "4096", "--split", ",".join(map(str, split))]
+    assert out.strip() == shlex.join([mlx_launch(), "-n", "2", "--starting-port", "5000", "--", *rank_cmd])
     assert "split " + ",".join(map(str, split)) in err  # the plan, on stderr
+
+    # By default local ring ranks start directly (MLX_RANK, MLX_HOSTFILE), without mlx.launch.
+    code, out, _ = cli(capsys, "run", "--single-host", "2", "--starting-port", "5000", "--dry-run", "--",
+                       "run_trinity.py", "--model", model, "--prompt", "Hi there")
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert lines[0] == '# MLX_HOSTFILE: a file holding [["127.0.0.1:5000"], ["127.0.0.1:5001"]]'
+    for rank, line in enumerate(lines[1:]):
+        cmd = shlex.split(line)
+        assert cmd[:2] == ["env", f"MLX_RANK={rank}"] and cmd[2].startswith("TRINITY_CONTROL_ADDR=127.0.0.1:")
+        assert cmd[-len(rank_cmd):] == rank_cmd
+    assert len(lines) == 3
+    code, _, err = cli(capsys, "run", "--single-host", "2", "--backend", "mpi", "--via", "direct", "--dry-run",
+                       "--", "run_trinity.py")
+    assert code == 2 and "--via direct needs every host local" in err
 
 
 def test_dry_run_preset_hostfile_and_mpi(capsys, tmp_path, hf_checkpoint):
@@ -119,7 +133,8 @@ def test_run_refuses_a_plan_that_does_not_fit(capsys, tmp_path, hf_checkpoint):
 def test_user_split_and_no_plan_are_left_alone(capsys):
     code, out, _ = cli(capsys, "run", "--single-host", "2", "--dry-run", "--", "run_trinity.py", "--split", "3,5")
     assert code == 0 and shlex.split(out)[-2:] == ["--split", "3,5"] and "--max-context" not in out
-    code, out, _ = cli(capsys, "run", "--single-host", "2", "--no-plan", "--dry-run", "--", "echo", "hi")
+    code, out, _ = cli(capsys, "run", "--single-host", "2", "--no-plan", "--via", "mlx.launch", "--dry-run",
+                       "--", "echo", "hi")
     assert code == 0 and shlex.split(out)[-3:] == ["--", "echo", "hi"]
 
 

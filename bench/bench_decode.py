@@ -25,70 +25,26 @@ Results: a table on stdout, JSON to --json-out (default bench/results/decode.jso
 """
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-
-FULL = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=16,
-            num_experts=32, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=2,
-            head_dim=64, sliding_window=512, max_position_embeddings=8192, layers_per_file=4)
-QUICK = dict(FULL, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=6,
-             num_experts=8, num_experts_per_tok=2, head_dim=32, sliding_window=64, layers_per_file=2)
-
-
-def checkpoint(sizes: dict) -> Path:
-    """Make the checkpoint once per machine; a rename makes it appear atomically."""
-    sys.path.insert(0, str(ROOT))
-    from distributed.tiny_checkpoint import make_checkpoint, tiny_config
-
-    # Keyed by everything the maker writes, so a changed maker never reuses a stale one.
-    config = tiny_config(**{k: v for k, v in sizes.items() if k != "layers_per_file"})
-    digest = hashlib.sha1(json.dumps([config, sizes], sort_keys=True).encode()).hexdigest()[:10]
-    cache = Path(tempfile.gettempdir()) / "trinity-bench"
-    path = cache / f"afmoe-{sizes['hidden_size']}-{sizes['num_hidden_layers']}-{digest}"
-    if not (path / "config.json").exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-"))
-        print(f"making checkpoint {path} ...", file=sys.stderr, flush=True)
-        make_checkpoint(tmp, layout="hf", seed=0, **sizes)
-        try:
-            tmp.rename(path)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def prompt_ids(n: int) -> str:
-    """Deterministic byte-token ids (0..255: no special tokens)."""
-    return ",".join(str((i * 37 + 11) % 251) for i in range(n))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (FULL, PY, QUICK, ROOT, bench_env, checkpoint, kill_groups, load_mlx_lm,  # noqa: E402
+                    prompt_ids, start_ranks)
 
 
 def mlx_lm_child(model: str, ids: str, max_tokens: int) -> None:
     """One mlx-lm generation, reported with the runner's JSON keys."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load
 
-    # HF transformers >= 5 writes `rope_parameters`; mlx-lm reads only `rope_theta`
-    # (and would silently use its default), so pass it on as the runner does.
-    config = json.loads((Path(model) / "config.json").read_text())
-    rope = config.get("rope_parameters") or {}
-    assert rope.get("rope_type", "default") == "default", "only default RoPE is handled here"
-    extra = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope and "rope_theta" not in config else None
-    model, _ = load(model, model_config=extra)
+    model, _ = load_mlx_lm(model)
     prompt = mx.array([int(t) for t in ids.split(",")], dtype=mx.uint32)
     tokens = []
     tic = time.perf_counter()
@@ -139,25 +95,16 @@ def run_once(prefix, ranks: int, model: Path, ids: str, max_tokens: int, env: di
         cmd = prefix + ["--model", str(model), "--prompt-ids", ids, "--max-tokens", str(max_tokens), "--json"]
     load = os.getloadavg()[0]
     # Sessions of their own, so that a timeout ends a launcher and every rank it started.
-    start = dict(cwd=ROOT, start_new_session=True)
-    helpers, hostfile = [], None
-    if ranks > 1:
-        fd, hostfile = tempfile.mkstemp(suffix=".json")
-        os.write(fd, json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(ranks)]).encode())
-        os.close(fd)
-        env = dict(env, MLX_HOSTFILE=hostfile)
-        helpers = [subprocess.Popen(cmd, env=dict(env, MLX_RANK=str(r)), stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, **start) for r in range(1, ranks)]
-        env = dict(env, MLX_RANK="0")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **start)
+    procs, hostfile = start_ranks(cmd, ranks, env,
+                                  rank0=dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                                  others=dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    proc, helpers = procs[0], procs[1:]
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         for h in helpers:
             h.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        for p in [proc] + helpers:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        kill_groups(procs, grace=0)
         proc.communicate()
         return {"error": f"timed out after {timeout:.0f} s", "loadavg": load}
     finally:
@@ -195,11 +142,7 @@ def main() -> None:
     sizes = QUICK if args.quick else FULL
     model = checkpoint(sizes)
     ids = prompt_ids(prompt_len)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if args.blas == "openblas":
-        if not Path(OPENBLAS).exists():
-            sys.exit(f"--blas openblas: {OPENBLAS} not found (apt-get install -y libopenblas0)")
-        env["LD_PRELOAD"] = " ".join(filter(None, [OPENBLAS, env.get("LD_PRELOAD")]))
+    env = bench_env(args.blas)
     table = configs(args.max_ranks or (2 if args.quick else 3))
     runs = {name: [] for name in table}
     for rep in range(reps):  # interleaved rounds: drift and neighbours' load hit every config alike

@@ -19,8 +19,6 @@ backend polls), which would slow them.
 
 import argparse
 import json
-import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -31,15 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-
-from bench_decode import FULL, QUICK, checkpoint, prompt_ids  # noqa: E402
-from distributed.proto import generation_pb2 as pb  # noqa: E402
+from common import (FULL, PY, QUICK, RUN, bench_env, checkpoint, grpc_generate, kill_groups,  # noqa: E402
+                    prompt_ids, wait_serving)
 from distributed.proto import generation_pb2_grpc as pb_grpc  # noqa: E402
-
-PY = sys.executable
-RUN = str(ROOT / "run_trinity.py")
 
 
 def free_port(n: int = 1) -> int:
@@ -61,14 +53,10 @@ def command(args, ranks: int):
             PY, RUN, *args]
 
 
-def env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT))
-
-
 def cli_once(model, ids, max_tokens, extra, ranks) -> dict:
     tic = time.perf_counter()
     proc = subprocess.run(command(["--model", str(model), "--prompt-ids", ids, "--max-tokens", str(max_tokens),
-                                   "--json", *extra], ranks), capture_output=True, text=True, env=env(), timeout=600)
+                                   "--json", *extra], ranks), capture_output=True, text=True, env=bench_env(), timeout=600)
     wall = time.perf_counter() - tic
     if proc.returncode != 0:
         sys.exit(f"run_trinity.py failed:\n{proc.stderr[-3000:]}")
@@ -79,39 +67,23 @@ def cli_once(model, ids, max_tokens, extra, ranks) -> dict:
 
 
 def grpc_once(stub, ids, max_tokens) -> dict:
-    request = pb.GenerateRequest(token_ids=[int(t) for t in ids.split(",")], max_tokens=max_tokens)
-    tic = time.perf_counter()
-    first = last = None
-    tokens = 0
-    for response in stub.Generate(request, timeout=600):
-        if response.token_ids:
-            last = time.perf_counter()
-            first = first or last
-            tokens += len(response.token_ids)
-        if response.finish_reason:
-            usage = response.usage
-    return {"ttft_s": first - tic, "decode_tps": (tokens - 1) / (last - first) if tokens > 1 else 0.0,
-            "tokens": tokens, "server_ttft_s": usage.prompt_tokens / usage.prefill_tokens_per_sec,
-            "server_decode_tps": usage.generation_tokens_per_sec}
+    r = grpc_generate(stub, [int(t) for t in ids.split(",")], max_tokens, timeout=600)
+    tokens, first, last, usage = len(r["token_ids"]), r["first"], r["last"], r["usage"]
+    return {"ttft_s": first - r["sent"], "decode_tps": (tokens - 1) / (last - first) if tokens > 1 else 0.0,
+            "tokens": tokens, "server_ttft_s": usage["prompt_tokens"] / usage["prefill_tokens_per_sec"],
+            "server_decode_tps": usage["generation_tokens_per_sec"]}
 
 
 def serve(model, extra, ranks):
     port = free_port()
     args = ["--model", str(model), "--serve", f"127.0.0.1:{port}", "--max-tokens-cap", "100000", *extra]
-    proc = subprocess.Popen(command(args, ranks), env=env(), stdout=subprocess.DEVNULL, start_new_session=True)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    health = health_pb2_grpc.HealthStub(channel)
-    tic = time.perf_counter()
-    while True:
-        if proc.poll() is not None:
-            sys.exit("the server exited")
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                break
-        except grpc.RpcError:
-            pass
-        time.sleep(0.05)
-    return proc, channel, time.perf_counter() - tic
+    proc = subprocess.Popen(command(args, ranks), env=bench_env(), stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        channel, startup = wait_serving(f"127.0.0.1:{port}", [proc])
+    except RuntimeError as e:
+        kill_groups([proc])
+        sys.exit(str(e))
+    return proc, channel, startup
 
 
 def median(rows, key):
@@ -143,11 +115,7 @@ def main() -> None:
         warm = [grpc_once(stub, ids, args.max_tokens) for _ in range(args.reps)]
     finally:
         channel.close()
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_groups([proc], grace=15)
     assert all(r["tokens"] == cli[0]["tokens"] for r in [cold, *warm, *cli]), "different token counts"
 
     result = {

@@ -1,0 +1,502 @@
+"""Throughput benchmark: one-process mlx-lm vs this runner served over gRPC at P = 1, 2, 3 ranks.
+
+    python bench/bench_throughput.py [--quick] [--out PATH] [--ps 1,2,3] [--streams 1,4,8,16]
+                                     [--max-tokens N] [--ttft-lens 512,2048] [--reps N]
+                                     [--prefill-step-size N] [--blas reference|openblas]
+                                     [--max-batch N] [--runner-arg=--flag=value ...]
+
+One invocation, one checkpoint (bench_decode.py's fp32 AFMoE, made once in $TMPDIR/trinity-bench/;
+--quick: the small one), greedy throughout, deterministic byte-token prompts. Measured:
+
+  mlx-lm (one child process: mlx_lm.utils.load, then)
+    generate_step   single-stream decode tok/s = (tokens - 1) / (last token - first token) on a
+                    --decode-prompt-len prompt; TTFT for each --ttft-lens prompt = from the call
+                    to the first yielded token (max_tokens 1)
+    batch_generate  aggregate tok/s for each --streams count n: n distinct prompts
+                    (--stream-prompt-len tokens each), --max-tokens each, one call;
+                    aggregate = generated tokens / wall time of the call (prefill included)
+  runner P=k        run_trinity.py --serve on 127.0.0.1, k rank processes of the ring backend
+                    started here (MLX_HOSTFILE + MLX_RANK, not mlx.launch, whose I/O loop keeps a
+                    core busy); every number is taken at the gRPC client (this process):
+                    decode tok/s and TTFT as above (TTFT = request sent to first token);
+                    aggregate for n streams = n threads, one Generate stream each, started
+                    together, the same prompts and --max-tokens as batch_generate; aggregate =
+                    generated tokens / (last stream's end - first request sent); also the mean
+                    per-stream TTFT.
+  memory            per rank: mx.get_peak_memory() after loading (GetModelInfo's
+                    peak_memory_bytes; for mlx-lm taken the same way in the child) and the
+                    process's VmHWM (/proc/PID/status peak RSS) after all its runs.
+
+Before measuring, each configuration gets one warm-up generation. Decode and TTFT are the median
+of --reps runs (default 3; --quick 1); aggregates are one run per stream count.
+
+Checks: the runner's greedy single-stream tokens (decode and TTFT prompts) must equal mlx-lm
+generate_step's for the same prompt (the runner stops at EOS, generate_step does not, so a
+shorter runner output must end where mlx-lm emits EOS); a mismatch marks the row "NO" and
+prints a warning. Streams are also compared with batch_generate's tokens for the same prompt
+(reported, informational: batched float32 arithmetic may differ in the last bits).
+
+Prints a table (one row per configuration) and the ratios issue 5's targets need; all raw numbers
+go to --out (default bench/results/throughput.json; --quick: throughput_quick.json).
+--quick: the small model, 16 new tokens, 1 rep (a couple of minutes on 2 cores).
+Every server process is ended (its process group SIGTERMed, then SIGKILLed) on any exit.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH.parent), str(BENCH)]
+
+from common import (FULL, PY, QUICK, ROOT, RUN, bench_env, checkpoint, free_ports, grpc_generate,  # noqa: E402
+                    kill_groups, load_mlx_lm, prompt_ids, start_ranks, wait_serving)
+
+MIB = 2**20
+
+
+# ---------------------------------------------------------------- prompts
+
+def ids(text: str) -> list:
+    return [int(t) for t in text.split(",")]
+
+
+def stream_prompts(count: int, length: int) -> list:
+    """`count` distinct deterministic prompts of byte tokens (no special tokens), equal length
+    (so that batch_generate pads none of them)."""
+    return [[random.Random(1000 + k).randrange(251) for _ in range(length)] for k in range(count)]
+
+
+# ---------------------------------------------------------------- mlx-lm (child process)
+
+def vmhwm_bytes(pid="self"):
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def mlx_lm_child(spec_path: str) -> None:
+    """Every mlx-lm measurement, in this (fresh) process; prints one JSON object."""
+    import mlx.core as mx
+    from mlx_lm.generate import batch_generate, generate_step
+
+    spec = json.loads(Path(spec_path).read_text())
+    pss = spec["prefill_step_size"]
+    tic = time.perf_counter()
+    model, tokenizer = load_mlx_lm(spec["model"])
+    out = {"load_s": time.perf_counter() - tic, "mx_peak_load_bytes": mx.get_peak_memory()}
+
+    def one(prompt, max_tokens):
+        tokens, first, last = [], None, None
+        tic = time.perf_counter()
+        for token, _ in generate_step(mx.array(prompt, dtype=mx.uint32), model, max_tokens=max_tokens,
+                                      prefill_step_size=pss):
+            tokens.append(int(token))
+            last = time.perf_counter()
+            first = first or last
+        return {"ttft_s": first - tic, "token_ids": tokens,
+                "decode_tps": (len(tokens) - 1) / (last - first) if len(tokens) > 1 else None}
+
+    def batch(prompts, max_tokens):
+        tic = time.perf_counter()
+        r = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True,
+                           prefill_step_size=pss)
+        wall = time.perf_counter() - tic
+        n = sum(len(t) for t in r.token_ids)
+        s = r.stats
+        return {"streams": len(prompts), "wall_s": wall, "tokens": n, "aggregate_tps": n / wall,
+                "token_ids": r.token_ids, "stats": {"prompt_tps": s.prompt_tps, "generation_tps": s.generation_tps,
+                                                    "decode_tps": s.decode_tps, "peak_memory_gb": s.peak_memory}}
+
+    one(spec["warmup"], 4)
+    batch([spec["warmup"]] * 2, 4)
+    out["decode"] = [one(spec["decode_prompt"], spec["max_tokens"]) for _ in range(spec["reps"])]
+    out["ttft"] = {str(n): [one(p, 1) for _ in range(spec["reps"])] for n, p in spec["ttft_prompts"].items()}
+    out["batch"] = {str(n): batch(spec["stream_prompts"][:n], spec["max_tokens"]) for n in spec["streams"]}
+    out["mx_peak_end_bytes"] = mx.get_peak_memory()
+    out["vmhwm_bytes"] = vmhwm_bytes()
+    print(json.dumps(out))
+
+
+def run_mlx_lm(spec: dict, env: dict, timeout: float) -> dict:
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.write(fd, json.dumps(spec).encode())
+    os.close(fd)
+    proc = subprocess.Popen([PY, __file__, "--mlx-lm-child", path], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    finally:
+        kill_groups([proc], grace=0)
+        os.unlink(path)
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {(stderr or stdout).strip()[-1500:]}"}
+    return json.loads(lines[-1])
+
+
+# ---------------------------------------------------------------- the runner over gRPC
+
+def concurrent(stub, prompts: list, max_tokens: int, timeout: float) -> dict:
+    """len(prompts) threads, one Generate stream each, released together."""
+    n = len(prompts)
+    barrier = threading.Barrier(n)
+    runs = [None] * n
+
+    def one(i):
+        try:
+            barrier.wait()
+            runs[i] = grpc_generate(stub, prompts[i], max_tokens, timeout)
+        except Exception as e:  # reported with the result
+            runs[i] = {"error": f"{type(e).__name__}: {getattr(e, 'details', lambda: e)()}"}
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [r["error"] for r in runs if "error" in r]
+    if errors:
+        return {"streams": n, "error": f"{len(errors)} of {n} streams failed: {errors[0]}"}
+    tokens = sum(len(r["token_ids"]) for r in runs)
+    wall = max(r["done"] for r in runs) - min(r["sent"] for r in runs)
+    ttfts = [r["first"] - r["sent"] for r in runs if r["first"] is not None]
+    return {"streams": n, "wall_s": wall, "tokens": tokens, "aggregate_tps": tokens / wall,
+            "mean_ttft_s": statistics.mean(ttfts) if ttfts else None,
+            "max_ttft_s": max(ttfts) if ttfts else None,
+            "token_ids": [r["token_ids"] for r in runs], "finish_reasons": [r["finish_reason"] for r in runs]}
+
+
+def single(r: dict) -> dict:
+    n = len(r["token_ids"])
+    u = r["usage"] or {}
+    return {"ttft_s": r["first"] - r["sent"] if r["first"] is not None else None, "token_ids": r["token_ids"],
+            "decode_tps": (n - 1) / (r["last"] - r["first"]) if n > 1 else None,
+            "finish_reason": r["finish_reason"], "server_usage": u}
+
+
+def log_tails(logs: list) -> str:
+    out = []
+    for r, path in enumerate(logs):
+        text = Path(path).read_text(errors="replace").strip() if Path(path).exists() else ""
+        if text:
+            out.append(f"[rank {r}] " + text[-800:])
+    return "\n".join(out)
+
+
+def run_runner(ranks: int, spec: dict, env: dict, runner_args: list, timeout: float) -> dict:
+    from distributed.proto import generation_pb2 as pb
+    from distributed.proto import generation_pb2_grpc as pb_grpc
+
+    target = f"127.0.0.1:{free_ports(1)[0]}"
+    cmd = [PY, RUN, "--model", spec["model"], "--serve", target, "--max-tokens-cap", "100000",
+           "--prefill-step-size", str(spec["prefill_step_size"]), *runner_args]
+    logdir = tempfile.mkdtemp(prefix="bench-throughput-")
+    logs = [os.path.join(logdir, f"rank{r}.log") for r in range(ranks)]
+    files = [open(path, "w") for path in logs]
+    out = {"ranks": ranks, "command": cmd, "loadavg_start": os.getloadavg()[0]}
+    procs, hostfile, channel = [], None, None
+    try:
+        stdio = [dict(stdout=f, stderr=subprocess.STDOUT) for f in files]
+        procs, hostfile = start_ranks(cmd, ranks, env, rank0=stdio[0], others=stdio[1:])
+        channel, out["startup_s"] = wait_serving(target, procs, timeout=timeout)
+        stub = pb_grpc.GenerationStub(channel)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
+        out["rank_map"] = [{"rank": r.rank, "layers": [r.layer_start, r.layer_end], "embed": r.embed,
+                            "peak_memory_bytes": r.peak_memory_bytes, "parameter_bytes": r.parameter_bytes}
+                           for r in info.ranks]
+        grpc_generate(stub, spec["warmup"], 4, timeout)
+        out["decode"] = [single(grpc_generate(stub, spec["decode_prompt"], spec["max_tokens"], timeout))
+                         for _ in range(spec["reps"])]
+        out["ttft"] = {str(n): [single(grpc_generate(stub, p, 1, timeout)) for _ in range(spec["reps"])]
+                       for n, p in spec["ttft_prompts"].items()}
+        out["streams"] = {}
+        for n in spec["streams"]:
+            out["streams"][str(n)] = concurrent(stub, spec["stream_prompts"][:n], spec["max_tokens"], timeout)
+            print(f"  runner P={ranks}: {n} streams {fmt_stream(out['streams'][str(n)])}", file=sys.stderr, flush=True)
+        out["vmhwm_bytes"] = [vmhwm_bytes(p.pid) for p in procs]
+        dead = [(r, p.returncode) for r, p in enumerate(procs) if p.poll() is not None]
+        if dead:
+            out["error"] = f"rank(s) exited during the run (rank, exit code): {dead}"
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {getattr(e, 'details', lambda: e)()}"
+    finally:
+        if channel is not None:
+            channel.close()
+        kill_groups(procs)
+        if hostfile:
+            os.unlink(hostfile)
+        for f in files:
+            f.close()
+        if out.get("error") or any("error" in s for s in out.get("streams", {}).values()):
+            out["log_tail"] = log_tails(logs)
+        shutil.rmtree(logdir, ignore_errors=True)
+    return out
+
+
+def fmt_stream(s: dict) -> str:
+    if "error" in s:
+        return s["error"]
+    return f"{s['aggregate_tps']:.1f} tok/s aggregate, {s['tokens']} tokens in {s['wall_s']:.2f} s, " \
+           f"mean TTFT {s['mean_ttft_s'] * 1e3:.0f} ms"
+
+
+# ---------------------------------------------------------------- checks and summary
+
+def same_tokens(got: list, ref: list, eos: set) -> bool:
+    """`got` (the runner, which stops at EOS and drops it) against `ref` (generate_step)."""
+    if got != ref[: len(got)]:
+        return False
+    return len(got) == len(ref) or ref[len(got)] in eos
+
+
+def median_of(runs: list, key: str):
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(mlx: dict, runners: dict, eos: set, spec: dict) -> tuple:
+    """Table rows (name -> numbers) and warnings."""
+    rows, warnings = {}, []
+    lens = [str(n) for n in spec["ttft_prompts"]]
+    streams = [str(n) for n in spec["streams"]]
+    if "error" not in mlx:
+        hwm = mlx["vmhwm_bytes"]
+        mem_mlx = {"mx_peak_load_mib": [mlx["mx_peak_load_bytes"] / MIB], "vmhwm_mib": [hwm and hwm / MIB]}
+        rows["mlx-lm generate_step"] = dict(
+            decode_tps=median_of(mlx["decode"], "decode_tps"),
+            ttft_ms={n: median_of(mlx["ttft"][n], "ttft_s") * 1e3 for n in lens}, agg_tps={},
+            tokens="ref", **mem_mlx)
+        rows["mlx-lm batch_generate"] = dict(
+            decode_tps=None, ttft_ms={}, agg_tps={n: mlx["batch"][n]["aggregate_tps"] for n in streams},
+            tokens="-", **mem_mlx)
+    for p, r in runners.items():
+        name = f"runner P={p}"
+        row = dict(decode_tps=None, ttft_ms={}, agg_tps={}, mean_stream_ttft_ms={}, tokens="?",
+                   mx_peak_load_mib=[x["peak_memory_bytes"] / MIB for x in r.get("rank_map", [])],
+                   vmhwm_mib=[x and x / MIB for x in r.get("vmhwm_bytes", [])])
+        problems = [r["error"]] if r.get("error") else []
+        if "decode" in r:
+            row["decode_tps"] = median_of(r["decode"], "decode_tps")
+        for n in lens:
+            t = median_of(r.get("ttft", {}).get(n, []), "ttft_s")
+            row["ttft_ms"][n] = t and t * 1e3
+        for n in streams:
+            s = r.get("streams", {}).get(n)
+            if s and "error" in s:
+                problems.append(f"{n} streams: {s['error']}")
+            elif s:
+                row["agg_tps"][n] = s["aggregate_tps"]
+                row["mean_stream_ttft_ms"][n] = s["mean_ttft_s"] * 1e3 if s["mean_ttft_s"] is not None else None
+        if "error" not in mlx and "decode" in r:
+            checks = [same_tokens(d["token_ids"], mlx["decode"][0]["token_ids"], eos) for d in r["decode"]]
+            checks += [same_tokens(t["token_ids"], mlx["ttft"][n][0]["token_ids"][:1], eos)
+                       for n in lens if n in r.get("ttft", {}) for t in r["ttft"][n]]
+            row["tokens"] = "yes" if all(checks) else "NO"
+            if not all(checks):
+                warnings.append(f"{name}: greedy single-stream tokens differ from mlx-lm generate_step "
+                                f"(runner decode {r['decode'][0]['token_ids']} vs mlx-lm "
+                                f"{mlx['decode'][0]['token_ids']})")
+            # Streams vs batch_generate (informational).
+            match = total = 0
+            for n in streams:
+                s = r.get("streams", {}).get(n)
+                if s and "error" not in s:
+                    for got, ref in zip(s["token_ids"], mlx["batch"][n]["token_ids"]):
+                        total += 1
+                        match += got == ref
+            row["streams_equal_batch_generate"] = [match, total]
+        row["error"] = "; ".join(problems) or None
+        if problems:
+            warnings.append(f"{name}: {row['error']}" + (f"\n{r['log_tail']}" if r.get("log_tail") else ""))
+        rows[name] = row
+    return rows, warnings
+
+
+def ratios(rows: dict, spec: dict) -> dict:
+    out = {}
+    base = rows.get("mlx-lm generate_step", {}).get("decode_tps")
+    p2 = rows.get("runner P=2", {}).get("decode_tps")
+    if base and p2:
+        out["decode_P2_over_mlx_lm"] = p2 / base
+    out["agg8_over_agg1"] = {name: r["agg_tps"]["8"] / r["agg_tps"]["1"] for name, r in rows.items()
+                             if "8" in r["agg_tps"] and "1" in r["agg_tps"]}
+    longest = str(max(int(n) for n in spec["ttft_prompts"]))
+    t1 = rows.get("runner P=1", {}).get("ttft_ms", {}).get(longest)
+    t2 = rows.get("runner P=2", {}).get("ttft_ms", {}).get(longest)
+    if t1 and t2:
+        out[f"ttft{longest}_P2_over_P1"] = t2 / t1
+    return out
+
+
+def num(x, spec=".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def per_rank(values: list) -> str:
+    return "/".join("?" if v is None else f"{v:.0f}" for v in values) if values else "-"
+
+
+def print_table(rows: dict, spec: dict, rat: dict) -> None:
+    lens = [str(n) for n in spec["ttft_prompts"]]
+    streams = [str(n) for n in spec["streams"]]
+    head = f"{'config':<23}{'decode tok/s':>13}" + "".join(f"{'TTFT@' + n + ' ms':>15}" for n in lens) \
+        + "".join(f"{'agg@' + n:>9}" for n in streams) + f"  {'mx peak@load MiB/rank':<23}{'VmHWM MiB/rank':<16}tokens"
+    print(head)
+    for name, r in rows.items():
+        print(f"{name:<23}{num(r['decode_tps']):>13}" + "".join(f"{num(r['ttft_ms'].get(n), '.0f'):>15}" for n in lens)
+              + "".join(f"{num(r['agg_tps'].get(n)):>9}" for n in streams)
+              + f"  {per_rank(r['mx_peak_load_mib']):<23}{per_rank(r['vmhwm_mib']):<16}{r['tokens']}"
+              + ("  (error: see below)" if r.get("error") else ""))
+    runner = {k: v for k, v in rows.items() if k.startswith("runner")}
+    if runner:
+        print("\nrunner, mean per-stream TTFT (ms) with n concurrent streams; streams whose tokens equal "
+              "batch_generate's")
+        print(f"{'config':<23}" + "".join(f"{'n=' + n:>9}" for n in streams) + "   =batch_generate")
+        for name, r in runner.items():
+            m = r.get("streams_equal_batch_generate")
+            print(f"{name:<23}" + "".join(f"{num(r['mean_stream_ttft_ms'].get(n), '.0f'):>9}" for n in streams)
+                  + (f"   {m[0]}/{m[1]}" if m else ""))
+    print("\nratios (issue 5 targets)")
+    if "decode_P2_over_mlx_lm" in rat:
+        print(f"  single-stream decode, runner P=2 / mlx-lm generate_step: {rat['decode_P2_over_mlx_lm']:.2f}"
+              "   (target >= 1.0)")
+    for name, v in rat.get("agg8_over_agg1", {}).items():
+        print(f"  aggregate@8 / aggregate@1, {name}: {v:.2f}   (target >= 4 for the runner)")
+    for key, v in rat.items():
+        if key.startswith("ttft"):
+            print(f"  TTFT@{key[4:].split('_')[0]}, runner P=2 / P=1: {v:.2f}   (target < 1)")
+
+
+# ---------------------------------------------------------------- main
+
+def int_list(text: str) -> list:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def runner_has_flag(env: dict, flag: str) -> bool:
+    r = subprocess.run([PY, RUN, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return flag in r.stdout
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small model, few tokens, 1 rep (smoke run)")
+    p.add_argument("--out", help="JSON file (default bench/results/throughput.json; --quick: throughput_quick.json)")
+    p.add_argument("--ps", type=int_list, default=[1, 2, 3], help="runner rank counts (default 1,2,3)")
+    p.add_argument("--streams", type=int_list, default=[1, 4, 8, 16], help="concurrent streams (default 1,4,8,16)")
+    p.add_argument("--max-tokens", type=int, help="new tokens per generation (default 64; --quick 16)")
+    p.add_argument("--ttft-lens", type=int_list, default=[512, 2048], help="TTFT prompt lengths (default 512,2048)")
+    p.add_argument("--decode-prompt-len", type=int, help="prompt of the single-stream decode run (default 128; --quick 64)")
+    p.add_argument("--stream-prompt-len", type=int, help="prompt of each concurrent stream (default 128; --quick 32)")
+    p.add_argument("--reps", type=int, help="runs of decode and of each TTFT, median (default 3; --quick 1)")
+    p.add_argument("--prefill-step-size", type=int, default=512,
+                   help="prompt chunk, the same for mlx-lm and the runner (default 512)")
+    p.add_argument("--blas", choices=["reference", "openblas"], default="reference",
+                   help="openblas preloads the system OpenBLAS into every process (much faster prefill on Linux)")
+    p.add_argument("--max-batch", type=int, help="pass --max-batch N to run_trinity.py (default: its own default)")
+    p.add_argument("--runner-arg", action="append", default=[], metavar="ARG",
+                   help="extra run_trinity.py argument, e.g. --runner-arg=--transport=p2p (repeatable)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds: mlx-lm child, server start-up, each request")
+    p.add_argument("--mlx-lm-child", metavar="SPEC", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.mlx_lm_child:
+        return mlx_lm_child(args.mlx_lm_child)
+    # SIGTERM ends the run through the finally blocks that stop the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    start = time.perf_counter()
+    sizes = QUICK if args.quick else FULL
+    max_tokens = args.max_tokens or (16 if args.quick else 64)
+    reps = args.reps or (1 if args.quick else 3)
+    model = checkpoint(sizes)
+    env = bench_env(args.blas)
+    config = json.loads((model / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    eos = set(eos if isinstance(eos, list) else [eos])
+    spec = {
+        "model": str(model), "max_tokens": max_tokens, "reps": reps, "prefill_step_size": args.prefill_step_size,
+        "streams": args.streams, "warmup": stream_prompts(1, 16)[0],
+        "decode_prompt": ids(prompt_ids(args.decode_prompt_len or (64 if args.quick else 128))),
+        "ttft_prompts": {n: ids(prompt_ids(n)) for n in args.ttft_lens},
+        "stream_prompts": stream_prompts(max(args.streams), args.stream_prompt_len or (32 if args.quick else 128)),
+    }
+    longest = max(len(x) for x in [spec["decode_prompt"], spec["stream_prompts"][0], *spec["ttft_prompts"].values()])
+    if longest + max_tokens > config.get("max_position_embeddings", longest + max_tokens):
+        sys.exit(f"a {longest}-token prompt + {max_tokens} tokens exceeds the model's context "
+                 f"({config['max_position_embeddings']})")
+    runner_args = list(args.runner_arg)
+    has_max_batch = runner_has_flag(env, "--max-batch")
+    if args.max_batch is not None:
+        if not has_max_batch:
+            sys.exit("--max-batch: this run_trinity.py has no --max-batch flag")
+        runner_args += ["--max-batch", str(args.max_batch)]
+    mib = sum(f.stat().st_size for f in model.glob("*.safetensors")) / MIB
+    print(f"AFMoE fp32 {model.name}: hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} layers, "
+          f"{sizes['num_experts']} experts (top {sizes['num_experts_per_tok']}), {mib:.0f} MiB; "
+          f"{max_tokens} new tokens, greedy; BLAS {args.blas}; prefill step {args.prefill_step_size}; "
+          f"run_trinity.py --max-batch: {'yes' if has_max_batch else 'no (concurrent streams served one at a time)'}",
+          file=sys.stderr, flush=True)
+
+    tic = time.perf_counter()
+    load = os.getloadavg()[0]
+    mlx = dict(run_mlx_lm(spec, env, args.timeout), loadavg_start=load)
+    print(f"mlx-lm: {mlx.get('error') or 'done'} ({time.perf_counter() - tic:.0f} s)", file=sys.stderr, flush=True)
+    runners = {}
+    for ranks in args.ps:
+        tic = time.perf_counter()
+        runners[ranks] = run_runner(ranks, spec, env, runner_args, args.timeout)
+        print(f"runner P={ranks}: {runners[ranks].get('error') or 'done'} ({time.perf_counter() - tic:.0f} s)",
+              file=sys.stderr, flush=True)
+
+    rows, warnings = summarize(mlx, runners, eos, spec)
+    rat = ratios(rows, spec)
+    wall = time.perf_counter() - start
+    cpus = os.cpu_count()
+    loads = [mlx["loadavg_start"]] + [r["loadavg_start"] for r in runners.values()]
+    print(f"\nAFMoE fp32, hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} layers, {sizes['num_experts']} "
+          f"experts, {mib:.0f} MiB; decode prompt {len(spec['decode_prompt'])} tokens, streams "
+          f"{len(spec['stream_prompts'][0])}-token prompts, {max_tokens} new tokens, greedy; median of {reps}; "
+          f"BLAS {args.blas}; {cpus} CPUs, load average {min(loads):.1f}-{max(loads):.1f} at the starts; "
+          f"runner: ring backend, ranks started directly"
+          + ("" if has_max_batch else "; run_trinity.py has no --max-batch (streams served one at a time)"))
+    if "error" in mlx:
+        print(f"mlx-lm failed: {mlx['error']}")
+    print_table(rows, spec, rat)
+    if any(p > (cpus or 1) for p in args.ps):
+        print(f"  note: P > {cpus} CPUs oversubscribes this machine (the ring backend polls while it waits)")
+    for w in warnings:
+        print(f"WARNING: {w}")
+    print(f"wall time {wall:.0f} s")
+
+    out = Path(args.out or ROOT / "bench" / "results" / ("throughput_quick.json" if args.quick else "throughput.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = dict(sizes, checkpoint=str(model), max_tokens=max_tokens, reps=reps, ps=args.ps, streams=args.streams,
+                    ttft_lens=args.ttft_lens, decode_prompt_len=len(spec["decode_prompt"]),
+                    stream_prompt_len=len(spec["stream_prompts"][0]), prefill_step_size=args.prefill_step_size,
+                    blas=args.blas, runner_args=runner_args, runner_has_max_batch=has_max_batch, quick=args.quick,
+                    cpus=cpus)
+    out.write_text(json.dumps({"settings": settings, "table": rows, "ratios": rat, "warnings": warnings,
+                               "mlx_lm": mlx, "runner": {str(k): v for k, v in runners.items()}, "wall_s": wall},
+                              indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

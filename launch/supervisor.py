@@ -111,9 +111,28 @@ def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
             s.close()
 
 
+def group_members(pgid: int) -> List[int]:
+    """Live processes of process group `pgid` (Linux: from /proc; zombies, already dead
+    and waiting for init to reap them, do not count)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            out.append(int(pid))
+    return out
+
+
 def group_alive(pgid: int) -> bool:
-    """Whether any process of process group `pgid` still exists."""
-    try:
+    """Whether any process of process group `pgid` still runs."""
+    if os.path.isdir("/proc/self"):
+        return bool(group_members(pgid))
+    try:  # no /proc (macOS): zombies count too, until reaped
         os.killpg(pgid, 0)
         return True
     except ProcessLookupError:

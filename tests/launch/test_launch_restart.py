@@ -148,16 +148,84 @@ def test_restart_after_a_rank_is_killed_then_give_up(hf_checkpoint, tmp_path, re
         launcher.close()
 
 
-def test_a_stop_signal_is_a_clean_stop_not_a_restart(hf_checkpoint, tmp_path, reference):
-    launcher = Launcher(hf_checkpoint, tmp_path, "--restart", "3", "--grace", "10")
+RANK_SCRIPT = """
+import os, signal, subprocess, sys, time
+rank = int(os.environ["MLX_RANK"])
+mode = sys.argv[1]
+child = subprocess.Popen(["sleep", "300"])  # something the rank started: must not outlive the ring
+def stop(*_):
+    child.kill()
+    sys.exit(0)
+if mode == "fail" and rank == 1:
+    time.sleep(0.5)
+    sys.exit(3)
+if rank == 0 or mode != "stubborn":
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+else:  # "stubborn": the other ranks ignore SIGTERM and SIGINT
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+print(f"rank {rank} ready", file=sys.stderr, flush=True)
+time.sleep(300)
+"""
+
+
+def start_script(tmp_path, mode, *launch_args):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    log = open(tmp_path / "launch.log", "w")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    proc = subprocess.Popen([sys.executable, "-m", "launch", "run", "--single-host", "3", "--no-plan", *launch_args,
+                             "--", str(script), mode], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                            start_new_session=True)
+    return proc, tmp_path / "launch.log"
+
+
+def wait_for(path, text, count, timeout=30):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.read_text().count(text) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{count} x {text!r} not seen:\n{path.read_text()[-3000:]}")
+
+
+@pytest.mark.parametrize("mode, sig, status", [("clean", signal.SIGTERM, 0), ("stubborn", signal.SIGINT, 137)])
+def test_a_stop_signal_is_a_clean_stop_not_a_restart(tmp_path, mode, sig, status):
+    """The signal goes to rank 0 (which stops the others through the ring, in real runs);
+    ranks that are still there after --grace get SIGTERM, then SIGKILL. Never restarted;
+    nothing the ranks started is left."""
+    proc, log = start_script(tmp_path, mode, "--restart", "3", "--grace", "1")
     try:
-        assert launcher.generate_retrying()[0] == reference
-        (ranks,) = launcher.attempts()
-        os.kill(launcher.proc.pid, signal.SIGTERM)
-        assert launcher.proc.wait(timeout=30) == 0, launcher.output()[-3000:]
-        out = launcher.output()
-        assert "SIGTERM: stopping the ring" in out and "attempt 2" not in out and "restarting" not in out
-        assert wait_gone(list(ranks.values()), 5) == []
+        wait_for(log, "ready", 3)
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=30) == status, log.read_text()
+        out = log.read_text()
+        assert f"{signal.Signals(sig).name}: stopping the ring" in out and "attempt 2" not in out, out
+        if mode == "stubborn":
+            assert "ignored SIGTERM: SIGKILL" in out
         assert ring_processes(CONTROL.findall(out)) == []
     finally:
-        launcher.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("via", ["direct", "mlx.launch"])
+def test_restart_budget_with_a_failing_rank(tmp_path, via):
+    proc, log = start_script(tmp_path, "fail", "--via", via, "--restart", "2", "--grace", "0.5",
+                             "--restart-delay", "0")
+    try:
+        assert proc.wait(timeout=60) == 3, log.read_text()
+        out = log.read_text()
+        assert "attempt 3/3: starting the ring" in out and "attempt 4" not in out
+        for n in (1, 2):
+            assert f"attempt {n}/3 failed: rank 1 exited with code 3" in out and f"restart {n} of 2" in out
+        assert "no restarts left (--restart 2); exit status 3" in out
+        if via == "direct":
+            assert ring_processes(CONTROL.findall(out)) == [] and len(CONTROL.findall(out)) == 3
+        else:
+            assert out.count("started mlx.launch") == 3
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

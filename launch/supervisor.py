@@ -141,6 +141,24 @@ def group_alive(pgid: int) -> bool:
         return False
 
 
+def children(pid: int) -> List[int]:
+    """Live child processes of pid (Linux: from /proc; empty elsewhere)."""
+    out = []
+    if not os.path.isdir("/proc/self"):
+        return out
+    for child in os.listdir("/proc"):
+        if not child.isdigit():
+            continue
+        try:
+            with open(f"/proc/{child}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 1 and int(fields[1]) == pid and fields[0] != b"Z":
+            out.append(int(child))
+    return out
+
+
 def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -180,6 +198,11 @@ class Ring:
 
     def cleanup(self) -> None:
         pass
+
+    def stop_status(self) -> int:
+        """Our exit status after a stop signal: the first rank that did not exit 0."""
+        bad = [c for c in self.exited.values() if c != 0]
+        return Failure(None, bad[0]).status if bad else 0
 
     # -- shared machinery
     def _watch(self, key: int, proc: subprocess.Popen) -> None:
@@ -322,9 +345,49 @@ class MlxLaunchRing(Ring):
         self.reader = threading.Thread(target=pump, name="mlx.launch-stderr", daemon=True)
         self.reader.start()
 
+    def _children(self) -> List[int]:
+        """mlx.launch's children: the local ranks (bash exec'd into the command) and
+        the ssh clients of remote ones. Empty without /proc."""
+        return children(self.procs[0].pid) if self.procs else []
+
+    def _rank0(self) -> Optional[int]:
+        for pid in self._children():
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"MLX_RANK=0" in env or b"export MLX_RANK=0;" in cmdline:
+                return pid
+        return None
+
     def forward(self, sig: int) -> None:
-        # As a Ctrl-C in the terminal did: to mlx.launch and its local ranks alike.
-        self.kill_all(signal.SIGINT if sig == signal.SIGINT else sig)
+        # To rank 0, which stops the ring; mlx.launch then exits once every rank has.
+        # (An ssh client for a remote rank 0: its end of the session hangs up.)
+        rank0 = self._rank0()
+        if rank0 is not None:
+            try:
+                os.kill(rank0, sig)
+                return
+            except ProcessLookupError:
+                pass
+        self.kill_all(sig)  # as a Ctrl-C in the terminal did: mlx.launch and its local ranks alike
+
+    def kill_all(self, sig: int) -> None:
+        # SIGTERM to the ranks (mlx.launch reports how they exit, then exits itself);
+        # anything else, or no rank left to signal, to the whole group.
+        ranks = self._children() if sig == signal.SIGTERM else []
+        for pid in ranks:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if not ranks:
+            super().kill_all(sig)
+
+    def stop_status(self) -> int:
+        failure = self._report()
+        return failure.status if failure else 0
 
     def on_event(self, event: tuple) -> Optional[Failure]:
         if event[0] == "rank-exit":
@@ -357,14 +420,11 @@ class MlxLaunchRing(Ring):
 class Outcome:
     failure: Optional[Failure]
     stopped_by: Optional[int]  # the signal that asked for a clean stop
-    exits: Dict[int, int]
+    stop_status: int = 0  # our exit status after that stop
 
     @property
     def status(self) -> int:
-        if self.failure is not None:
-            return self.failure.status
-        bad = [c for c in self.exits.values() if c != 0]
-        return Failure(None, bad[0]).status if bad else 0
+        return self.failure.status if self.failure is not None else self.stop_status
 
 
 class Supervisor:
@@ -427,7 +487,7 @@ class Supervisor:
     def _attempt(self, ring: Ring, attempt: int, attempts: int) -> Outcome:
         self.ring = ring
         if self.stop_signal is not None:
-            return Outcome(None, self.stop_signal, {})
+            return Outcome(None, self.stop_signal)
         if attempts > 1:
             log(f"attempt {attempt}/{attempts}: starting the ring ({ring.name})")
         failure: Optional[Failure] = None
@@ -451,6 +511,7 @@ class Supervisor:
                         if alive:
                             log(f"{self._whom(ring, alive)} still running {self.grace:g} s later: SIGTERM")
                         ring.kill_all(signal.SIGTERM)
+                        ring.kill_all(signal.SIGCONT)  # a stopped (SIGSTOP) rank gets its SIGTERM too
                         termed, deadline = True, now + TERM_WAIT_S
                     else:
                         alive = ring.running()
@@ -502,7 +563,7 @@ class Supervisor:
                     key = stuck[0]
                     failure = Failure(key, ring.exited[key], pid=ring.procs[key].pid,
                                       detail=f"did not exit within {self.grace:g} s of rank 0 (killed)")
-            return Outcome(failure, self.stop_signal, dict(ring.exited))
+            return Outcome(failure, self.stop_signal, ring.stop_status() if failure is None else 0)
         finally:
             # Whatever happened above (an exception included), nothing of this ring survives.
             if ring.groups_alive():

@@ -170,11 +170,25 @@ time.sleep(300)
 """
 
 
+def marked(mark: str):
+    """Live processes whose environment carries TEST_RING_MARK=mark (inherited by everything
+    a launcher started: mlx.launch, the ranks, what they started)."""
+    want = f"TEST_RING_MARK={mark}".encode()
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if want in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") and alive(int(pid)):
+                out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
 def start_script(tmp_path, mode, *launch_args):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     log = open(tmp_path / "launch.log", "w")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TEST_RING_MARK=str(tmp_path))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     proc = subprocess.Popen([sys.executable, "-m", "launch", "run", "--single-host", "3", "--no-plan", *launch_args,
                              "--", str(script), mode], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
@@ -191,21 +205,24 @@ def wait_for(path, text, count, timeout=30):
     raise AssertionError(f"{count} x {text!r} not seen:\n{path.read_text()[-3000:]}")
 
 
-@pytest.mark.parametrize("mode, sig, status", [("clean", signal.SIGTERM, 0), ("stubborn", signal.SIGINT, 137)])
-def test_a_stop_signal_is_a_clean_stop_not_a_restart(tmp_path, mode, sig, status):
+@pytest.mark.parametrize("via, mode, sig, status", [("direct", "clean", signal.SIGTERM, 0),
+                                                     ("direct", "stubborn", signal.SIGINT, 137),
+                                                     ("mlx.launch", "clean", signal.SIGTERM, 0)])
+def test_a_stop_signal_is_a_clean_stop_not_a_restart(tmp_path, via, mode, sig, status):
     """The signal goes to rank 0 (which stops the others through the ring, in real runs);
     ranks that are still there after --grace get SIGTERM, then SIGKILL. Never restarted;
     nothing the ranks started is left."""
-    proc, log = start_script(tmp_path, mode, "--restart", "3", "--grace", "1")
+    proc, log = start_script(tmp_path, mode, "--via", via, "--restart", "3", "--grace", "1")
     try:
         wait_for(log, "ready", 3)
+        assert len(marked(str(tmp_path))) >= 7  # the launcher, 3 ranks, 3 sleeps (+ mlx.launch)
         os.kill(proc.pid, sig)
         assert proc.wait(timeout=30) == status, log.read_text()
         out = log.read_text()
         assert f"{signal.Signals(sig).name}: stopping the ring" in out and "attempt 2" not in out, out
         if mode == "stubborn":
             assert "ignored SIGTERM: SIGKILL" in out
-        assert ring_processes(CONTROL.findall(out)) == []
+        assert wait_gone(marked(str(tmp_path)), 2) == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -223,9 +240,10 @@ def test_restart_budget_with_a_failing_rank(tmp_path, via):
             assert f"attempt {n}/3 failed: rank 1 exited with code 3" in out and f"restart {n} of 2" in out
         assert "no restarts left (--restart 2); exit status 3" in out
         if via == "direct":
-            assert ring_processes(CONTROL.findall(out)) == [] and len(CONTROL.findall(out)) == 3
+            assert len(CONTROL.findall(out)) == 3
         else:
             assert out.count("started mlx.launch") == 3
+        assert wait_gone(marked(str(tmp_path)), 2) == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

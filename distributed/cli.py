@@ -8,6 +8,7 @@ Rank 0 prints; other ranks print nothing on stdout.
 """
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ import mlx.core as mx
 
 from . import TrinityError
 from .frontend import prompt_ids
-from .handshake import handshake
+from .handshake import StartupRefused, agree_control_address, exchange_errors, handshake
 from .pipeline import Pipeline, in_process_pipeline
 from .request import GenerationRequest, RequestError, TokenEvent
 from .scheduler import Scheduler
@@ -30,6 +31,7 @@ from .shard.loader import fetch_stage_files, load_stage, model_dir
 from .shard.plan import layer_ranges, parse_split
 from .transport.collective import MxCollective
 from .transport.mx_p2p import MxPointToPoint
+from .watchdog import CONTROL_ENV, Control, GuardedTransport, PeerFailed, Watchdog, control_from_env, parse_address
 from .worker import StageWorker
 
 DEFAULT_PROMPT = "Explain pipeline parallelism in one sentence."
@@ -58,6 +60,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--max-context", type=int, default=None,
                    help="prompt + max tokens limit (default: max_position_embeddings)")
+    faults = p.add_argument_group("faults (several ranks)")
+    faults.add_argument("--peer-timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="a rank silent this long on the control channel counts as failed: every rank exits")
+    faults.add_argument("--connect-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="at start-up, how long rank 0 waits for every rank to connect")
     serve = p.add_argument_group("serving (rank 0)")
     serve.add_argument("--serve", metavar="HOST:PORT", help="serve gRPC (trinity.v1.Generation) instead of one generation")
     serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API")
@@ -74,6 +81,9 @@ def validate(args: argparse.Namespace) -> None:
     """Checks that need no model; sampling values are checked with the request."""
     if args.stages < 1:
         raise TrinityError(f"--stages must be at least 1, got {args.stages}")
+    for flag in ("peer_timeout", "connect_timeout"):
+        if not getattr(args, flag) > 0:
+            raise TrinityError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.prefill_step_size < 1:
         raise TrinityError(f"--prefill-step-size must be at least 1, got {args.prefill_step_size}")
     try:
@@ -125,17 +135,18 @@ def prompt_tokens(args, tokenizer) -> List[int]:
         raise _flag_error(e) from None
 
 
-def startup_check(group, error: Optional[BaseException]) -> None:
-    """Every rank says whether it loaded; all fail together instead of one
-    waiting forever for a peer that already exited."""
-    flags = mx.zeros((group.size(),))
-    if error is not None:
-        flags[group.rank()] = 1
-    failed = [r for r, f in enumerate(mx.distributed.all_sum(flags, group=group).tolist()) if f]
+def startup_check(group, error: Optional[BaseException], hosts: List[str], watchdog: Optional[Watchdog]) -> None:
+    """Every rank says whether it loaded, with its error text; all fail together
+    instead of one waiting forever for a peer that already exited, and rank 0
+    shows each failed rank's own error (that rank may be on another machine)."""
+    texts = exchange_errors(group, None if error is None else str(error) or type(error).__name__)
+    failed = [f"rank {r} failed to start on host {hosts[r]}: {text}" for r, text in enumerate(texts) if text is not None]
+    if failed and watchdog is not None:
+        watchdog.close()  # every rank knows now, and exits with its own message
     if error is not None:
         raise error
     if failed:
-        raise TrinityError(f"rank {', '.join(map(str, failed))} failed to start (its error is printed above)")
+        raise StartupRefused("; ".join(failed))
 
 
 def planned_split(config: dict, group, max_context: Optional[int]) -> List[int]:
@@ -146,21 +157,63 @@ def planned_split(config: dict, group, max_context: Optional[int]) -> List[int]:
 
     plan = startup_plan(config, group, context=max_context)
     if not plan.fits:
-        raise TrinityError("the model does not fit:\n" + plan.shortfall())
+        raise StartupRefused("the model does not fit:\n" + plan.shortfall())
     return plan.split
 
 
-def make_transport(group, kind: str):
+def make_transport(group, kind: str, watchdog: Optional[Watchdog] = None):
     # MLX's NCCL backend has no send/recv; mlx.launch --backend nccl sets NCCL_HOST_IP.
     if kind == "collective" or (kind == "auto" and "NCCL_HOST_IP" in os.environ):
-        return MxCollective(group)
-    return MxPointToPoint(group)
+        transport = MxCollective(group)
+    else:
+        transport = MxPointToPoint(group)
+    return transport if watchdog is None else GuardedTransport(transport, watchdog)
 
 
-def build_pipeline(args):
+def start_watchdog(args, control: Control, **kw) -> Watchdog:
+    return Watchdog(control.rank, control.size, control.address, hosts=control.hosts,
+                    peer_timeout=args.peer_timeout, connect_timeout=args.connect_timeout, **kw).start()
+
+
+def join_ranks(args, control: Optional[Control]):
+    """mx.distributed.init with a watchdog over the ranks (none for one process).
+
+    Where rank 0's control address is known before init (ring, NCCL, or
+    TRINITY_CONTROL_ADDR), every rank connects to it first: init of the ring
+    backend blocks for ever, holding the GIL, if a rank never comes, so rank 0
+    must find that out (and exit naming it) before anyone calls init.
+    Otherwise (MPI, whose launcher starts every rank) init comes first and the
+    ranks agree on the address through a collective."""
+    if control is None:
+        group = mx.distributed.init()
+        if group.size() == 1:
+            return group, None
+        explicit = parse_address(os.environ[CONTROL_ENV]) if os.environ.get(CONTROL_ENV) else None
+        listener, candidates, hosts = agree_control_address(group, explicit)
+        control = Control(group.rank(), group.size(), candidates[0], hosts)
+        watchdog = start_watchdog(args, control, listener=listener, candidates=candidates)
+        watchdog.wait_ready()
+        return group, watchdog
+    watchdog = start_watchdog(args, control)
+    watchdog.wait_ready()
+    # Everyone is there, so init should return at once. Should a rank die in
+    # between, no Python thread runs during init: faulthandler's timer (a C
+    # thread) ends the process, printing where it was stuck.
+    faulthandler.dump_traceback_later(args.connect_timeout, exit=True)
+    try:
+        with watchdog.paused():
+            group = mx.distributed.init()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    if (group.rank(), group.size()) != (control.rank, control.size):
+        raise TrinityError(f"mx.distributed.init gave rank {group.rank()} of {group.size()}, but the environment "
+                           f"says rank {control.rank} of {control.size}")
+    return group, watchdog
+
+
+def build_pipeline(args, group, watchdog: Optional[Watchdog] = None):
     """Load this process's stage(s). Returns (pipeline, path, config) on rank 0,
     or None on other ranks once they have served until STOP."""
-    group = mx.distributed.init()
     world = group.size()
     if world > 1 and args.stages > 1:
         raise TrinityError("--stages runs several stages in one process; do not combine it with a multi-rank launch")
@@ -172,7 +225,12 @@ def build_pipeline(args):
     config = read_config(model_dir(model))
     num_layers = model_args(config).num_hidden_layers
     if args.split == "auto":
-        split = planned_split(config, group, args.max_context)
+        try:
+            split = planned_split(config, group, args.max_context)
+        except StartupRefused:
+            if watchdog is not None:
+                watchdog.close()  # every rank made the same plan, and exits with it
+            raise
     else:
         split = parse_split(args.split) if args.split else None
     ranges = layer_ranges(num_layers, max(world, args.stages), split)
@@ -185,15 +243,20 @@ def build_pipeline(args):
     rank = group.rank()
     start, end = ranges[rank]
     context = args.max_context or config.get("max_position_embeddings") or 4096
-    handshake(group, model_dir(model), config, ranges, context)
+    try:
+        reports = handshake(group, model_dir(model), config, ranges, context)
+    except StartupRefused:
+        if watchdog is not None:
+            watchdog.close()  # every rank found the same problems, and exits naming them
+        raise
     stage, path, error = None, None, None
     try:
         path = fetch_stage_files(model, start, end, rank == 0)
         stage = load_stage(path, start, end, rank == 0, config)
     except Exception as e:  # reported to every rank before anyone waits on a peer
         error = e
-    startup_check(group, error)
-    transport = make_transport(group, args.transport)
+    startup_check(group, error, [r["host"] for r in reports], watchdog)
+    transport = make_transport(group, args.transport, watchdog)
     if rank != 0:
         StageWorker(stage, rank, world).serve(transport)
         return None
@@ -251,12 +314,22 @@ def serve_options(args) -> ServeOptions:
     ))
 
 
-def serve(args, options: ServeOptions, front_ends) -> None:
+GRACE_S = 1.0  # after a peer failed: for gRPC / HTTP threads to send their errors before the exit
+_watchdog: Optional[Watchdog] = None  # main() tells the other ranks how this one ends
+
+
+def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Watchdog]) -> None:
     """Rank 0 with --serve: load, attach the scheduler to the front ends, serve until a signal."""
     from .frontend import ModelInfo
 
+    def on_failure(reason: str) -> None:
+        for front_end in front_ends:
+            front_end.set_not_serving(reason)
+
+    if watchdog is not None:  # a rank failing while we load: health says why, then we exit
+        watchdog.on_failure, watchdog.grace = on_failure, GRACE_S
     try:
-        built = build_pipeline(args)
+        built = build_pipeline(args, group, watchdog)
     except BaseException:
         for front_end in front_ends:
             front_end.stop()
@@ -266,13 +339,11 @@ def serve(args, options: ServeOptions, front_ends) -> None:
 
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
 
-    def on_failure(reason: str) -> None:
-        for front_end in front_ends:
-            front_end.set_not_serving(reason)
-
     # The scheduler runs on this main thread (see Scheduler.start); front ends' threads only queue.
     scheduler = Scheduler(pipeline, tokenizer, max_queue=options.max_queue,
                           prefill_step_size=args.prefill_step_size, on_failure=on_failure)
+    if watchdog is not None:  # ends every stream with the failed rank's name, then NOT_SERVING
+        watchdog.on_failure = scheduler.abort
     info = ModelInfo(
         model_id=args.model or "trinity-tiny",
         vocab_size=model_args(config).vocab_size,
@@ -291,18 +362,33 @@ def serve(args, options: ServeOptions, front_ends) -> None:
         for front_end in front_ends:
             front_end.stop()
         scheduler.close()
+    if scheduler.failure is not None:
+        raise TrinityError(f"the pipeline is down: {scheduler.failure}")
 
 
 def run(args) -> None:
+    global _watchdog
     validate(args)
-    if args.serve or args.http:
-        options = serve_options(args)
-        if mx.distributed.init().rank() != 0:
-            build_pipeline(args)  # serves the ring until rank 0 stops it
+    options = serve_options(args) if args.serve or args.http else None
+    control = control_from_env()  # None: one process, or a backend that needs init first (MPI)
+    front_ends = []
+    try:
+        if options is not None and control is not None and control.rank == 0:
+            front_ends = start_front_ends(options)  # NOT_SERVING while the ranks connect and load
+        group, _watchdog = join_ranks(args, control)
+        if options is not None and group.rank() == 0 and not front_ends:
+            front_ends = start_front_ends(options)
+    except BaseException:
+        for front_end in front_ends:
+            front_end.stop()
+        raise
+    if options is not None:
+        if group.rank() != 0:
+            build_pipeline(args, group, _watchdog)  # serves the ring until rank 0 stops it
             return
-        serve(args, options, start_front_ends(options))
+        serve(args, options, front_ends, group, _watchdog)
         return
-    built = build_pipeline(args)
+    built = build_pipeline(args, group, _watchdog)
     if built is None:
         return
     pipeline, path, config = built
@@ -310,6 +396,8 @@ def run(args) -> None:
 
     scheduler = Scheduler(pipeline, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")),
                           prefill_step_size=args.prefill_step_size)
+    if _watchdog is not None:
+        _watchdog.on_failure = scheduler.abort
     try:
         request = build_request(args, scheduler.tokenizer, config)
         result = generate_once(scheduler, request, stream=not args.json)
@@ -327,5 +415,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         run(args)
     except TrinityError as e:
+        if _watchdog is not None:
+            _watchdog.leave(str(e))
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BaseException as e:
+        if _watchdog is not None:
+            _watchdog.leave(f"{type(e).__name__}: {e}")
+        raise
+    if _watchdog is not None:
+        _watchdog.close()  # a clean exit: the other ranks stop watching this one

@@ -6,7 +6,7 @@ failing later while the others wait on it."""
 import hashlib
 import socket
 from pathlib import Path
-from typing import List
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -14,6 +14,12 @@ from . import TrinityError
 from .shard.loader import INDEX_FILE
 
 HOST_CHARS = 64
+
+
+class StartupRefused(TrinityError):
+    """A verdict every rank reached from the same exchanged table: each exits
+    with it on its own (no rank waits for, or needs to hear from, another)."""
+
 _LOW = (1 << 31) - 1
 _FP_INTS = 4  # 16 bytes of the sha256: plenty to tell checkpoints apart
 
@@ -74,5 +80,60 @@ def handshake(group, model_path: Path, config: dict, ranges, context: int) -> Li
                             f"needs {r['need_bytes'] / 2**30:.2f} GiB at a {context}-token context, "
                             f"has {memory / 2**30:.2f} GiB usable")
     if problems:
-        raise TrinityError("start-up check failed: " + "; ".join(problems))
+        raise StartupRefused("start-up check failed: " + "; ".join(problems))
     return reports
+
+
+ERROR_BYTES = 2048  # of each rank's start-up error text, utf-8
+
+
+def exchange_errors(group, error: Optional[str]) -> List[Optional[str]]:
+    """Every rank's start-up error text (None: it started), so rank 0 can show a
+    peer's own error even when that peer runs on another machine."""
+    data = (error or "").encode()[:ERROR_BYTES] if error is not None else b""
+    row = [1 if error is not None else 0] + list(data) + [0] * (ERROR_BYTES - len(data))
+    table = mx.zeros((group.size(), len(row)), dtype=mx.int32)
+    table[group.rank()] = mx.array(row, dtype=mx.int32)
+    texts = []
+    for r in mx.distributed.all_sum(table, group=group).tolist():
+        texts.append(bytes(c for c in r[1:] if c).decode(errors="ignore") if r[0] else None)
+    return texts
+
+
+def _own_ipv4() -> str:
+    """The source address of this host's default route (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def agree_control_address(group, explicit: Optional[Tuple[str, int]] = None):
+    """After init, for backends that tell rank 0's address to nobody (MPI): rank 0
+    listens (on `explicit`, else on every interface at a free port) and an
+    all_sum gives every rank its port, IPv4 address and host name. Returns
+    (rank 0's listener or None, the addresses to try in order, each rank's host)."""
+    from .watchdog import listen
+
+    rank = group.rank()
+    listener = None
+    port, ip = 0, "0.0.0.0"
+    if rank == 0:
+        listener = listen(explicit or ("0.0.0.0", 0))
+        port, ip = listener.getsockname()[1], _own_ipv4()
+    host = socket.gethostname()[:HOST_CHARS]
+    octets = [int(x) for x in ip.split(".")] if ip.count(".") == 3 else [0, 0, 0, 0]
+    row = [port, *octets] + [ord(c) for c in host] + [0] * (HOST_CHARS - len(host))
+    table = mx.zeros((group.size(), len(row)), dtype=mx.int32)
+    table[rank] = mx.array(row, dtype=mx.int32)
+    rows = mx.distributed.all_sum(table, group=group).tolist()
+    hosts = ["".join(chr(c) for c in r[5:] if c) for r in rows]
+    port0, ip0 = rows[0][0], ".".join(map(str, rows[0][1:5]))
+    if explicit is not None:
+        return listener, [explicit], hosts
+    candidates = [(ip0, port0), (hosts[0], port0)]
+    if hosts[rank] == hosts[0]:
+        candidates.insert(0, ("127.0.0.1", port0))
+    return listener, candidates, hosts

@@ -175,6 +175,10 @@ def start_watchdog(args, control: Control, **kw) -> Watchdog:
                     peer_timeout=args.peer_timeout, connect_timeout=args.connect_timeout, **kw).start()
 
 
+def mx_distributed_init_did_not_return_within_connect_timeout():
+    return mx.distributed.init()  # (named for faulthandler's report, should init hang)
+
+
 def join_ranks(args, control: Optional[Control]):
     """mx.distributed.init with a watchdog over the ranks (none for one process).
 
@@ -197,12 +201,13 @@ def join_ranks(args, control: Optional[Control]):
     watchdog = start_watchdog(args, control)
     watchdog.wait_ready()
     # Everyone is there, so init should return at once. Should a rank die in
-    # between, no Python thread runs during init: faulthandler's timer (a C
-    # thread) ends the process, printing where it was stuck.
+    # between (or the ranks' hostfiles disagree), no Python thread runs during
+    # init: faulthandler's timer (a C thread) ends the process with status 1,
+    # its report naming the function below.
     faulthandler.dump_traceback_later(args.connect_timeout, exit=True)
     try:
         with watchdog.paused():
-            group = mx.distributed.init()
+            group = mx_distributed_init_did_not_return_within_connect_timeout()
     finally:
         faulthandler.cancel_dump_traceback_later()
     if (group.rank(), group.size()) != (control.rank, control.size):

@@ -101,6 +101,7 @@ class _Peer:
         self.last_seen = time.monotonic()
         self.gone = False  # said bye: its exit is expected
         self.lock = threading.Lock()  # one writer at a time
+        self.buf = b""  # what arrived after the last complete line
 
     def send(self, msg: dict) -> None:
         with self.lock:
@@ -109,28 +110,32 @@ class _Peer:
             except OSError:
                 pass  # the reader or the monitor notices a dead peer
 
-    def lines(self):
-        """Messages as they arrive; returns at EOF or a reset."""
-        buf = b""
+    def lines(self, deadline: Optional[float] = None):
+        """Messages as they arrive; returns at EOF, a reset, or past `deadline`.
+        What is not taken yet stays in self.buf for the next call."""
         while True:
-            try:
-                data = self.sock.recv(4096)
-            except socket.timeout:
-                continue  # the monitor judges silence, not this thread
-            except OSError:
-                return
-            if not data:
-                return
-            self.last_seen = time.monotonic()
-            buf += data
-            *complete, buf = buf.split(b"\n")
-            for line in complete:
+            while b"\n" in self.buf:
+                line, self.buf = self.buf.split(b"\n", 1)
                 try:
                     msg = json.loads(line)
                 except ValueError:
                     continue
                 if isinstance(msg, dict):
                     yield msg
+            if len(self.buf) > 65536:
+                return  # no line of ours is this long
+            try:
+                data = self.sock.recv(4096)
+            except socket.timeout:
+                if deadline is not None and time.monotonic() > deadline:
+                    return
+                continue  # the monitor judges silence, not this thread
+            except OSError:
+                return
+            if not data:
+                return
+            self.last_seen = time.monotonic()
+            self.buf += data
 
 
 class Watchdog:
@@ -138,7 +143,7 @@ class Watchdog:
                  candidates: Sequence[Address] = (), listener: Optional[socket.socket] = None,
                  peer_timeout: float = 5.0, connect_timeout: float = 60.0,
                  on_failure: Optional[Callable[[str], None]] = None, grace: float = 0.0,
-                 exit: Callable[[int], None] = os._exit):
+                 exit_process: Callable[[int], None] = os._exit):
         self.rank, self.size, self.address = rank, size, address
         self.host = socket.gethostname()
         self.hosts: Dict[int, str] = dict(enumerate(hosts))  # best name known for each rank
@@ -153,7 +158,7 @@ class Watchdog:
         self.failure: Optional[str] = None
         self.peers: Dict[int, _Peer] = {}
         self._listener = listener
-        self._exit = exit
+        self._exit = exit_process
         self._lock = threading.Lock()
         self._done = False  # close() or leave(): an exit of ours, nothing more to watch
         self._paused = False
@@ -230,9 +235,9 @@ class Watchdog:
 
     def _greet(self, conn: socket.socket) -> None:
         """Rank 0: a rank says hello; once all have, everyone may go on."""
-        conn.settimeout(HELLO_TIMEOUT_S)
+        conn.settimeout(IO_TIMEOUT_S)
         peer = _Peer(conn, None)
-        msg = next(peer.lines(), {})
+        msg = next(peer.lines(deadline=time.monotonic() + HELLO_TIMEOUT_S), {})
         r = msg.get("hello")
         with self._lock:
             ok = isinstance(r, int) and 0 < r < self.size and r not in self.peers and not self._done
@@ -244,7 +249,6 @@ class Watchdog:
         if not ok:  # a stranger, or a rank twice: not ours to judge
             conn.close()
             return
-        conn.settimeout(IO_TIMEOUT_S)
         peer.last_seen = time.monotonic()
         peer.send({"hello": 0, "host": self.host})
         if everyone:

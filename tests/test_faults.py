@@ -157,6 +157,26 @@ def test_a_rank_frozen_mid_stream(hf_checkpoint):
         s.stop()
 
 
+def test_a_rank_killed_while_the_ring_is_idle(hf_checkpoint):
+    """No request running, so no MLX call notices: only the watchdog can."""
+    s = Server(hf_checkpoint, 2, SERVER_ARGS, manual=True)
+    try:
+        s.wait_serving()
+        killed_at = time.monotonic()
+        s.procs[1].kill()
+        seen = []  # health, in order (SERVING first if asked before the watchdog's verdict)
+        while s.procs[0].poll() is None and time.monotonic() - killed_at < EXIT_WITHIN_S:
+            status = s.health_status()
+            if not seen or seen[-1] != status:
+                seen.append(status)
+        assert s.procs[0].wait(timeout=1) == EXIT_PEER_FAILED, s.output()
+        assert NOT_SERVING in seen and SERVING not in seen[seen.index(NOT_SERVING):], seen
+        assert f"trinity: rank 1 (host {socket.gethostname()}) stopped responding (connection closed)" in s.output()
+        print(f"idle ring: rank 0 exited {time.monotonic() - killed_at:.2f} s after rank 1 was killed")
+    finally:
+        s.stop()
+
+
 def start_rank(rank: int, hostfile: str, args, out):
     return subprocess.Popen([sys.executable, RUN, *args], env=dict(env(), MLX_RANK=str(rank), MLX_HOSTFILE=hostfile),
                             stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)

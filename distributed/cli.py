@@ -31,7 +31,7 @@ from .shard.loader import fetch_stage_files, load_stage, model_dir
 from .shard.plan import layer_ranges, parse_split
 from .transport.collective import MxCollective
 from .transport.mx_p2p import MxPointToPoint
-from .watchdog import CONTROL_ENV, Control, GuardedTransport, PeerFailed, Watchdog, control_from_env, parse_address
+from .watchdog import CONTROL_ENV, Control, GuardedTransport, Watchdog, control_from_env, parse_address
 from .worker import StageWorker
 
 DEFAULT_PROMPT = "Explain pipeline parallelism in one sentence."

@@ -1,16 +1,21 @@
-"""Rank 0's view of the ring: one forward pass through every stage.
+"""Rank 0's view of the ring.
 
 Rank 0 embeds and runs the first layers, sends the hidden state on, and gets
-the last rank's output back for the tail (final norm and lm_head). With one
-rank there is no transport and everything runs here.
+the last rank's output back for the tail (final norm and lm_head). Sends do
+not wait for replies: several frames can be in the ring at once (prefill
+chunks one behind the other, decode micro-batches), and replies come back in
+the order their frames were sent. With one rank there is no transport and
+everything runs here.
 """
 
-from typing import Dict, List, Optional
+from collections import deque
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
 from . import rank_info
 from .shard.loader import parameter_bytes
+from .shard.slots import SlotCaches
 from .shard.stage import Stage
 from .transport import Header, Op, Reply, Transport
 
@@ -20,52 +25,67 @@ class Pipeline:
         assert stage.first, "rank 0 holds the first stage"
         self.stage = stage
         self.transport = transport
-        self.caches: Dict[int, List] = {}
-        self.offsets: Dict[int, int] = {}
+        self.caches = SlotCaches(stage)
+        self._local: deque = deque()  # one rank: replies not yet taken by recv()
 
     @property
     def num_ranks(self) -> int:
         return 1 if self.transport is None else self.transport.size
 
-    def reset(self, slot: int = 0) -> None:
-        """Start a new sequence in `slot`: fresh caches on every rank."""
-        self.caches[slot] = self.stage.make_cache()
-        self.offsets[slot] = 0
+    def _control(self, header: Header, payload: Optional[mx.array] = None) -> None:
         if self.transport is not None:
-            self.transport.send(Header(Op.RESET, slot=slot))
+            self.transport.send(header, payload)
 
     def release(self, slot: int = 0) -> None:
-        """Free `slot`'s caches on every rank (a request finished or was cancelled)."""
-        self.caches.pop(slot, None)
-        self.offsets.pop(slot, None)
+        """Free `slot`'s caches on every rank (its request finished or was cancelled)."""
+        self.caches.drop(slot)
+        self._control(Header(Op.RESET, slot=slot))
+
+    def join(self, batch_slot: int, source_slot: int) -> None:
+        """Move the prefilled sequence in `source_slot` into `batch_slot`'s batch, on every rank."""
+        self.caches.join(batch_slot, source_slot)
+        self._control(Header(Op.JOIN, slot=batch_slot, arg=source_slot))
+
+    def filter(self, batch_slot: int, keep: List[int]) -> None:
+        """Keep only rows `keep` of `batch_slot`'s batch, on every rank."""
+        self.caches.filter(batch_slot, keep)
+        rows = mx.array(keep, dtype=mx.int32).reshape(1, -1, 1)
+        self._control(Header.for_payload(Op.FILTER, rows, slot=batch_slot), rows if keep else None)
+
+    def send(self, tokens: mx.array, reply: Reply, slot: int = 0) -> None:
+        """Start tokens (batch, length) through all stages; unless `reply` is
+        NONE, recv() later returns the reply."""
+        h = self.stage(self.stage.embed(tokens), self.caches.get(slot))
         if self.transport is not None:
-            self.transport.send(Header(Op.RESET, slot=slot))
+            self.transport.send(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot), h)
+        elif reply in (Reply.NONE, Reply.ACK):
+            self.caches.evaluate(slot)
+            if reply == Reply.ACK:
+                self._local.append((Header(Op.FORWARD, Reply.ACK, slot), None))
+        else:
+            self._local.append((Header(Op.FORWARD, reply, slot), h[:, -1:, :] if reply == Reply.LAST else h))
+
+    def recv(self) -> Tuple[Header, Optional[mx.array]]:
+        """The reply to the oldest frame sent that asked for one: final hidden
+        states (Reply.LAST / ALL), or no payload (Reply.ACK)."""
+        if self.transport is None:
+            return self._local.popleft()
+        return self.transport.recv()
 
     def forward(self, tokens: mx.array, reply: Reply, slot: int = 0) -> Optional[mx.array]:
-        """Run tokens (batch, length) through all stages; return the final hidden
-        states asked for by `reply` (None for Reply.NONE)."""
-        cache = self.caches[slot]
-        h = self.stage(self.stage.embed(tokens), cache)
-        offset = self.offsets[slot]
-        self.offsets[slot] += tokens.shape[1]
-        if self.transport is None:
-            if reply == Reply.NONE:
-                mx.eval([c.state for c in cache])
-                return None
-            return h[:, -1:, :] if reply == Reply.LAST else h
-        self.transport.send(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot, offset=offset), h)
+        """send() and wait for its reply: the final hidden states (None for NONE / ACK)."""
+        self.send(tokens, reply, slot)
         if reply == Reply.NONE:
-            # Nothing comes back, so rank 0 goes straight on to the next chunk
-            # while later ranks still work on this one.
             return None
-        _, h = self.transport.recv()
+        _, h = self.recv()
         return h
 
     def logits(self, tokens: mx.array, reply: Reply = Reply.LAST, slot: int = 0) -> mx.array:
         return self.stage.head(self.forward(tokens, reply, slot))
 
     def rank_info(self) -> List[dict]:
-        """One row per rank: host, layers, embed/head, peak memory, parameter bytes."""
+        """One row per rank: host, layers, embed/head, peak memory, parameter bytes.
+        Call only with no reply outstanding."""
         s = self.stage
         table = rank_info.encode_row(0, s.start, s.end, True, parameter_bytes(s))
         if self.transport is not None:

@@ -1,21 +1,17 @@
 """The one place that decides what runs on the ring.
 
-Front ends submit requests; a single thread drives rank 0's Pipeline and
-streams events back to each request's handle. For now requests pass the ring
-one at a time, in FIFO order, from a bounded queue. Continuous batching will
-change `_run` only: submit/handle/events stay as they are.
+Front ends submit requests into a bounded FIFO queue; a single thread admits
+them into the Batcher (continuous batching, up to --max-batch sequences at
+once) and drives rank 0's Pipeline, streaming events back to each request's
+handle.
 """
 
 import queue
 import threading
-import time
 from concurrent.futures import Future
-from typing import Callable, Iterator, List, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
-import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
-
-from .generate import generate_tokens
+from .batching import Batcher
 from .pipeline import Pipeline
 from .request import FinishEvent, GenerationRequest, TokenEvent
 
@@ -35,6 +31,7 @@ class RequestHandle:
         self.request = request
         self._events: "queue.Queue[Event]" = queue.Queue()
         self._cancelled = threading.Event()
+        self.done = False  # its FinishEvent was emitted
 
     def cancel(self) -> None:
         """Stop generating for this request; takes effect within one decode step."""
@@ -45,6 +42,9 @@ class RequestHandle:
         return self._cancelled.is_set() or self.request.expired()
 
     def emit(self, event: Event) -> None:
+        if self.done:  # e.g. the watchdog already failed it
+            return
+        self.done = isinstance(event, FinishEvent)
         self._events.put(event)
 
     def events(self) -> Iterator[Event]:
@@ -56,43 +56,18 @@ class RequestHandle:
                 return
 
 
-class StopStrings:
-    """Finds stop strings in streamed text, holding back what could begin one."""
-
-    def __init__(self, stops: List[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def feed(self, text: str):
-        """Returns (text safe to emit, whether a stop string was hit)."""
-        self.pending += text
-        for stop in self.stops:
-            at = self.pending.find(stop)
-            if at >= 0:
-                out, self.pending = self.pending[:at], ""
-                return out, True
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        out = self.pending[: len(self.pending) - keep]
-        self.pending = self.pending[len(out):]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 class Scheduler:
-    def __init__(self, pipeline: Pipeline, tokenizer, max_queue: int = 64, prefill_step_size: int = 2048,
-                 on_failure: Optional[Callable[[str], None]] = None):
-        self.pipeline = pipeline
+    def __init__(self, pipeline: Pipeline, tokenizer, max_queue: int = 64, prefill_step_size: int = 512,
+                 max_batch: int = 16, on_failure: Optional[Callable[[str], None]] = None):
+        self.pipeline, self.tokenizer = pipeline, tokenizer
         self.on_failure = on_failure  # e.g. turn health to NOT_SERVING
-        self.tokenizer = tokenizer
-        self.prefill_step_size = prefill_step_size
+        self.batcher = Batcher(pipeline, tokenizer, max_batch, prefill_step_size)
         self._waiting: "queue.Queue[RequestHandle]" = queue.Queue(maxsize=max_queue)
+        self._calls: "queue.Queue" = queue.Queue()  # (fn, future) to run between steps
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self.failure: Optional[str] = None
         self._stopping = threading.Event()
-        self._active: set = set()  # handles being generated now
+        self._active: set = set()  # handles admitted and not finished
         self._lock = threading.Lock()
 
     def start(self) -> "Scheduler":
@@ -113,7 +88,8 @@ class Scheduler:
         self._run(until_idle=True)
 
     def stop(self) -> None:
-        """Make serve_forever() return after the current request (safe from a signal handler)."""
+        """Make serve_forever() return soon; requests still running end with an
+        error (safe from a signal handler)."""
         self._stopping.set()
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
@@ -126,6 +102,16 @@ class Scheduler:
             raise QueueFull(f"{self._waiting.maxsize} requests are already waiting") from None
         return handle
 
+    def call(self, fn: Callable[[Pipeline], object]) -> object:
+        """Run fn(pipeline) on the scheduler thread with nothing in the ring (e.g. rank info)."""
+        if self.failure is not None:
+            raise RingUnavailable(self.failure)
+        future: Future = Future()
+        self._calls.put((fn, future))
+        if self.failure is not None:  # the loop may no longer run calls
+            raise RingUnavailable(self.failure)
+        return future.result()
+
     def abort(self, reason: str) -> None:
         """The ring is broken (called from a watchdog thread while the loop may be
         blocked on a dead peer): end every running and queued request with an
@@ -135,30 +121,17 @@ class Scheduler:
                 return
             self.failure = reason
             doomed = list(self._active)
-        while True:
-            try:
-                item = self._waiting.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, tuple):
-                item[1].set_exception(RingUnavailable(reason))
-            else:
-                doomed.append(item)
+        while not self._waiting.empty():
+            self._fail_waiting(block=False)
+        while not self._calls.empty():
+            self._calls.get_nowait()[1].set_exception(RingUnavailable(reason))
         for handle in doomed:
             handle.emit(FinishEvent("error", len(handle.request.prompt_ids), 0, error=reason))
         if self.on_failure is not None:
             self.on_failure(reason)
 
-    def call(self, fn: Callable[[Pipeline], object]) -> object:
-        """Run fn(pipeline) on the scheduler thread between requests (e.g. rank info)."""
-        if self.failure is not None:
-            raise RingUnavailable(self.failure)
-        future: Future = Future()
-        self._waiting.put((fn, future))
-        return future.result()
-
     def close(self) -> None:
-        """Stop the loop (after the current request), then stop the other ranks."""
+        """Stop the loop, then stop the other ranks."""
         if self._thread.is_alive():
             self.stop()
             self._thread.join()
@@ -167,73 +140,55 @@ class Scheduler:
 
     def _run(self, until_idle: bool = False) -> None:
         while not self._stopping.is_set():
-            try:
-                handle = self._waiting.get(timeout=0.1)
-            except queue.Empty:
-                if until_idle:
-                    return
-                continue
-            if isinstance(handle, tuple):
-                fn, future = handle
-                try:
-                    future.set_result(fn(self.pipeline))
-                except Exception as e:
-                    future.set_exception(e)
-                continue
             if self.failure is not None:
-                handle.emit(FinishEvent("error", len(handle.request.prompt_ids), 0, error=self.failure))
+                if until_idle and self._waiting.empty():
+                    return
+                self._fail_waiting(block=True)
                 continue
-            self._active.add(handle)
             try:
-                self._generate(handle)
+                self._run_calls()
+                self._admit(block=self.batcher.idle)
+                if self.batcher.idle:
+                    if until_idle and self._waiting.empty() and self._calls.empty():
+                        return
+                    continue
+                self.batcher.step()
             except Exception as e:  # the ring is broken: fail this and every later request
                 self.abort(f"{type(e).__name__}: {e}")
-            finally:
-                self._active.discard(handle)
+            with self._lock:
+                self._active = {h for h in self._active if not h.done}
+        if self.failure is None and not self.batcher.idle:
+            self.batcher.shutdown("the server is shutting down")
 
-    def _generate(self, handle: RequestHandle) -> None:
-        req = handle.request
-        if handle.cancelled:
-            handle.emit(FinishEvent("cancelled", len(req.prompt_ids), 0))
-            return
-        if req.seed is not None:
-            mx.random.seed(req.seed)
-        sampler = make_sampler(req.temperature, req.top_p, req.min_p, top_k=req.top_k)
-        detokenizer = self.tokenizer.detokenizer
-        stops = StopStrings(req.stop)
-        eos = self.tokenizer.eos_token_ids
-        reason, count, hit = "length", 0, False
-        tic = time.perf_counter()
-        first_at = None
-        for token, logprob in generate_tokens(self.pipeline, req.prompt_ids, req.max_tokens, sampler, self.prefill_step_size):
-            first_at = first_at or time.perf_counter()
+    def _run_calls(self) -> None:
+        while not self._calls.empty():
+            fn, future = self._calls.get_nowait()
+            self.batcher.drain()  # the call's frames must not mix with replies
+            try:
+                future.set_result(fn(self.pipeline))
+            except Exception as e:
+                future.set_exception(e)
+
+    def _admit(self, block: bool) -> None:
+        """Move queued requests into the batcher while it has room (waiting
+        briefly for one if `block`)."""
+        while self.batcher.has_room:
+            try:
+                handle = self._waiting.get(timeout=0.05) if block else self._waiting.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            with self._lock:
+                self._active.add(handle)
             if handle.cancelled:
-                reason = "cancelled"
-                break
-            if token in eos:
-                reason = "stop"
-                break
-            detokenizer.add_token(token)
-            text, hit = stops.feed(detokenizer.last_segment)
-            count += 1
-            handle.emit(TokenEvent(token, logprob, text))
-            if hit:
-                reason = "stop"
-                break
-        self.pipeline.release()
-        tail = ""
-        if not hit:
-            detokenizer.finalize()
-            tail, _ = stops.feed(detokenizer.last_segment)
-            tail += stops.flush()
-        done = time.perf_counter()
-        handle.emit(
-            FinishEvent(
-                reason,
-                len(req.prompt_ids),
-                count,
-                prefill_tokens_per_sec=len(req.prompt_ids) / (first_at - tic) if first_at else 0.0,
-                generation_tokens_per_sec=(count - 1) / (done - first_at) if first_at and count > 1 else 0.0,
-                text=tail,
-            )
-        )
+                handle.emit(FinishEvent("cancelled", len(handle.request.prompt_ids), 0))
+                continue
+            self.batcher.add(handle)
+
+    def _fail_waiting(self, block: bool) -> None:
+        """After a failure: answer anything still queued with the error."""
+        try:
+            handle = self._waiting.get(timeout=0.1) if block else self._waiting.get_nowait()
+        except queue.Empty:
+            return
+        handle.emit(FinishEvent("error", len(handle.request.prompt_ids), 0, error=self.failure))

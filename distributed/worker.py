@@ -1,11 +1,12 @@
 """What a rank other than 0 runs: receive a frame, run its stage, pass it on."""
 
-from typing import Dict, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
 from . import rank_info
 from .shard.loader import parameter_bytes
+from .shard.slots import SlotCaches
 from .shard.stage import Stage
 from .transport import Header, Op, Reply, Transport
 
@@ -16,17 +17,22 @@ class StageWorker:
     def __init__(self, stage: Stage, rank: int, size: int):
         self.stage = stage
         self.rank, self.is_last = rank, rank == size - 1
-        self.caches: Dict[int, List] = {}  # slot -> this stage's KV caches
+        self.caches = SlotCaches(stage)
         self.parameter_bytes = parameter_bytes(stage)
 
     def handle(self, header: Header, payload: Optional[mx.array]) -> Optional[Frame]:
         """Process one frame; return the frame to pass on, or None to send nothing."""
         if header.op == Op.FORWARD:
             return self._forward(header, payload)
-        if header.op == Op.RESET:
-            self.caches.pop(header.slot, None)
+        if header.op in (Op.RESET, Op.JOIN, Op.FILTER):
+            if header.op == Op.RESET:
+                self.caches.drop(header.slot)
+            elif header.op == Op.JOIN:
+                self.caches.join(header.slot, header.arg)
+            else:
+                self.caches.filter(header.slot, [] if payload is None else payload.reshape(-1).tolist())
             # The ring keeps frames in order, so rank 0 needs no acknowledgement.
-            return None if self.is_last else (header, None)
+            return None if self.is_last else (header, payload)
         if header.op == Op.INFO:
             row = rank_info.encode_row(
                 self.rank, self.stage.start, self.stage.end, False, self.parameter_bytes
@@ -38,16 +44,14 @@ class StageWorker:
         raise ValueError(f"rank {self.rank} received unknown op {header.op}")
 
     def _forward(self, header: Header, h: mx.array) -> Optional[Frame]:
-        cache = self.caches.setdefault(header.slot, self.stage.make_cache())
-        h = self.stage(h, cache)
+        h = self.stage(h, self.caches.get(header.slot))
         if self.is_last:
-            if header.reply == Reply.NONE:
-                mx.eval([c.state for c in cache])
-                return None
+            if header.reply in (Reply.NONE, Reply.ACK):
+                self.caches.evaluate(header.slot)
+                return None if header.reply == Reply.NONE else (Header(Op.FORWARD, Reply.ACK, header.slot), None)
             if header.reply == Reply.LAST:
                 h = h[:, -1:, :]
-        fields = dict(reply=header.reply, slot=header.slot, offset=header.offset)
-        return Header.for_payload(Op.FORWARD, h, **fields), h
+        return Header.for_payload(Op.FORWARD, h, reply=header.reply, slot=header.slot), h
 
     def serve(self, transport: Transport) -> None:
         """Loop until rank 0 sends STOP."""

@@ -10,3 +10,17 @@ def in_process_pipeline(path, split):
     ranges = layer_ranges(sum(split), len(split), list(split))
     stages = [load_stage(path, s, e, i == 0) for i, (s, e) in enumerate(ranges)]
     return pipeline_of(stages), stages
+
+
+def generate(pipeline, path, prompt, max_tokens, prefill_step_size=512, **sampling):
+    """(token, logprob) pairs for one request, through the real scheduler on this thread."""
+    from mlx_lm.utils import load_tokenizer
+
+    from distributed.request import GenerationRequest, TokenEvent
+    from distributed.scheduler import Scheduler
+
+    scheduler = Scheduler(pipeline, load_tokenizer(path), prefill_step_size=prefill_step_size)
+    handle = scheduler.submit(GenerationRequest(list(prompt), max_tokens=max_tokens, **sampling))
+    scheduler.run_pending()
+    assert scheduler.failure is None, scheduler.failure
+    return [(e.token_id, e.logprob) for e in handle.events() if isinstance(e, TokenEvent)]

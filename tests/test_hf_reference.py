@@ -28,7 +28,7 @@ def test_fixture_matches_the_weights_the_maker_makes_now():
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_prompt_logprobs_match_hf(hf_checkpoint, stages):
     pipeline, _ = in_process_pipeline(hf_checkpoint, even_split(tiny_config()["num_hidden_layers"], stages))
-    pipeline.reset()
+    pipeline.release()
     tokens = mx.array([REFERENCE["prompt_token_ids"]], dtype=mx.uint32)
     logits = pipeline.logits(tokens, Reply.ALL)[0].astype(mx.float32)
     logprobs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))

@@ -4,7 +4,8 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from distributed.request import FinishEvent, GenerationRequest, TokenEvent
-from distributed.scheduler import QueueFull, Scheduler, StopStrings
+from distributed.scheduler import QueueFull, Scheduler
+from distributed.sequence import StopStrings
 from reference import PROMPT, mlx_lm_greedy
 from stages import in_process_pipeline
 
@@ -38,9 +39,9 @@ def test_stream_equals_mlx_lm_and_caches_are_freed(scheduler, hf_checkpoint):
     tokens, finish, _ = collect(scheduler.submit(GenerationRequest(PROMPT, max_tokens=40)))
     assert [t.token_id for t in tokens] == ref
     assert finish.finish_reason == "length" and finish.completion_tokens == 40
-    assert scheduler.pipeline.caches == {}  # released after the request
+    assert scheduler.pipeline.caches.slots == {}  # released after the request
     worker = scheduler.pipeline.transport.handlers[0].__self__
-    assert worker.caches == {}
+    assert worker.caches.slots == {}
 
 
 def test_stop_string_ends_generation(scheduler):
@@ -78,10 +79,18 @@ def test_seeded_sampling_is_reproducible(scheduler):
 
 
 def test_queue_is_bounded(scheduler):
-    handles = []
+    """While the loop is held busy nothing is admitted: max_queue=2 requests wait, the third is refused."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=scheduler.call, args=(lambda _: (started.set(), release.wait()),))
+    blocker.start()
+    started.wait(30)
+    handles = [scheduler.submit(GenerationRequest(PROMPT, max_tokens=50)) for _ in range(2)]
     with pytest.raises(QueueFull):
-        for _ in range(10):
-            handles.append(scheduler.submit(GenerationRequest(PROMPT, max_tokens=50)))
+        scheduler.submit(GenerationRequest(PROMPT, max_tokens=50))
+    release.set()
+    blocker.join()
     for h in handles:
         h.cancel()
-        collect(h)
+        assert collect(h)[1].finish_reason == "cancelled"

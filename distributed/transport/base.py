@@ -13,9 +13,11 @@ DTYPES = [mx.float32, mx.float16, mx.bfloat16, mx.int32]
 
 class Op(IntEnum):
     FORWARD = 1  # run the payload (batch, length, hidden) through the stage
-    RESET = 2  # drop the caches of `slot` (a new request starts there)
+    RESET = 2  # drop the caches of `slot` (a request finished, or a new one starts there)
     INFO = 3  # append this rank's row to the int32 payload table
     STOP = 4  # shut down, after passing the frame on
+    JOIN = 5  # move the one-sequence caches of slot `arg` into the batch of slot `slot`
+    FILTER = 6  # keep only the batch rows listed in the int32 payload (none: drop the slot)
 
 
 class Reply(IntEnum):
@@ -24,6 +26,7 @@ class Reply(IntEnum):
     NONE = 0  # nothing (a prefill chunk whose output nobody needs)
     LAST = 1  # the hidden state of the last position only
     ALL = 2  # every position's hidden state
+    ACK = 3  # a header only, once the last rank has finished (paces prefill chunks)
 
 
 @dataclass
@@ -35,7 +38,7 @@ class Header:
     length: int = 0
     width: int = 0
     dtype: int = 0
-    offset: int = 0  # tokens already in this slot's cache, for checks and logs
+    arg: int = 0  # op-specific: JOIN's source slot
 
     SIZE = 8
 

@@ -14,14 +14,22 @@ class MxPointToPoint(Transport):
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
         self._header_like = mx.zeros((Header.SIZE,), dtype=mx.int32)
+        # Sends run on their own stream and are not waited for, so a rank can
+        # post its next recv while a send is still going. Without this, rank 0
+        # blocked in a large send and the last rank blocked sending a reply to
+        # rank 0 deadlock under MPI's rendezvous protocol (seen with replies
+        # above its ~4 KB eager limit).
+        self._send_stream = mx.new_stream(mx.cpu)
+        self._last_send: Optional[mx.array] = None
 
     def send(self, header: Header, payload: Optional[mx.array] = None) -> None:
-        sent = mx.distributed.send(header.to_array(), self.next, group=self.group)
+        s = self._send_stream
+        sent = mx.distributed.send(header.to_array(), self.next, group=self.group, stream=s)
         if payload is not None:
-            # One evaluation for both; the dependency keeps the header first.
-            payload = mx.depends(payload, sent)
-            sent = mx.distributed.send(payload, self.next, group=self.group)
-        mx.eval(sent)
+            # The dependency keeps the header first.
+            sent = mx.distributed.send(mx.depends(payload, sent), self.next, group=self.group, stream=s)
+        mx.async_eval(sent)
+        self._last_send = sent
 
     def recv(self) -> Tuple[Header, Optional[mx.array]]:
         raw = mx.distributed.recv_like(self._header_like, self.prev, group=self.group)
@@ -33,3 +41,7 @@ class MxPointToPoint(Transport):
         )
         mx.eval(payload)
         return header, payload
+
+    def close(self) -> None:
+        if self._last_send is not None:  # sends on one stream finish in order
+            mx.eval(self._last_send)

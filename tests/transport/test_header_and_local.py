@@ -6,7 +6,7 @@ from distributed.transport.local import LocalRing
 
 def test_header_round_trip_and_payload_shape():
     h = mx.zeros((2, 5, 64), dtype=mx.bfloat16)
-    header = Header.for_payload(Op.FORWARD, h, reply=Reply.LAST, slot=3, offset=17)
+    header = Header.for_payload(Op.FORWARD, h, reply=Reply.LAST, slot=3, arg=17)
     back = Header.from_array(header.to_array())
     assert back == header
     assert back.payload_shape() == (2, 5, 64) and back.payload_dtype() == mx.bfloat16

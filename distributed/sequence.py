@@ -1,0 +1,104 @@
+"""One request while it runs: its sampler and random key, its streamed text,
+and the events it sends back to its front end."""
+
+import random
+import time
+from typing import List, Optional
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from .request import FinishEvent, TokenEvent
+
+
+class StopStrings:
+    """Finds stop strings in streamed text, holding back what could begin one."""
+
+    def __init__(self, stops: List[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str):
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        self.pending += text
+        for stop in self.stops:
+            at = self.pending.find(stop)
+            if at >= 0:
+                out, self.pending = self.pending[:at], ""
+                return out, True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Sequence:
+    def __init__(self, handle, tokenizer, slot: int):
+        req = handle.request
+        self.handle, self.request, self.slot = handle, req, slot
+        self.unsent: List[int] = list(req.prompt_ids)  # prompt tokens not yet sent into the ring
+        self.next_token: Optional[int] = None  # the input of the next decode step
+        self.greedy = req.temperature == 0
+        # Every sampled request draws from its own key, so a seeded request's
+        # tokens do not depend on what else runs beside it.
+        self._key = mx.random.key(req.seed if req.seed is not None else random.getrandbits(63))
+        self._detokenizer = tokenizer.detokenizer
+        self._stops = StopStrings(req.stop)
+        self._eos = tokenizer.eos_token_ids
+        self.count = 0
+        self.started = time.perf_counter()
+        self.first_at: Optional[float] = None
+
+    def sample(self, logprobs: mx.array) -> mx.array:
+        """Draw the next token from one row of log-probabilities (1, vocab):
+        mlx-lm's filters in make_sampler's order, then a draw with our own key."""
+        req = self.request
+        if 0 < req.top_p < 1:
+            logprobs = apply_top_p(logprobs, req.top_p)
+        if req.min_p != 0:
+            logprobs = apply_min_p(logprobs, req.min_p)
+        if req.top_k > 0:
+            logprobs = apply_top_k(logprobs, req.top_k)
+        self._key, draw = mx.random.split(self._key)
+        return mx.random.categorical(logprobs * (1 / req.temperature), key=draw)
+
+    def accept(self, token: int, logprob: float) -> Optional[str]:
+        """Stream a decoded token; returns the finish reason if the request is done."""
+        self.first_at = self.first_at or time.perf_counter()
+        if self.handle.cancelled:
+            return "cancelled"
+        if token in self._eos:
+            return "stop"
+        self._detokenizer.add_token(token)
+        text, hit = self._stops.feed(self._detokenizer.last_segment)
+        self.count += 1
+        self.handle.emit(TokenEvent(token, logprob, text))
+        if hit:
+            self._stops = None  # nothing after the stop string is sent
+            return "stop"
+        self.next_token = token
+        return "length" if self.count >= self.request.max_tokens else None
+
+    def finish(self, reason: str, error: Optional[str] = None) -> None:
+        tail = ""
+        if self._stops is not None and reason != "error":
+            self._detokenizer.finalize()
+            tail, _ = self._stops.feed(self._detokenizer.last_segment)
+            tail += self._stops.flush()
+        done, first = time.perf_counter(), self.first_at
+        prompt = len(self.request.prompt_ids)
+        self.handle.emit(
+            FinishEvent(
+                reason,
+                prompt,
+                self.count,
+                prefill_tokens_per_sec=prompt / (first - self.started) if first else 0.0,
+                generation_tokens_per_sec=(self.count - 1) / (done - first) if first and self.count > 1 else 0.0,
+                error=error,
+                text=tail,
+            )
+        )

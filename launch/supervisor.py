@@ -45,6 +45,10 @@ from typing import Dict, List, Optional
 
 CONTROL_ENV = "TRINITY_CONTROL_ADDR"
 TERM_WAIT_S = 3.0  # after SIGTERM, before SIGKILL
+# distributed.watchdog's EXIT_PEER_FAILED: "another rank failed", never the cause itself.
+PEER_FAILED_EXIT = 3
+CAUSE_WINDOW_S = 1.0  # exits this close to the first failure may name a likelier cause
+STUCK_AFTER_S = 3.0  # the others exited with PEER_FAILED_EXIT this long ago: the rest are stuck
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -139,6 +143,18 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:  # exists, but not ours any more (pid reuse): not our orphan
         return False
+
+
+def _cause_rank(f: "Failure") -> int:
+    """How likely a failure is the root cause: a rank killed by a signal, then one that
+    exited with an error of its own, then one whose watchdog saw another rank fail."""
+    return 2 if f.code < 0 else 0 if f.code == PEER_FAILED_EXIT else 1
+
+
+def _peers_reported(codes: List[int]) -> bool:
+    """At least two ranks exited, all with PEER_FAILED_EXIT: their watchdogs agree a peer
+    failed (one such exit alone could be an error of that rank's own with the same code)."""
+    return len(codes) >= 2 and all(c == PEER_FAILED_EXIT for c in codes)
 
 
 def children(pid: int) -> List[int]:
@@ -491,6 +507,7 @@ class Supervisor:
         if attempts > 1:
             log(f"attempt {attempt}/{attempts}: starting the ring ({ring.name})")
         failure: Optional[Failure] = None
+        failed_at = last_exit_at = 0.0
         deadline: Optional[float] = None  # when the survivors get SIGTERM
         termed = False
         try:
@@ -509,7 +526,17 @@ class Supervisor:
                     if not termed:
                         alive = ring.running()
                         if alive:
-                            log(f"{self._whom(ring, alive)} still running {self.grace:g} s later: SIGTERM")
+                            log(f"{self._whom(ring, alive)} still running "
+                                f"{time.monotonic() - failed_at if failure else self.grace:.0f} s later: SIGTERM")
+                        others = [c for k, c in ring.exited.items() if c != 0]
+                        if failure is not None and alive and isinstance(ring, DirectRing) and _peers_reported(others):
+                            # The cause is the rank that did not exit (frozen, stuck, cut off),
+                            # not the first one whose watchdog noticed.
+                            stuck = alive[0]
+                            failure = Failure(stuck, PEER_FAILED_EXIT, ring.ips[stuck], ring.procs[stuck].pid,
+                                              detail=f"stopped responding: the other ranks reported a failed peer "
+                                                     f"(exit {PEER_FAILED_EXIT}) and it did not exit")
+                            log(f"attempt {attempt}/{attempts}: {failure.describe()}")
                         ring.kill_all(signal.SIGTERM)
                         ring.kill_all(signal.SIGCONT)  # a stopped (SIGSTOP) rank gets its SIGTERM too
                         termed, deadline = True, now + TERM_WAIT_S
@@ -520,6 +547,13 @@ class Supervisor:
                                 "ignored SIGTERM: SIGKILL")
                         ring.kill_all(signal.SIGKILL)
                         deadline = now + TERM_WAIT_S  # reaped within moments
+                    continue
+                if (failure is not None and not termed and isinstance(ring, DirectRing) and ring.running()
+                        and now - last_exit_at >= STUCK_AFTER_S and _peers_reported(list(ring.exited.values()))):
+                    # Every rank that exited did so because its watchdog saw a peer fail, the
+                    # last of them STUCK_AFTER_S ago: the rest are the failed ones (frozen,
+                    # cut off). No need to wait out the grace for them.
+                    deadline = now
                     continue
                 timeout = 0.5 if deadline is None else max(0.01, min(0.5, deadline - now))
                 if not ring.running():
@@ -536,11 +570,22 @@ class Supervisor:
                 if kind == "exit":
                     _, key, code = event
                     ring.exited[key] = code
+                    last_exit_at = time.monotonic()
+                    if (failure is not None and self.stop_signal is None and not termed
+                            and time.monotonic() - failed_at < CAUSE_WINDOW_S):
+                        # Ranks failing together: the one that died is the cause, not those
+                        # whose watchdog then made them exit (with PEER_FAILED_EXIT).
+                        other = ring.on_exit(key, code)
+                        if other is not None and _cause_rank(other) > _cause_rank(failure):
+                            log(f"attempt {attempt}/{attempts}: {other.describe()}: the cause, rather than "
+                                f"rank {failure.rank}")
+                            failure = other
                     if failure is None and self.stop_signal is None:
                         failure = ring.on_exit(key, code)
                         if failure is not None:
                             self._failed(ring, failure, attempt, attempts)
-                            deadline = time.monotonic() + self.grace
+                            failed_at = time.monotonic()
+                            deadline = failed_at + self.grace
                         elif key == 0 and isinstance(ring, DirectRing) and deadline is None:
                             # Rank 0 finished: the others follow at once (it sent them STOP).
                             deadline = time.monotonic() + self.grace

@@ -156,8 +156,9 @@ child = subprocess.Popen(["sleep", "300"])  # something the rank started: must n
 def stop(*_):
     child.kill()
     sys.exit(0)
-if mode == "fail" and rank == 1:
+if (mode == "fail" and rank == 1) or (mode == "peers" and rank < 2):
     time.sleep(0.5)
+    child.kill()
     sys.exit(3)
 if rank == 0 or mode != "stubborn":
     signal.signal(signal.SIGTERM, stop)
@@ -243,6 +244,23 @@ def test_restart_budget_with_a_failing_rank(tmp_path, via):
             assert len(CONTROL.findall(out)) == 3
         else:
             assert out.count("started mlx.launch") == 3
+        assert wait_gone(marked(str(tmp_path)), 2) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_rank_that_did_not_exit_is_named_when_the_others_report_a_failed_peer(tmp_path):
+    """Ranks 0 and 1 exit with the watchdog's "a peer failed" status (3) while rank 2
+    stays (as a frozen rank would): rank 2 is named the cause and stopped without
+    waiting out --grace."""
+    tic = time.monotonic()
+    proc, log = start_script(tmp_path, "peers", "--grace", "30")
+    try:
+        assert proc.wait(timeout=60) == 3, log.read_text()
+        assert time.monotonic() - tic < 20
+        out = log.read_text()
+        assert "attempt 1/1 failed: rank 2 stopped responding: the other ranks reported a failed peer" in out, out
         assert wait_gone(marked(str(tmp_path)), 2) == []
     finally:
         if proc.poll() is None:

@@ -23,6 +23,10 @@ Supervisor.run() starts a ring and watches it:
   (the watchdog makes them exit within 15 s, telling clients which rank failed),
   then SIGTERM, then SIGKILL, group by group; then, while restarts are left, the
   whole ring starts again (fresh ports), else we exit with the failure's status.
+  The cause logged is the rank that died, not those that exited because their
+  watchdog saw it die (exit 3, distributed.watchdog.EXIT_PEER_FAILED); when two or
+  more ranks exit so and one stays (frozen, cut off), that one is named and stopped
+  without waiting out the grace.
 - SIGINT/SIGTERM/SIGHUP to the launcher is a clean stop, never restarted: the
   signal goes to rank 0 (which stops the other ranks through the ring), then after
   `grace` SIGTERM to every group, then SIGKILL. A second signal skips the wait.
@@ -592,8 +596,10 @@ class Supervisor:
                 elif kind == "signal":
                     if self.signals == 1:
                         log(f"{signal_name(event[1])}: stopping the ring")
-                        ring.forward(event[1])
-                        deadline = time.monotonic() + self.grace
+                        if not termed:
+                            ring.forward(event[1])
+                        later = time.monotonic() + self.grace
+                        deadline = later if deadline is None else min(deadline, later)
                     else:  # asked again: stop waiting
                         deadline = time.monotonic()
                 elif failure is None and self.stop_signal is None:

@@ -14,12 +14,13 @@ class MxPointToPoint(Transport):
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
         self._header_like = mx.zeros((Header.SIZE,), dtype=mx.int32)
-        # Sends run on their own stream and are not waited for, so a rank can
-        # post its next recv while a send is still going. Without this, rank 0
+        # Rank 0's sends run on their own stream and are not waited for, so it
+        # can post its next recv while a send is still going. Otherwise rank 0
         # blocked in a large send and the last rank blocked sending a reply to
         # rank 0 deadlock under MPI's rendezvous protocol (seen with replies
-        # above its ~4 KB eager limit).
-        self._send_stream = mx.new_stream(mx.cpu)
+        # above its ~4 KB eager limit). Other ranks blocking in send is only
+        # back-pressure: the cycle needs rank 0.
+        self._send_stream = mx.new_stream(mx.cpu) if self.rank == 0 else None
         self._last_send: Optional[mx.array] = None
 
     def send(self, header: Header, payload: Optional[mx.array] = None) -> None:
@@ -28,6 +29,9 @@ class MxPointToPoint(Transport):
         if payload is not None:
             # The dependency keeps the header first.
             sent = mx.distributed.send(mx.depends(payload, sent), self.next, group=self.group, stream=s)
+        if s is None:
+            mx.eval(sent)
+            return
         mx.async_eval(sent)
         self._last_send = sent
 

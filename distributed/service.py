@@ -117,12 +117,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     def GetModelInfo(self, request, context):
-        info = self._ready(context)[2]
+        scheduler, _, info = self._ready(context)
+        try:  # asked afresh, so peak memory includes the KV caches of what has run since
+            rows = scheduler.call(lambda pipeline: pipeline.rank_info())
+        except RingUnavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the pipeline is down: {e}")
         ranks = [
             pb.RankInfo(rank=r["rank"], host=r["host"], layer_start=r["layers"][0], layer_end=r["layers"][1],
                         embed=r["embed"], head=r["head"], peak_memory_bytes=r["peak_memory_bytes"],
                         parameter_bytes=r.get("parameter_bytes", 0))
-            for r in info.ranks
+            for r in rows
         ]
         return pb.ModelInfo(model_id=info.model_id, vocab_size=info.vocab_size, max_context=info.max_context,
                             max_tokens_cap=info.max_tokens_cap, ranks=ranks)

@@ -78,16 +78,6 @@ def configs(max_ranks: int) -> dict:
     return out
 
 
-def free_ports(n: int) -> list:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def run_once(prefix, ranks: int, model: Path, ids: str, max_tokens: int, env: dict, timeout: float) -> dict:
     if prefix is None:
         cmd = [PY, __file__, "--mlx-lm-child", str(model), ids, str(max_tokens)]

@@ -164,7 +164,7 @@ def concurrent(stub, prompts: list, max_tokens: int, timeout: float) -> dict:
             barrier.wait()
             runs[i] = grpc_generate(stub, prompts[i], max_tokens, timeout)
         except Exception as e:  # reported with the result
-            runs[i] = {"error": f"{type(e).__name__}: {getattr(e, 'details', lambda: e)()}"}
+            runs[i] = {"error": f"{type(e).__name__}: {e.details() if hasattr(e, 'details') else e}"}
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
@@ -235,7 +235,7 @@ def run_runner(ranks: int, spec: dict, env: dict, runner_args: list, timeout: fl
         if dead:
             out["error"] = f"rank(s) exited during the run (rank, exit code): {dead}"
     except Exception as e:
-        out["error"] = f"{type(e).__name__}: {getattr(e, 'details', lambda: e)()}"
+        out["error"] = f"{type(e).__name__}: {e.details() if hasattr(e, 'details') else e}"
     finally:
         if channel is not None:
             channel.close()

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import List, Optional
 
 import mlx.core as mx

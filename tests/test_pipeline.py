@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 from distributed.transport import Reply
-from reference import EOS, PROMPT, mlx_lm_greedy, mlx_lm_logprobs
+from reference import PROMPT, mlx_lm_greedy, mlx_lm_logprobs
 from stages import generate, in_process_pipeline
 
 # 8 layers: S S S F S S S F. "3,1,4": a stage with no full-attention layer and

@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import mlx.core as mx
 import mlx.nn as nn

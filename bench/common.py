@@ -61,7 +61,7 @@ def prompt_ids(n: int) -> str:
 def bench_env(blas: str = "reference") -> dict:
     """The environment every benchmarked process gets: the repo importable and, with
     blas="openblas", the system OpenBLAS preloaded (the MLX CPU wheel links a reference BLAS)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if blas == "openblas":
         if not Path(OPENBLAS).exists():
             sys.exit(f"--blas openblas: {OPENBLAS} not found (apt-get install -y libopenblas0)")

@@ -5,7 +5,6 @@ from mlx_lm.utils import load_tokenizer
 
 from distributed.request import FinishEvent, GenerationRequest, TokenEvent
 from distributed.scheduler import QueueFull, Scheduler
-from distributed.sequence import StopStrings
 from reference import PROMPT, mlx_lm_greedy
 from stages import in_process_pipeline
 
@@ -23,15 +22,6 @@ def collect(handle):
     assert isinstance(events[-1], FinishEvent)
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     return tokens, events[-1], "".join(e.text for e in events)
-
-
-def test_stop_strings_hold_back_partial_matches():
-    s = StopStrings(["END"])
-    assert s.feed("abcE") == ("abc", False)
-    assert s.feed("N") == ("", False)
-    assert s.feed("x") == ("ENx", False)
-    assert s.feed("yyEND and more") == ("yy", True)
-    assert StopStrings([]).feed("abc") == ("abc", False)
 
 
 def test_stream_equals_mlx_lm_and_caches_are_freed(scheduler, hf_checkpoint):

@@ -208,7 +208,7 @@ def cmd_run(args) -> int:
     restart = dict(restarts=args.restart, grace=args.grace, restart_delay=args.restart_delay)
     if direct and args.via != "mlx.launch":
         if args.dry_run:
-            from .supervisor import DirectRing
+            from .ring import DirectRing
 
             ring = DirectRing(cmd, len(hf.hosts), {}, list(hf.envs) + envs, [h.ips[0] for h in hf.hosts],
                               args.starting_port)

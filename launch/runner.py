@@ -91,7 +91,8 @@ def launch_env() -> dict:
 
 def run(cmd: List[str], restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0) -> int:
     """Run mlx.launch (restarted up to `restarts` times after a failure); our exit status."""
-    from .supervisor import MlxLaunchRing, Supervisor
+    from .ring import MlxLaunchRing
+    from .supervisor import Supervisor
 
     env = launch_env()
     return Supervisor(restarts, grace, restart_delay).run(lambda: MlxLaunchRing(cmd, env))
@@ -101,7 +102,8 @@ def run_direct(command: List[str], hostfile: Hostfile, envs: Optional[List[str]]
                starting_port: Optional[int] = None, restarts: int = 0, grace: float = 20.0,
                restart_delay: float = 1.0) -> int:
     """Start the local ranks of a ring hostfile here, without mlx.launch; our exit status."""
-    from .supervisor import DirectRing, Supervisor
+    from .ring import DirectRing
+    from .supervisor import Supervisor
 
     env = launch_env()
     all_envs = list(hostfile.envs) + list(envs or [])

@@ -86,7 +86,8 @@ class Batcher:
         held = list(self.prefilling) + list(self.ready) + [s for g in self.groups for s in g.members]
         for seq in held:
             seq.finish("error", error=reason)
-        self.prefilling.clear(), self.ready.clear()
+        self.prefilling.clear()
+        self.ready.clear()
         for group in self.groups:
             group.members = []
         self.sequences = 0

@@ -9,13 +9,13 @@ Rank 0 prints; other ranks print nothing on stdout.
 
 import argparse
 import json
-import signal
 import sys
 import threading
 from typing import List, Optional
 
 from . import TrinityError
 from .frontend import prompt_ids
+from .lifecycle import Lifecycle, RankStop, launched_by_launcher
 from .rank_startup import build_pipeline, join_ranks
 from .request import GenerationRequest, RequestError, TokenEvent
 from .scheduler import Scheduler
@@ -129,9 +129,11 @@ def prompt_tokens(args, tokenizer) -> List[int]:
         raise _flag_error(e) from None
 
 
-def generate_once(scheduler: Scheduler, request: GenerationRequest, stream: bool) -> dict:
-    """Run one request on this (main) thread; a plain-Python thread prints text as it comes."""
+def generate_once(scheduler: Scheduler, request: GenerationRequest, stream: bool, stop: RankStop) -> dict:
+    """Run one request on this (main) thread; a plain-Python thread prints text as it comes.
+    A stop request cancels it: what was generated so far is the result."""
     handle = scheduler.submit(request)
+    stop.running(handle.cancel)
     events = []
 
     def consume():
@@ -184,7 +186,7 @@ GRACE_S = 1.0  # after a peer failed: for gRPC / HTTP threads to send their erro
 _watchdog: Optional[Watchdog] = None  # main() tells the other ranks how this one ends
 
 
-def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Watchdog]) -> None:
+def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Watchdog], stop: RankStop) -> None:
     """Rank 0 with --serve: load, attach the scheduler to the front ends, serve until a signal."""
     from .frontend import ModelInfo
 
@@ -221,8 +223,7 @@ def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Wat
     for front_end in front_ends:
         front_end.attach(scheduler, tokenizer, info)
     print(f"serving {info.model_id} on " + " and ".join(f.describe() for f in front_ends), flush=True)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: scheduler.stop())
+    stop.running(scheduler.stop)
     try:
         scheduler.serve_forever()
     finally:
@@ -233,7 +234,7 @@ def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Wat
         raise TrinityError(f"the pipeline is down: {scheduler.failure}")
 
 
-def run(args) -> None:
+def run(args, stop: RankStop) -> None:
     global _watchdog
     validate(args)
     options = serve_options(args) if args.serve or args.http else None
@@ -242,7 +243,8 @@ def run(args) -> None:
     try:
         if options is not None and control is not None and control.rank == 0:
             front_ends = start_front_ends(options)  # NOT_SERVING while the ranks connect and load
-        group, _watchdog = join_ranks(args, control)
+        group, _watchdog = join_ranks(args, control, on_stop=lambda why: stop.lifecycle.request_stop(why, from_peer=True))
+        stop.watchdog = _watchdog
         if options is not None and group.rank() == 0 and not front_ends:
             front_ends = start_front_ends(options)
     except BaseException:
@@ -251,11 +253,11 @@ def run(args) -> None:
         raise
     if options is not None:
         if group.rank() != 0:
-            build_pipeline(args, group, _watchdog)  # serves the ring until rank 0 stops it
+            build_pipeline(args, group, _watchdog, on_ready=stop.running)  # serves until rank 0 stops the ring
             return
-        serve(args, options, front_ends, group, _watchdog)
+        serve(args, options, front_ends, group, _watchdog, stop)
         return
-    built = build_pipeline(args, group, _watchdog)
+    built = build_pipeline(args, group, _watchdog, on_ready=stop.running)
     if built is None:
         return
     pipeline, path, config = built
@@ -267,7 +269,7 @@ def run(args) -> None:
         _watchdog.on_failure = scheduler.abort
     try:
         request = build_request(args, scheduler.tokenizer, config)
-        result = generate_once(scheduler, request, stream=not args.json)
+        result = generate_once(scheduler, request, stream=not args.json, stop=stop)
         result["ranks"] = pipeline.rank_info()
     finally:
         scheduler.close()
@@ -279,8 +281,15 @@ def run(args) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    lifecycle = Lifecycle().start(watch_parent=launched_by_launcher())
+    stop = RankStop(lifecycle)
+    lifecycle.on_stop(stop)
     try:
-        run(args)
+        run(args, stop)
+    except BrokenPipeError:  # whoever read our output is gone (a stop): nothing more to say
+        if _watchdog is not None:
+            _watchdog.close()
+        sys.exit(0 if lifecycle.stopping.is_set() else 1)
     except TrinityError as e:
         if _watchdog is not None:
             _watchdog.leave(str(e))

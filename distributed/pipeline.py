@@ -9,7 +9,7 @@ everything runs here.
 """
 
 from collections import deque
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -27,14 +27,36 @@ class Pipeline:
         self.transport = transport
         self.caches = SlotCaches(stage)
         self._local: deque = deque()  # one rank: replies not yet taken by recv()
+        # Parking the other ranks while idle (see park()): the watchdog's wake, or None.
+        self.waker: Optional[Callable[[int], None]] = None
+        self._parked = 0  # number of the PARK frame the ring is parked at; 0: awake
+        self._parks = 0
 
     @property
     def num_ranks(self) -> int:
         return 1 if self.transport is None else self.transport.size
 
+    def _send(self, header: Header, payload: Optional[mx.array] = None) -> None:
+        if self._parked:
+            self.waker(self._parked)
+            self._parked = 0
+        self.transport.send(header, payload)
+
     def _control(self, header: Header, payload: Optional[mx.array] = None) -> None:
         if self.transport is not None:
-            self.transport.send(header, payload)
+            self._send(header, payload)
+
+    def park(self) -> None:
+        """The ring goes idle: the other ranks block on the control channel until
+        the next frame (a receive on some backends spins a core). Call only with
+        no reply outstanding."""
+        if self.transport is None or self.waker is None or self._parked:
+            return
+        self._parks += 1
+        self.transport.send(Header(Op.PARK, arg=self._parks))
+        header, _ = self.transport.recv()  # back round: every rank has passed it on
+        assert header.op == Op.PARK, f"expected the PARK frame back, got op {header.op}"
+        self._parked = self._parks
 
     def release(self, slot: int = 0) -> None:
         """Free `slot`'s caches on every rank (its request finished or was cancelled)."""
@@ -57,7 +79,7 @@ class Pipeline:
         NONE, recv() later returns the reply."""
         h = self.stage(self.stage.embed(tokens), self.caches.get(slot))
         if self.transport is not None:
-            self.transport.send(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot), h)
+            self._send(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot), h)
         elif reply in (Reply.NONE, Reply.ACK):
             self.caches.evaluate(slot)
             if reply == Reply.ACK:
@@ -89,14 +111,14 @@ class Pipeline:
         s = self.stage
         table = rank_info.encode_row(0, s.start, s.end, True, parameter_bytes(s))
         if self.transport is not None:
-            self.transport.send(Header.for_payload(Op.INFO, table), table)
+            self._send(Header.for_payload(Op.INFO, table), table)
             _, table = self.transport.recv()
         return rank_info.decode_rows(table)
 
     def close(self) -> None:
         """Stop the other ranks; returns once the STOP frame has gone round."""
         if self.transport is not None:
-            self.transport.send(Header(Op.STOP))
+            self._send(Header(Op.STOP))
             self.transport.recv()
             self.transport.close()
             self.transport = None

@@ -9,7 +9,7 @@ rank 0 stops the ring. Ranks that cannot start refuse together.
 
 import faulthandler
 import os
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 
@@ -21,7 +21,8 @@ from .shard.loader import fetch_stage_files, load_stage, model_dir
 from .shard.plan import layer_ranges, parse_split
 from .transport.collective import MxCollective
 from .transport.mx_p2p import MxPointToPoint
-from .watchdog import CONTROL_ENV, Control, GuardedTransport, Watchdog, parse_address
+from .transport.guarded import GuardedTransport
+from .watchdog import CONTROL_ENV, Control, Watchdog, parse_address
 from .worker import StageWorker
 
 
@@ -69,7 +70,7 @@ def mx_distributed_init_did_not_return_within_connect_timeout():
     return mx.distributed.init()  # (named for faulthandler's report, should init hang)
 
 
-def join_ranks(args, control: Optional[Control]):
+def join_ranks(args, control: Optional[Control], on_stop=None):
     """mx.distributed.init with a watchdog over the ranks (none for one process).
 
     Where rank 0's control address is known before init (ring, NCCL, or
@@ -85,10 +86,10 @@ def join_ranks(args, control: Optional[Control]):
         explicit = parse_address(os.environ[CONTROL_ENV]) if os.environ.get(CONTROL_ENV) else None
         listener, candidates, hosts = agree_control_address(group, explicit)
         control = Control(group.rank(), group.size(), candidates[0], hosts)
-        watchdog = start_watchdog(args, control, listener=listener, candidates=candidates)
+        watchdog = start_watchdog(args, control, listener=listener, candidates=candidates, on_stop=on_stop)
         watchdog.wait_ready()
         return group, watchdog
-    watchdog = start_watchdog(args, control)
+    watchdog = start_watchdog(args, control, on_stop=on_stop)
     watchdog.wait_ready()
     # Everyone is there, so init should return at once. Should a rank die in
     # between (or the ranks' hostfiles disagree), no Python thread runs during
@@ -106,9 +107,10 @@ def join_ranks(args, control: Optional[Control]):
     return group, watchdog
 
 
-def build_pipeline(args, group, watchdog: Optional[Watchdog] = None):
+def build_pipeline(args, group, watchdog: Optional[Watchdog] = None, on_ready: Optional[Callable[[], None]] = None):
     """Load this process's stage(s). Returns (pipeline, path, config) on rank 0,
-    or None on other ranks once they have served until STOP."""
+    or None on other ranks once they have served until STOP. `on_ready()`: on
+    other ranks, called once every rank has loaded, before serving the ring."""
     world = group.size()
     if world > 1 and args.stages > 1:
         raise TrinityError("--stages runs several stages in one process; do not combine it with a multi-rank launch")
@@ -153,6 +155,11 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None):
     startup_check(group, error, [r["host"] for r in reports], watchdog)
     transport = make_transport(group, args.transport, watchdog)
     if rank != 0:
-        StageWorker(stage, rank, world).serve(transport)
+        if on_ready is not None:
+            on_ready()
+        StageWorker(stage, rank, world, wait_wake=watchdog and watchdog.wait_wake).serve(transport)
         return None
-    return Pipeline(stage, transport), path, config
+    pipeline = Pipeline(stage, transport)
+    if watchdog is not None:
+        pipeline.waker = watchdog.wake
+    return pipeline, path, config

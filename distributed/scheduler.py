@@ -147,6 +147,8 @@ class Scheduler:
                 continue
             try:
                 self._run_calls()
+                if self.batcher.idle and not until_idle and self._waiting.empty() and self._calls.empty():
+                    self.pipeline.park()  # the other ranks sleep until the next frame
                 self._admit(block=self.batcher.idle)
                 if self.batcher.idle:
                     if until_idle and self._waiting.empty() and self._calls.empty():

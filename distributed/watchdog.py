@@ -22,9 +22,19 @@ backend, rank 0's IP in MLX_HOSTFILE at one above the highest port listed there
 nccl), NCCL_HOST_IP at NCCL_PORT + 1. Otherwise (MPI) the ranks agree on it
 after init (handshake.agree_control_address).
 
+Stopping (distributed.lifecycle): a rank asked to stop sends {"stop": reason}
+to rank 0, which relays it to every rank; each then has a deadline to exit.
+While stopping, a peer that goes away is no longer a failure.
+
+Parking: while the ring is idle, the other ranks block here instead of in
+mx.distributed's receive (which spins on some backends): rank 0 sends a PARK
+frame round the ring, each rank waits in wait_wake(), and rank 0 sends
+{"wake": n} here before its next frame.
+
 Wire format: one JSON object per line. {"hello": rank, "host": name}, {"go": 1},
 {"hb": 1}, {"bye": 1} (a clean exit: stop watching me), {"failed": rank, "desc":
-text} (rank 0 relaying a failure, or a rank leaving with an error of its own).
+text} (rank 0 relaying a failure, or a rank leaving with an error of its own),
+{"stop": reason}, {"wake": n}.
 Anyone who can reach the port can end the ring, as with MLX's own ring ports:
 keep both on a trusted network.
 """
@@ -37,16 +47,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 from . import TrinityError
+from .control_link import CONTROL_ENV, HELLO_TIMEOUT_S, IO_TIMEOUT_S, Address, Peer, listen
+from .lifecycle import log
 
-CONTROL_ENV = "TRINITY_CONTROL_ADDR"
 EXIT_PEER_FAILED = 3
-HELLO_TIMEOUT_S = 10.0  # a connection that says nothing this long is not one of ours
-IO_TIMEOUT_S = 1.0  # a send to a dead link never blocks a thread for longer
-
-Address = Tuple[str, int]
 
 
 class PeerFailed(TrinityError):
@@ -95,54 +102,12 @@ def control_from_env(env=os.environ) -> Optional[Control]:
     return Control(rank, size, address, hosts)
 
 
-class _Peer:
-    def __init__(self, sock: socket.socket, host: Optional[str]):
-        self.sock, self.host = sock, host
-        self.last_seen = time.monotonic()
-        self.gone = False  # said bye: its exit is expected
-        self.lock = threading.Lock()  # one writer at a time
-        self.buf = b""  # what arrived after the last complete line
-
-    def send(self, msg: dict) -> None:
-        with self.lock:
-            try:
-                self.sock.sendall((json.dumps(msg) + "\n").encode())
-            except OSError:
-                pass  # the reader or the monitor notices a dead peer
-
-    def lines(self, deadline: Optional[float] = None):
-        """Messages as they arrive; returns at EOF, a reset, or past `deadline`.
-        What is not taken yet stays in self.buf for the next call."""
-        while True:
-            while b"\n" in self.buf:
-                line, self.buf = self.buf.split(b"\n", 1)
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(msg, dict):
-                    yield msg
-            if len(self.buf) > 65536:
-                return  # no line of ours is this long
-            try:
-                data = self.sock.recv(4096)
-            except socket.timeout:
-                if deadline is not None and time.monotonic() > deadline:
-                    return
-                continue  # the monitor judges silence, not this thread
-            except OSError:
-                return
-            if not data:
-                return
-            self.last_seen = time.monotonic()
-            self.buf += data
-
-
 class Watchdog:
     def __init__(self, rank: int, size: int, address: Address, *, hosts: Sequence[str] = (),
                  candidates: Sequence[Address] = (), listener: Optional[socket.socket] = None,
                  peer_timeout: float = 5.0, connect_timeout: float = 60.0,
                  on_failure: Optional[Callable[[str], None]] = None, grace: float = 0.0,
+                 on_stop: Optional[Callable[[str], None]] = None,
                  exit_process: Callable[[int], None] = os._exit):
         self.rank, self.size, self.address = rank, size, address
         self.host = socket.gethostname()
@@ -153,10 +118,14 @@ class Watchdog:
         self.interval = min(1.0, peer_timeout / 5)
         self.on_failure = on_failure  # rank 0 serving: scheduler.abort (ends streams, NOT_SERVING)
         self.grace = grace  # seconds for front ends to send their errors before the exit
+        self.on_stop = on_stop  # another rank asked for a stop: lifecycle.request_stop
+        self.stopping = False  # a stop was announced: losing a peer is expected now
+        self._woken = 0  # the last {"wake": n} from rank 0
+        self._wake = threading.Condition()
         self.ready = threading.Event()  # every rank connected
         self.failed = threading.Event()  # set once on_failure has run
         self.failure: Optional[str] = None
-        self.peers: Dict[int, _Peer] = {}
+        self.peers: Dict[int, Peer] = {}
         self._listener = listener
         self._exit = exit_process
         self._lock = threading.Lock()
@@ -223,6 +192,29 @@ class Watchdog:
         if self._listener is not None:
             self._listener.close()
 
+    # ------------------------------------------------------------ stop and park
+
+    def announce_stop(self, reason: str) -> None:
+        """This process is stopping: rank 0 tells every rank, another rank tells rank 0 (once)."""
+        with self._lock:
+            if self.stopping or self._done:
+                return
+            self.stopping = True
+        if not reason.startswith("rank "):  # ours, not one rank 0 relays
+            reason = self._describe(self.rank, reason)
+        for peer in list(self.peers.values()):
+            peer.send({"stop": reason})
+
+    def wake(self, n: int) -> None:
+        """Rank 0: every rank parked at PARK frame `n` may receive again."""
+        for peer in list(self.peers.values()):
+            peer.send({"wake": n})
+
+    def wait_wake(self, n: int) -> None:
+        """Another rank, after passing PARK frame `n` on: block until rank 0 wakes the ring."""
+        with self._wake:
+            self._wake.wait_for(lambda: self._woken >= n)
+
     # ------------------------------------------------------------ threads
 
     def _accept(self) -> None:
@@ -236,7 +228,7 @@ class Watchdog:
     def _greet(self, conn: socket.socket) -> None:
         """Rank 0: a rank says hello; once all have, everyone may go on."""
         conn.settimeout(IO_TIMEOUT_S)
-        peer = _Peer(conn, None)
+        peer = Peer(conn, None)
         msg = next(peer.lines(deadline=time.monotonic() + HELLO_TIMEOUT_S), {})
         r = msg.get("hello")
         with self._lock:
@@ -270,13 +262,13 @@ class Watchdog:
                 time.sleep(0.2)
                 continue
             sock.settimeout(IO_TIMEOUT_S)
-            peer = _Peer(sock, self.hosts.get(0))
+            peer = Peer(sock, self.hosts.get(0))
             peer.send({"hello": self.rank, "host": self.host})
             self.peers[0] = peer
             self._read(0, peer)
             return
 
-    def _read(self, r: int, peer: _Peer) -> None:
+    def _read(self, r: int, peer: Peer) -> None:
         for msg in peer.lines():
             if "hello" in msg and r == 0:
                 peer.host = self.hosts[0] = str(msg.get("host") or peer.host)
@@ -284,11 +276,24 @@ class Watchdog:
                 self.ready.set()
             elif "bye" in msg:
                 peer.gone = True
+            elif "wake" in msg:
+                with self._wake:
+                    self._woken = max(self._woken, int(msg["wake"]))
+                    self._wake.notify_all()
+            elif "stop" in msg:
+                if r == 0:  # rank 0 relays to everyone: nobody needs to hear it again from us
+                    self.stopping = True
+                if self.on_stop is not None:
+                    self.on_stop(str(msg["stop"]))
             elif "failed" in msg:
                 self._fail(str(msg.get("desc") or self._describe(msg["failed"], "failed")), msg["failed"])
                 return
-        if not peer.gone:
-            self._fail(self._describe(r, "stopped responding (connection closed)"), r)
+        if peer.gone:
+            return
+        if self.stopping:  # it exited on its own deadline, or rank 0 finished first
+            self._end(self._describe(r, "exited while the ring was stopping"))
+            return
+        self._fail(self._describe(r, "stopped responding (connection closed)"), r)
 
     def _beat(self) -> None:
         while not self._done and self.failure is None:
@@ -306,7 +311,7 @@ class Watchdog:
                 self._never_connected()
             for r, peer in list(self.peers.items()):
                 silent = now - peer.last_seen
-                if not peer.gone and silent > self.peer_timeout:
+                if not peer.gone and not self.stopping and silent > self.peer_timeout:
                     self._fail(self._describe(r, f"stopped responding (no heartbeat for {silent:.1f} s)"), r)
 
     def _never_connected(self) -> None:
@@ -332,7 +337,7 @@ class Watchdog:
             if self._done or self.failure is not None:
                 return
             self.failure = desc
-        os.write(2, f"trinity: {desc}; exiting\n".encode(errors="replace"))
+        log(f"{desc}; exiting")
         if self.rank == 0:  # tell the survivors; each exits on its own
             for r, peer in list(self.peers.items()):
                 if r != failed_rank:
@@ -341,56 +346,19 @@ class Watchdog:
             if self.on_failure is not None:
                 self.on_failure(desc)
         except Exception as e:  # the exit below matters more
-            os.write(2, f"trinity: failure callback raised {type(e).__name__}: {e}\n".encode(errors="replace"))
+            log(f"failure callback raised {type(e).__name__}: {e}")
         finally:
             self.failed.set()
         time.sleep(self.grace)
         self._exit(EXIT_PEER_FAILED)
 
-
-def listen(address: Address) -> socket.socket:
-    """Rank 0's control listener on `address` (all interfaces if that IP is not ours)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restarts reuse the port at once
-    try:
-        try:
-            sock.bind(address)
-        except OSError as e:
-            if e.errno != 99:  # EADDRNOTAVAIL: e.g. a NAT address in the hostfile
-                raise
-            sock.bind(("", address[1]))
-        sock.listen(64)
-    except OSError as e:
-        sock.close()
-        raise TrinityError(f"rank 0 cannot listen for the other ranks on {address[0]}:{address[1]} ({e}); "
-                           f"set {CONTROL_ENV}=HOST:PORT to a free address every rank can reach") from None
-    return sock
-
-
-class GuardedTransport:
-    """A transport whose failing calls (a peer died under the ring backend, say)
-    wait for the watchdog's verdict: with one, the watchdog ends the process,
-    so the caller blocks rather than raising an error that names nobody."""
-
-    def __init__(self, inner, watchdog: Watchdog):
-        self._inner, self._watchdog = inner, watchdog
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def _guard(self, fn, *args):
-        try:
-            return fn(*args)
-        except Exception:
-            if self._watchdog.verdict(self._watchdog.peer_timeout + 2.0) is None:
-                raise
-            threading.Event().wait()  # the watchdog exits the process
-
-    def send(self, *args):
-        return self._guard(self._inner.send, *args)
-
-    def recv(self):
-        return self._guard(self._inner.recv)
-
-    def close(self):
-        return self._guard(self._inner.close)
+    def _end(self, desc: str) -> None:
+        """A peer went away during a stop: nothing to wait for, and nothing failed."""
+        with self._lock:
+            if self._done or self.failure is not None:
+                return
+            self.failure = desc
+        log(f"{desc}; exiting")
+        self.failed.set()
+        time.sleep(self.grace)
+        self._exit(0)

@@ -1,6 +1,6 @@
 """What a rank other than 0 runs: receive a frame, run its stage, pass it on."""
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 
@@ -14,9 +14,10 @@ Frame = Tuple[Header, Optional[mx.array]]
 
 
 class StageWorker:
-    def __init__(self, stage: Stage, rank: int, size: int):
+    def __init__(self, stage: Stage, rank: int, size: int, wait_wake: Optional[Callable[[int], None]] = None):
         self.stage = stage
         self.rank, self.is_last = rank, rank == size - 1
+        self.wait_wake = wait_wake  # parks this rank off the transport (the watchdog's); None: no parking
         self.caches = SlotCaches(stage)
         self.parameter_bytes = parameter_bytes(stage)
 
@@ -39,8 +40,8 @@ class StageWorker:
             )
             table = mx.concatenate([payload, row], axis=1)
             return Header.for_payload(Op.INFO, table), table
-        if header.op == Op.STOP:
-            return header, None
+        if header.op in (Op.STOP, Op.PARK):
+            return header, None  # round trips: the last rank passes them back to rank 0
         raise ValueError(f"rank {self.rank} received unknown op {header.op}")
 
     def _forward(self, header: Header, h: mx.array) -> Optional[Frame]:
@@ -63,3 +64,8 @@ class StageWorker:
             if header.op == Op.STOP:
                 transport.close()
                 return
+            if header.op == Op.PARK:
+                # Idle ring: block on the control channel, not in a receive that may spin.
+                transport.settle()
+                if self.wait_wake is not None:
+                    self.wait_wake(header.arg)

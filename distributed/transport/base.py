@@ -18,6 +18,11 @@ class Op(IntEnum):
     STOP = 4  # shut down, after passing the frame on
     JOIN = 5  # move the one-sequence caches of slot `arg` into the batch of slot `slot`
     FILTER = 6  # keep only the batch rows listed in the int32 payload (none: drop the slot)
+    PARK = 7  # the ring is idle: after passing this on, block until rank 0 wakes the ring (`arg`: its number)
+
+
+# Frames that go all the way round, back to rank 0.
+ROUND_TRIP_OPS = (Op.STOP, Op.PARK)
 
 
 class Reply(IntEnum):
@@ -78,6 +83,10 @@ class Transport(ABC):
     @abstractmethod
     def recv(self) -> Tuple[Header, Optional[mx.array]]:
         """Receive the next frame from the previous rank."""
+
+    def settle(self) -> None:
+        """After passing on a frame of ROUND_TRIP_OPS: return once no rank needs
+        this one any more for that frame to reach rank 0."""
 
     def close(self) -> None:
         """Called by every rank once it has passed STOP on."""

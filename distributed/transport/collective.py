@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from .base import Header, Op, Transport
+from .base import ROUND_TRIP_OPS, Header, Transport
 
 HEADER_BYTES = Header.SIZE * 4
 # Payloads up to this size ride in the same gather as their header: one
@@ -30,7 +30,10 @@ class MxCollective(Transport):
         self.rank, self.size = group.rank(), group.size()
         self.prev = (self.rank - 1) % self.size
         self.inbox: deque = deque()
-        self.ring_stopped = False  # the STOP frame came back to rank 0
+        # Frames of ROUND_TRIP_OPS (STOP, PARK) this rank sent, and those seen
+        # arriving back at rank 0: until they match, the others need our rounds.
+        self.round_trips_sent = 0
+        self.round_trips_back = 0
 
     def _round(self, header: Optional[Header] = None, payload: Optional[mx.array] = None) -> None:
         nbytes = 0 if payload is None else payload.nbytes
@@ -61,10 +64,12 @@ class MxCollective(Transport):
             data = mx.view(data, incoming.payload_dtype()).reshape(incoming.payload_shape())
         if incoming.op:
             self.inbox.append((incoming, data))
-        if headers[self.size - 1].op == Op.STOP:
-            self.ring_stopped = True
+        if headers[self.size - 1].op in ROUND_TRIP_OPS:
+            self.round_trips_back += 1
 
     def send(self, header: Header, payload: Optional[mx.array] = None) -> None:
+        if header.op in ROUND_TRIP_OPS:
+            self.round_trips_sent += 1
         self._round(header, payload)
 
     def recv(self) -> Tuple[Header, Optional[mx.array]]:
@@ -72,8 +77,12 @@ class MxCollective(Transport):
             self._round()
         return self.inbox.popleft()
 
-    def close(self) -> None:
-        """Keep joining rounds until STOP has gone all the way round, so no
-        rank leaves a collective that the others still need."""
-        while not self.ring_stopped:
+    def settle(self) -> None:
+        """Keep joining rounds until the STOP or PARK frame we passed on has
+        gone all the way round, so no rank leaves (or parks) while the others
+        still need it in a collective."""
+        while self.round_trips_back < self.round_trips_sent:
             self._round()
+
+    def close(self) -> None:
+        self.settle()

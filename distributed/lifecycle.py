@@ -61,6 +61,7 @@ class Lifecycle:
         self.reason: Optional[str] = None  # why we are stopping; None while running
         self.stopping = threading.Event()
         self._callbacks: List[Callable[[str], None]] = []
+        self._asked = 0  # stop requests of our own (signals, the launcher's death)
         self._lock = threading.Lock()
         self._exit = exit_process
 
@@ -85,15 +86,16 @@ class Lifecycle:
         """Stop (see the module's docstring). `from_peer`: relayed by another rank,
         so a repeat is only an echo, not a second Ctrl-C."""
         with self._lock:
-            again = self.reason is not None
-            if not again:
+            first = self.reason is None
+            if first:
                 self.reason = reason
-            callbacks = list(self._callbacks)
-        if again and from_peer:
-            return
-        if again:
-            log(f"{reason} again: exiting now")
-            self._exit(EXIT_STOP_TIMEOUT)
+            if not from_peer:
+                self._asked += 1
+            asked, callbacks = self._asked, list(self._callbacks)
+        if not first:
+            if asked > 1 and not from_peer:  # a second Ctrl-C here (a peer's relay does not count)
+                log(f"{reason} again: exiting now")
+                self._exit(EXIT_STOP_TIMEOUT)
             return
         log(f"{reason}: stopping (at most {self.deadline:g} s)")
         self.stopping.set()

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,8 @@ import pytest
 from conftest import RUN, free_port_range
 
 ROOT = Path(__file__).resolve().parents[2]
+MARK = "TRINITY_TEST_MARK"
 TWO_REMOTE = [{"ssh": "node-a", "ips": ["127.0.0.1"]}, {"ssh": "node-b", "ips": ["127.0.0.2"]}]
-CONTROL = re.compile(r"launch: ring .*; control (\S+)")
 
 # A light rank: records what it was given, then exits or waits for a signal, as asked.
 STAND_IN = r"""
@@ -128,10 +129,10 @@ def kill(pid: int, sig: int) -> None:
         pass
 
 
-def ring_processes(control: str):
-    """Live processes of the ring with this control address: ranks (by environment), their
-    remote shells and ssh clients (their command lines carry it)."""
-    needle = f"TRINITY_CONTROL_ADDR={control}".encode()
+def ring_processes(mark: str):
+    """Live processes of one launch: those with its mark in their environment (the launcher,
+    ranks) or command line (remote shells and ssh clients, which export it)."""
+    needle = f"{MARK}={mark}".encode()
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -146,26 +147,28 @@ def ring_processes(control: str):
     return out
 
 
-def wait_gone(control: str, timeout: float):
+def wait_gone(mark: str, timeout: float):
     end = time.monotonic() + timeout
-    while ring_processes(control) and time.monotonic() < end:
+    while ring_processes(mark) and time.monotonic() < end:
         time.sleep(0.1)
-    return ring_processes(control)
+    return ring_processes(mark)
 
 
 class Launcher:
     """`python -m launch run --hostfile … --ssh …` in a session of its own, output in files."""
 
-    def __init__(self, tmp_path, ssh, hosts, *args, envs=None):
-        data = {"hosts": hosts, "envs": envs} if envs else hosts
-        (tmp_path / "hosts.json").write_text(json.dumps(data))
+    def __init__(self, tmp_path, ssh, hosts, *args, envs=(), path=None):
+        self.mark = uuid.uuid4().hex  # every process of this launch carries it
+        envs = [f"{MARK}={self.mark}", *envs]
+        (tmp_path / "hosts.json").write_text(json.dumps({"hosts": hosts, "envs": envs}))
         self.out, self.err = tmp_path / "stdout", tmp_path / "stderr"
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **{MARK: self.mark})
+        if path:
+            env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "launch", "run", "--hostfile", str(tmp_path / "hosts.json"), "--ssh", ssh,
                  *args], stdout=out, stderr=err, env=env, cwd=ROOT, start_new_session=True)
-        self.control = None
 
     def stderr(self) -> str:
         return self.err.read_text()
@@ -176,36 +179,25 @@ class Launcher:
             assert self.proc.poll() is None, f"the launcher exited {self.proc.returncode}:\n{self.stderr()}"
             assert time.monotonic() < end, f"ranks not up after {timeout:.0f} s:\n{self.stderr()}"
             time.sleep(0.05)
-        self.find_control()
-
-    def find_control(self) -> str:
-        found = CONTROL.search(self.stderr())
-        self.control = self.control or (found.group(1) if found else None)
-        return self.control
 
     def wait(self, timeout=60.0) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.find_control()
+        return self.proc.wait(timeout)
 
     def close(self):
         """Whatever happened, nothing of this launch survives the test."""
         if self.proc.poll() is None:
             kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        self.find_control()
-        if self.control:
-            for pid in wait_gone(self.control, 10):
-                kill(pid, signal.SIGKILL)
+        for pid in wait_gone(self.mark, 10):
+            kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture
 def launched(tmp_path, sshd):
     made = []
 
-    def start(hosts, *args, envs=None):
-        made.append(Launcher(tmp_path, sshd, hosts, *args, envs=envs))
+    def start(hosts, *args, envs=(), path=None):
+        made.append(Launcher(tmp_path, sshd, hosts, *args, envs=envs, path=path))
         return made[-1]
 
     yield start
@@ -247,7 +239,7 @@ def test_environment_cwd_and_output_of_local_and_remote_ranks(launched, stand_in
     stdout, stderr = launcher.out.read_text(), launcher.stderr()
     assert "stdout of rank 1" in stdout and "stderr of rank 1" not in stdout and "stderr of rank 1" in stderr
     assert "started rank 1 on node-b over ssh" in stderr and "started rank 0 (pid" in stderr
-    assert wait_gone(control, 10) == []
+    assert wait_gone(launcher.mark, 10) == []
 
 
 def test_a_failing_remote_rank_is_named(launched, stand_in):
@@ -257,7 +249,7 @@ def test_a_failing_remote_rank_is_named(launched, stand_in):
     assert launcher.wait() == 7, launcher.stderr()
     err = launcher.stderr()
     assert "rank 1 exited with code 7 (host node-b)" in err and "launch: rank 1 failed with exit status 7" in err
-    assert wait_gone(launcher.control, 10) == []
+    assert wait_gone(launcher.mark, 10) == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -268,11 +260,11 @@ def test_stopping_the_launcher_ends_every_remote_rank(launched, stand_in, sig):
     launcher = launched(TWO_REMOTE, "--no-plan", "--grace", "1", "--", script, str(out), "wait")
     launcher.wait_for([out / "rank0.json", out / "rank1.json"])
     pids = [i["pid"] for i in ranks_info(out, 2)]
-    assert set(pids) <= set(ring_processes(launcher.control))
+    assert set(pids) <= set(ring_processes(launcher.mark))
     started = time.monotonic()
     os.kill(launcher.proc.pid, sig)
     code = launcher.wait(30)
-    assert wait_gone(launcher.control, 10) == [], launcher.stderr()
+    assert wait_gone(launcher.mark, 10) == [], launcher.stderr()
     assert time.monotonic() - started < 10
     if sig == signal.SIGTERM:
         assert code == 0, launcher.stderr()
@@ -289,7 +281,25 @@ def test_a_remote_rank_that_ignores_sigterm_is_killed(launched, stand_in):
     os.kill(launcher.proc.pid, signal.SIGTERM)
     assert launcher.wait(30) != 0
     assert "ignored SIGTERM: SIGKILL" in launcher.stderr()
-    assert wait_gone(launcher.control, 10) == []
+    assert wait_gone(launcher.mark, 10) == []
+
+
+def test_via_mlx_launch_keeps_the_old_path(launched, stand_in, sshd, tmp_path):
+    """--via mlx.launch still hands remote hosts to mlx.launch (which runs plain `ssh`: a
+    wrapper first on PATH points it at our sshd); the failing rank is read from its report."""
+    script, out = stand_in
+    wrapper = tmp_path / "bin" / "ssh"
+    wrapper.parent.mkdir()
+    real_ssh = [shutil.which("ssh"), *sshd.split()[1:]]  # not `ssh`: that would be the wrapper itself
+    wrapper.write_text(f"#!/bin/sh\nexec {' '.join(real_ssh)} \"$@\"\n")
+    wrapper.chmod(0o755)
+    launcher = launched(TWO_REMOTE, "--via", "mlx.launch", "--no-plan", "--grace", "1", "--", script, str(out), "fail",
+                        path=wrapper.parent)
+    assert launcher.wait() == 7, launcher.stderr()
+    err = launcher.stderr()
+    assert "started mlx.launch" in err and "over ssh" not in err
+    assert "Node with rank 1 exited with code 7" in err and "launch: rank 1 failed with exit status 7" in err
+    assert wait_gone(launcher.mark, 10) == []
 
 
 def test_real_run_trinity_two_ranks_over_ssh(launched, hf_checkpoint, tmp_path):
@@ -307,7 +317,7 @@ def test_real_run_trinity_two_ranks_over_ssh(launched, hf_checkpoint, tmp_path):
     assert result["logprobs"] == pytest.approx(expected["logprobs"], abs=1e-5)
     assert [r["rank"] for r in result["ranks"]] == [0, 1]
     assert "started rank 1 on node-b over ssh" in launcher.stderr()
-    assert wait_gone(launcher.control, 10) == []
+    assert wait_gone(launcher.mark, 10) == []
 
 
 def test_sshd_is_really_there(sshd):

@@ -199,7 +199,8 @@ def main() -> None:
         sshd.terminate()
         sshd.wait()
         shutil.rmtree(d, ignore_errors=True)
-    print(f"CPU seconds per 10 s of an idle 2-rank serving ring ({args.seconds:g} s window, {os.cpu_count()} cores)")
+    print(f"CPU seconds per 10 s of an idle 2-rank serving ring ({args.seconds:g} s window, {os.cpu_count()} cores; "
+          f"/proc counts in steps of {1 / TICK:g} s)")
     print(f"{'mode':28}{'launcher':>10}{'ranks':>10}{'remote':>10}   launcher processes")
     for r in results:
         print(f"{r['mode']:28}{r['launcher_cpu_s_per_10s']:10.3f}{r['ranks_cpu_s_per_10s']:10.3f}"

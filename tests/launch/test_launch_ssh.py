@@ -14,6 +14,7 @@ import getpass
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -81,13 +82,14 @@ def sshd(tmp_path_factory):
     log = open(d / "sshd.log", "w")
     proc = subprocess.Popen([sshd_bin, "-D", "-e", "-f", str(d / "sshd_config")], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    ssh = f"ssh -F {d / 'ssh_config'}"
+    ssh = shlex.join(["ssh", "-F", str(d / "ssh_config")])
     try:
         end = time.monotonic() + 20
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"sshd exited with {proc.returncode}:\n{(d / 'sshd.log').read_text()}")
-            if subprocess.run([*ssh.split(), "-o", "BatchMode=yes", "node-a", "true"], capture_output=True).returncode == 0:
+            probe = [*shlex.split(ssh), "-o", "BatchMode=yes", "node-a", "true"]
+            if subprocess.run(probe, capture_output=True).returncode == 0:
                 break
             if time.monotonic() > end:
                 pytest.fail(f"sshd on port {port} never let us in:\n{(d / 'sshd.log').read_text()}")
@@ -290,8 +292,8 @@ def test_via_mlx_launch_keeps_the_old_path(launched, stand_in, sshd, tmp_path):
     script, out = stand_in
     wrapper = tmp_path / "bin" / "ssh"
     wrapper.parent.mkdir()
-    real_ssh = [shutil.which("ssh"), *sshd.split()[1:]]  # not `ssh`: that would be the wrapper itself
-    wrapper.write_text(f"#!/bin/sh\nexec {' '.join(real_ssh)} \"$@\"\n")
+    real_ssh = [shutil.which("ssh"), *shlex.split(sshd)[1:]]  # not `ssh`: that would be the wrapper itself
+    wrapper.write_text(f"#!/bin/sh\nexec {shlex.join(real_ssh)} \"$@\"\n")
     wrapper.chmod(0o755)
     launcher = launched(TWO_REMOTE, "--via", "mlx.launch", "--no-plan", "--grace", "1", "--", script, str(out), "fail",
                         path=wrapper.parent)
@@ -322,6 +324,6 @@ def test_real_run_trinity_two_ranks_over_ssh(launched, hf_checkpoint, tmp_path):
 
 def test_sshd_is_really_there(sshd):
     """The fixture's sshd answers as an SSH server (not a stand-in)."""
-    port = int(re.search(r"Port (\d+)", Path(sshd.split()[-1]).read_text()).group(1))
+    port = int(re.search(r"Port (\d+)", Path(shlex.split(sshd)[-1]).read_text()).group(1))
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         assert s.recv(64).startswith(b"SSH-2.0-OpenSSH")

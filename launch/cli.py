@@ -4,9 +4,11 @@
     python -m launch run --hostfile hosts.json [--dry-run] -- run_trinity.py --model … --prompt …
     python -m launch run --single-host 2 [--restart N] -- run_trinity.py --serve 127.0.0.1:50051
 
-Local rings (every host 127.0.0.1, ring backend) are started directly, without
-mlx.launch (--via mlx.launch to use it anyway); remote hosts go through mlx.launch.
---restart N starts the whole ring again after a rank fails, up to N times.
+Ring-backend rings are started by us, without mlx.launch (whose output loop keeps
+a core busy): local ranks (127.0.0.1) directly, remote hosts over ssh (--ssh, or
+$TRINITY_SSH, says how to call ssh). --via mlx.launch uses mlx.launch anyway;
+other backends always do. --restart N starts the whole ring again after a rank
+fails, up to N times.
 """
 
 import argparse
@@ -22,6 +24,7 @@ from . import hostfile, runner
 from .memory import usable_memory_bytes
 from .plan import DEFAULT_MARGIN, plan_layers
 from .sizes import quantize_config
+from .ssh_ring import SSH_ENV, SSH_OPTIONS, ssh_command
 from .startup import PLAN_ENV, plan_spec
 
 PRESETS = Path(__file__).resolve().parent.parent / "configs" / "presets"
@@ -51,7 +54,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     plan.add_argument("--quantize", type=int, metavar="BITS", help="plan as if converted by mlx-lm at BITS "
                       "(group 64, routers at 8 bits), for a config that is not quantized")
     plan.add_argument("--json", action="store_true", help='print {"fits", "hosts": [...]} as JSON')
-    run = sub.add_parser("run", help="plan, then start the ranks (directly when local, else through mlx.launch)")
+    run = sub.add_parser("run", help="plan, then start the ranks (ring backend: ourselves, locally or over "
+                         "ssh; others through mlx.launch)")
     _hosts_args(run, plan=False)
     run.add_argument("--dry-run", action="store_true", help="print the plan and the exact command, start nothing")
     run.add_argument("--no-plan", action="store_true", help="start the command as it is (no --split added)")
@@ -65,8 +69,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                           "a stop signal, before SIGTERM (then SIGKILL 3 s later); default 20")
     run.add_argument("--restart-delay", type=float, default=1.0, metavar="S", help="pause before a restart")
     run.add_argument("--via", choices=["auto", "direct", "mlx.launch"], default="auto",
-                     help="auto: start ranks directly when all are local on the ring backend "
-                          "(mlx.launch's output loop keeps a core busy), else through mlx.launch")
+                     help="auto: with the ring backend start the ranks ourselves (local ones directly, remote "
+                          "ones over ssh; mlx.launch's output loop keeps a core busy), other backends through "
+                          "mlx.launch; direct: insist on starting them ourselves; mlx.launch: always through it")
+    run.add_argument("--ssh", metavar="CMD", help="how to call ssh for remote hosts (not with mlx.launch, which "
+                     f"runs plain ssh): a command line, default ${SSH_ENV} or else ssh, e.g. "
+                     f"\"ssh -F ~/.ssh/trinity_config\" or \"ssh -p 2222 -i ~/.ssh/id_trinity\"; "
+                     f"{' '.join(SSH_OPTIONS)} are added after it")
+    run.add_argument("--cwd", help="working directory of every rank (default: ours, on each host that has it, "
+                     "as mlx.launch does); a host without it fails")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- run_trinity.py …")
     args = p.parse_args(argv)
     if args.verb == "run":
@@ -201,22 +212,20 @@ def cmd_run(args) -> int:
                 print(f"launch: the model does not fit:\n{plan.shortfall()}", file=sys.stderr)
                 return 1
             cmd += ["--split", ",".join(map(str, plan.split))]
-    direct = runner.can_start_directly(hf, args.backend)
-    if args.via == "direct" and not direct:
-        raise TrinityError("--via direct needs every host local (127.0.0.1) and the ring backend; "
-                           "use --via mlx.launch (or auto) for remote hosts or other backends")
+    ours = runner.can_start_ourselves(hf, args.backend)
+    if args.via == "direct" and not ours:
+        raise TrinityError("--via direct needs the ring backend (and an IP for every host); "
+                           "use --via mlx.launch (or auto) for other backends")
     restart = dict(restarts=args.restart, grace=args.grace, restart_delay=args.restart_delay)
-    if direct and args.via != "mlx.launch":
+    if ours and args.via != "mlx.launch":
+        ssh = ssh_command(args.ssh)
         if args.dry_run:
-            from .ring import DirectRing
-
-            ring = DirectRing(cmd, len(hf.hosts), {}, list(hf.envs) + envs, [h.ips[0] for h in hf.hosts],
-                              args.starting_port)
+            ring = runner.own_ring(cmd, hf, {}, envs, args.starting_port, ssh, args.cwd)
             print("\n".join(ring.describe_commands()))
             return 0
-        return runner.run_direct(cmd, hf, envs, args.starting_port, **restart)
+        return runner.run_direct(cmd, hf, envs, args.starting_port, ssh=ssh, cwd=args.cwd, **restart)
     launch_cmd = runner.build_command(hf, cmd, single_host=args.single_host, backend=args.backend,
-                                      starting_port=args.starting_port, envs=envs)
+                                      starting_port=args.starting_port, envs=envs, cwd=args.cwd)
     if args.dry_run:
         print(shlex.join(launch_cmd))
         return 0

@@ -1,6 +1,6 @@
-"""A ring of ranks, started one of two ways; each attempt of the supervisor makes a fresh one.
+"""A ring of ranks, started one of three ways; each attempt of the supervisor makes a fresh one.
 
-Two ways to start a ring:
+Three ways to start a ring:
 
 - DirectRing: every rank is on this machine and the backend is ring. The ranks
   are started here, as mlx.launch would start them (MLX_RANK, MLX_HOSTFILE
@@ -9,9 +9,11 @@ Two ways to start a ring:
   CPU per 5 s of wall time, measured), which halves decode on a small machine.
   Rank output goes straight to our stdout/stderr. Each rank also gets
   TRINITY_CONTROL_ADDR=127.0.0.1:<free port> (rank 0's control listener).
-- MlxLaunchRing: anything with remote hosts or another backend goes through
-  mlx.launch (ssh, mpirun, ...); its "Node with rank N exited with code C" lines
-  tell which rank failed (mlx.launch itself exits 0 regardless).
+- SshRing (launch/ssh_ring.py): the ring backend with remote hosts; like
+  DirectRing, but remote ranks start through one ssh client each.
+- MlxLaunchRing: other backends, or `--via mlx.launch`, go through mlx.launch
+  (ssh, mpirun, ...); its "Node with rank N exited with code C" lines tell which
+  rank failed (mlx.launch itself exits 0 regardless).
 
 Every rank (or mlx.launch) starts in a session and process group of its own, so
 that a whole ring, whatever it started, can be signalled and killed as a group,
@@ -114,7 +116,8 @@ class Ring:
         threading.Thread(target=wait, name=f"wait-{key}", daemon=True).start()
 
     def popen(self, key: int, cmd: List[str], env: dict, **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True, **kwargs)
+        kwargs.setdefault("stdin", subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, **kwargs)
         self.procs[key] = proc
         self._watch(key, proc)
         return proc
@@ -136,9 +139,9 @@ class DirectRing(Ring):
     name = "direct"
 
     def __init__(self, command: List[str], size: int, env: dict, envs: Optional[List[str]] = None,
-                 ips: Optional[List[str]] = None, starting_port: Optional[int] = None):
+                 ips: Optional[List[str]] = None, starting_port: Optional[int] = None, cwd: Optional[str] = None):
         super().__init__()
-        self.command, self.size, self.env = command, size, env
+        self.command, self.size, self.env, self.cwd = command, size, env, cwd
         self.envs = list(envs or [])  # NAME=VALUE, as mlx.launch's --env
         self.ips = ips or ["127.0.0.1"] * size
         self.starting_port = starting_port
@@ -179,14 +182,20 @@ class DirectRing(Ring):
             lines.append(shlex.join(["env", *env, *self.envs, *self.command]))
         return lines
 
+    def host(self, rank: int) -> str:
+        return self.ips[rank]
+
+    def write_hostfile(self) -> None:
+        fd, self.hostfile = tempfile.mkstemp(prefix="trinity-ring-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.ring, f)
+
     def start(self) -> None:
         self.plan()
         if self.size > 1:
-            fd, self.hostfile = tempfile.mkstemp(prefix="trinity-ring-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.ring, f)
+            self.write_hostfile()
         for rank in range(self.size):
-            proc = self.popen(rank, self.command, self.rank_env(rank))
+            proc = self.popen(rank, self.command, self.rank_env(rank), cwd=self.cwd)
             log(f"started rank {rank} (pid {proc.pid}) on {self.ips[rank]}")
         if self.size > 1:
             log("ring " + " -> ".join(a[0] for a in self.ring) + f"; control {self.control}")
@@ -198,10 +207,11 @@ class DirectRing(Ring):
         else:
             self.kill_all(signal.SIGTERM)
 
+    def rank_failure(self, rank: int, code: int, detail: str = "") -> Failure:
+        return Failure(rank, code, self.host(rank), self.procs[rank].pid, detail)
+
     def on_exit(self, rank: int, code: int) -> Optional[Failure]:
-        if code == 0:
-            return None
-        return Failure(rank, code, self.ips[rank], self.procs[rank].pid)
+        return None if code == 0 else self.rank_failure(rank, code)
 
     def final_failure(self) -> Optional[Failure]:
         return None

@@ -1,4 +1,5 @@
-"""Starting the ranks (through mlx.launch, or directly when all are local), and telling whether any failed.
+"""Starting the ranks (ourselves for the ring backend: locally, or over ssh for remote
+hosts; through mlx.launch otherwise), and telling whether any failed.
 
 mlx.launch exits 0 even when a rank fails: it only prints "Node with rank N
 exited with code C" (and, for MPI, mpirun's own report, while ignoring mpirun's
@@ -31,7 +32,8 @@ def mlx_launch() -> str:
 
 def build_command(hostfile: Hostfile, command: List[str], single_host: Optional[int] = None,
                   backend: Optional[str] = None, starting_port: Optional[int] = None,
-                  envs: Optional[List[str]] = None, extra: Optional[List[str]] = None) -> List[str]:
+                  envs: Optional[List[str]] = None, extra: Optional[List[str]] = None,
+                  cwd: Optional[str] = None) -> List[str]:
     """The mlx.launch command line: the hostfile as it is (mlx.launch ignores our extra keys)."""
     cmd = [mlx_launch()]
     if single_host is not None:
@@ -44,6 +46,8 @@ def build_command(hostfile: Hostfile, command: List[str], single_host: Optional[
         cmd += ["--starting-port", str(starting_port)]
     for e in envs or []:
         cmd += ["--env", e]
+    if cwd:
+        cmd += ["--cwd", cwd]
     if (backend or hostfile.backend) == "mpi":
         command = [sys.executable, "-m", "launch.guard", "--", *command]
     return cmd + list(extra or []) + ["--", *command]
@@ -98,20 +102,36 @@ def run(cmd: List[str], restarts: int = 0, grace: float = 20.0, restart_delay: f
     return Supervisor(restarts, grace, restart_delay).run(lambda: MlxLaunchRing(cmd, env))
 
 
+def own_ring(command: List[str], hostfile: Hostfile, env: dict, envs: Optional[List[str]] = None,
+             starting_port: Optional[int] = None, ssh: Optional[List[str]] = None, cwd: Optional[str] = None):
+    """A ring we start ourselves: DirectRing when every host is local, else SshRing."""
+    from .ring import DirectRing
+    from .ssh_ring import SshRing
+
+    all_envs = list(hostfile.envs) + list(envs or [])
+    if all(h.is_local for h in hostfile.hosts):
+        ips = [h.ips[0] for h in hostfile.hosts]
+        return DirectRing(command, len(hostfile.hosts), env, all_envs, ips, starting_port, cwd)
+    return SshRing(command, hostfile.hosts, env, all_envs, starting_port, ssh, cwd)
+
+
 def run_direct(command: List[str], hostfile: Hostfile, envs: Optional[List[str]] = None,
                starting_port: Optional[int] = None, restarts: int = 0, grace: float = 20.0,
-               restart_delay: float = 1.0) -> int:
-    """Start the local ranks of a ring hostfile here, without mlx.launch; our exit status."""
-    from .ring import DirectRing
+               restart_delay: float = 1.0, ssh: Optional[List[str]] = None, cwd: Optional[str] = None) -> int:
+    """Start the ranks of a ring hostfile ourselves (local ones here, remote ones over ssh),
+    without mlx.launch; our exit status."""
     from .supervisor import Supervisor
 
     env = launch_env()
-    all_envs = list(hostfile.envs) + list(envs or [])
-    ips = [h.ips[0] for h in hostfile.hosts]
     return Supervisor(restarts, grace, restart_delay).run(
-        lambda: DirectRing(command, len(hostfile.hosts), env, all_envs, ips, starting_port))
+        lambda: own_ring(command, hostfile, env, envs, starting_port, ssh, cwd))
 
 
 def can_start_directly(hostfile: Hostfile, backend: Optional[str] = None) -> bool:
     """Every rank is on this machine and the backend is ring: no need for mlx.launch."""
     return (backend or hostfile.backend) == "ring" and all(h.is_local and h.ips for h in hostfile.hosts)
+
+
+def can_start_ourselves(hostfile: Hostfile, backend: Optional[str] = None) -> bool:
+    """The ring backend, every host with an IP: local ranks start here, remote ones over ssh."""
+    return (backend or hostfile.backend) == "ring" and all(h.ips for h in hostfile.hosts)

@@ -13,6 +13,10 @@ Supervisor.run() starts a ring and watches it:
 - SIGINT/SIGTERM/SIGHUP to the launcher is a clean stop, never restarted: the
   signal goes to rank 0 (which stops the other ranks through the ring), then after
   `grace` SIGTERM to every group, then SIGKILL. A second signal skips the wait.
+
+Rings of ranks started one by one (DirectRing, and SshRing, its remote kind)
+are watched rank by rank; a remote rank's "process group" here is its ssh
+client, and SshRing passes the signals on over ssh (launch/ssh_ring.py).
 """
 
 import queue
@@ -146,9 +150,9 @@ class Supervisor:
                             # The cause is the rank that did not exit (frozen, stuck, cut off),
                             # not the first one whose watchdog noticed.
                             stuck = alive[0]
-                            failure = Failure(stuck, PEER_FAILED_EXIT, ring.ips[stuck], ring.procs[stuck].pid,
-                                              detail=f"stopped responding: the other ranks reported a failed peer "
-                                                     f"(exit {PEER_FAILED_EXIT}) and it did not exit")
+                            failure = ring.rank_failure(stuck, PEER_FAILED_EXIT,
+                                                        f"stopped responding: the other ranks reported a failed "
+                                                        f"peer (exit {PEER_FAILED_EXIT}) and it did not exit")
                             log(f"attempt {attempt}/{attempts}: {failure.describe()}")
                         ring.kill_all(signal.SIGTERM)
                         ring.kill_all(signal.SIGCONT)  # a stopped (SIGSTOP) rank gets its SIGTERM too
@@ -221,8 +225,9 @@ class Supervisor:
                 stuck = [k for k, c in ring.exited.items() if c != 0]
                 if failure is None and stuck:  # e.g. killed after rank 0 finished without them
                     key = stuck[0]
-                    failure = Failure(key, ring.exited[key], pid=ring.procs[key].pid,
-                                      detail=f"did not exit within {self.grace:g} s of rank 0 (killed)")
+                    detail = f"did not exit within {self.grace:g} s of rank 0 (killed)"
+                    failure = (ring.rank_failure(key, ring.exited[key], detail) if isinstance(ring, DirectRing)
+                               else Failure(key, ring.exited[key], pid=ring.procs[key].pid, detail=detail))
             return Outcome(failure, self.stop_signal, ring.stop_status() if failure is None else 0)
         finally:
             # Whatever happened above (an exception included), nothing of this ring survives.

@@ -91,7 +91,7 @@ def test_dry_run_prints_the_exact_command(capsys, hf_checkpoint):
     assert len(lines) == 3
     code, _, err = cli(capsys, "run", "--single-host", "2", "--backend", "mpi", "--via", "direct", "--dry-run",
                        "--", "run_trinity.py")
-    assert code == 2 and "--via direct needs every host local" in err
+    assert code == 2 and "--via direct needs the ring backend" in err
 
 
 def test_dry_run_preset_hostfile_and_mpi(capsys, tmp_path, hf_checkpoint):
@@ -111,8 +111,8 @@ def test_dry_run_preset_hostfile_and_mpi(capsys, tmp_path, hf_checkpoint):
 
 def test_dry_run_unknown_memory_plans_at_startup(capsys, tmp_path, hf_checkpoint):
     hosts = hostfile(tmp_path, [{"ssh": "a", "ips": ["10.0.0.1"], "memory_gb": 8}, {"ssh": "b", "ips": ["10.0.0.2"]}])
-    code, out, err = cli(capsys, "run", "--hostfile", hosts, "--context", "512", "--dry-run", "--",
-                         "run_trinity.py", "--model", str(hf_checkpoint))
+    code, out, err = cli(capsys, "run", "--hostfile", hosts, "--context", "512", "--via", "mlx.launch", "--dry-run",
+                         "--", "run_trinity.py", "--model", str(hf_checkpoint))
     assert code == 0 and "measure it and plan at start-up" in err
     cmd = shlex.split(out)
     assert cmd[-2:] == ["--split", "auto"] and "--max-context" in cmd
@@ -121,6 +121,29 @@ def test_dry_run_unknown_memory_plans_at_startup(capsys, tmp_path, hf_checkpoint
     spec = json.loads(env.split("=", 1)[1])
     assert spec == {"hosts": [{"host": "a", "memory_bytes": 8 * GIB, "speed": 1.0},
                               {"host": "b", "memory_bytes": None, "speed": 1.0}], "margin": 0.1, "context": 512}
+
+
+def test_dry_run_remote_hosts_start_over_ssh(capsys, tmp_path, monkeypatch):
+    """Remote hosts of the ring backend: one ssh command per rank (--ssh, else $TRINITY_SSH),
+    exporting mlx.launch's environment and rank 0's control address."""
+    hosts = hostfile(tmp_path, {"hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}],
+                                "envs": ["X=1 2"]})
+    monkeypatch.setenv("TRINITY_SSH", "ssh -p 2222")
+    code, out, _ = cli(capsys, "run", "--hostfile", hosts, "--starting-port", "5000", "--no-plan", "--dry-run",
+                       "--", "echo", "hi")
+    assert code == 0
+    assert out.startswith('# ring [["10.0.0.1:5000"], ["10.0.0.2:5001"]]; control 10.0.0.1:')
+    control = out.split("control ")[1].split()[0]
+    for rank, host in enumerate("ab"):
+        assert f"# rank {rank}: ssh -p 2222 -T -o BatchMode=yes -o LogLevel=ERROR {host} 'sh -c SCRIPT'" in out
+    assert out.count(f"export TRINITY_CONTROL_ADDR={control}\n") == 2 and out.count("export X='1 2'\n") == 2
+    assert "export MLX_RANK=0\n" in out and "export MLX_RANK=1\n" in out and "echo hi </dev/null &" in out
+    code, out, _ = cli(capsys, "run", "--hostfile", hosts, "--ssh", "myssh -F cfg", "--no-plan", "--dry-run",
+                       "--", "echo", "hi")
+    assert code == 0 and "# rank 1: myssh -F cfg -T" in out
+    code, out, _ = cli(capsys, "run", "--hostfile", hosts, "--via", "mlx.launch", "--no-plan", "--dry-run",
+                       "--", "echo", "hi")
+    assert code == 0 and shlex.split(out)[:3] == [mlx_launch(), "--hostfile", hosts]
 
 
 def test_run_refuses_a_plan_that_does_not_fit(capsys, tmp_path, hf_checkpoint):

@@ -1,4 +1,4 @@
-"""CPU the launcher uses while a 2-rank ring sits idle serving: mlx.launch vs `python -m launch run`.
+"""CPU the launcher and each rank use while a 2-rank ring sits idle serving: mlx.launch vs `python -m launch run`.
 
     python bench/bench_launcher_cpu.py [--seconds 10] [--only NAME ...] [--json-out PATH]
 
@@ -12,11 +12,12 @@ generated keys; needs openssh-server and openssh-client), reached as node-a and 
 an ssh config: `--ssh "ssh -F CONFIG"` for launch run, an `ssh` wrapper first on PATH for
 mlx.launch (it runs plain `ssh`).
 
-Once health says SERVING and a settling pause has passed, CPU seconds (utime + stime from
+Once health says SERVING, one short generation has run (so the ring has served and gone
+idle again), and a settling pause has passed, CPU seconds (utime + stime from
 /proc/PID/stat, all threads) are read twice, --seconds apart, for
   launcher  the launcher process and every descendant of it that is not a rank (ssh clients,
             shells): what the launching machine pays for starting the ring
-  ranks     the rank processes (MLX_RANK in their environment)
+  ranks     the rank processes (MLX_RANK in their environment), also each on its own (rank N)
   remote    sshd's per-session processes and the shells under them, not the ranks: what each
             remote host pays on top of its rank (ssh rings only)
 and reported per 10 s of wall time. Linux only (/proc).
@@ -37,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from common import PY, RUN, bench_env, wait_serving  # noqa: E402
+from common import PY, RUN, bench_env, grpc_generate, prompt_ids, wait_serving  # noqa: E402
 from launch.processes import free_ports  # noqa: E402  (consecutive ones: ring ports, then rank 0's control)
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -70,18 +71,28 @@ def descendants(table, root: int):
     return out
 
 
-def is_rank(row) -> bool:
-    return b"\0MLX_RANK=" in b"\0" + row[2]
+def rank_of(row):
+    """The MLX_RANK in a process's environment, or None."""
+    for var in row[2].split(b"\0"):
+        if var.startswith(b"MLX_RANK="):
+            return int(var[9:])
+    return None
 
 
 def cpu_split(launcher: int, sshd: int):
     """CPU seconds so far: {launcher, ranks, remote} -> {pid: seconds}."""
     table = proc_table()
-    groups = {"launcher": {}, "ranks": {}, "remote": {}}
+    groups = {"launcher": {}, "ranks": {}, "remote": {}, "rank 0": {}, "rank 1": {}}
     for pid in [launcher] + descendants(table, launcher):
-        groups["ranks" if is_rank(table[pid]) else "launcher"][pid] = table[pid][1]
+        rank = rank_of(table[pid])
+        groups["launcher" if rank is None else "ranks"][pid] = table[pid][1]
+        if rank is not None:
+            groups[f"rank {rank}"][pid] = table[pid][1]
     for pid in descendants(table, sshd) if sshd else []:
-        groups["ranks" if is_rank(table[pid]) else "remote"][pid] = table[pid][1]
+        rank = rank_of(table[pid])
+        groups["remote" if rank is None else "ranks"][pid] = table[pid][1]
+        if rank is not None:
+            groups[f"rank {rank}"][pid] = table[pid][1]
     return groups
 
 
@@ -167,6 +178,9 @@ def measure(mode: str, d: Path, sshd: int, seconds: float, settle: float) -> dic
                             start_new_session=True)
     try:
         channel, waited = wait_serving(serve, [proc], timeout=300)
+        from distributed.proto import generation_pb2_grpc as pb_grpc
+
+        grpc_generate(pb_grpc.GenerationStub(channel), [int(t) for t in prompt_ids(8).split(",")], 8)
         channel.close()
         time.sleep(settle)
         before, tic = cpu_split(proc.pid, sshd), time.monotonic()
@@ -201,10 +215,10 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     print(f"CPU seconds per 10 s of an idle 2-rank serving ring ({args.seconds:g} s window, {os.cpu_count()} cores; "
           f"/proc counts in steps of {1 / TICK:g} s)")
-    print(f"{'mode':28}{'launcher':>10}{'ranks':>10}{'remote':>10}   launcher processes")
+    print(f"{'mode':28}{'launcher':>10}{'rank 0':>10}{'rank 1':>10}{'remote':>10}   launcher processes")
     for r in results:
-        print(f"{r['mode']:28}{r['launcher_cpu_s_per_10s']:10.3f}{r['ranks_cpu_s_per_10s']:10.3f}"
-              f"{r['remote_cpu_s_per_10s']:10.3f}   {r['processes']['launcher']}")
+        print(f"{r['mode']:28}{r['launcher_cpu_s_per_10s']:10.3f}{r['rank 0_cpu_s_per_10s']:10.3f}"
+              f"{r['rank 1_cpu_s_per_10s']:10.3f}{r['remote_cpu_s_per_10s']:10.3f}   {r['processes']['launcher']}")
     print(json.dumps(results))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))

@@ -9,6 +9,7 @@ reach of a process-tree walk.
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +28,9 @@ MLX_LAUNCH_PORTS = [32323, 32324, 32325]
 
 
 def mlx_launch() -> str:
-    return str(Path(sys.executable).parent / "mlx.launch")
+    """This environment's mlx.launch (else the one on PATH)."""
+    beside = Path(sys.executable).parent / "mlx.launch"
+    return str(beside) if beside.exists() else shutil.which("mlx.launch") or "mlx.launch"
 
 
 def tagged(tag: str) -> List[int]:
@@ -89,7 +92,8 @@ class Launch:
     def __init__(self, cmd: List[str], extra_env: Optional[Dict[str, str]] = None):
         self.tag = uuid.uuid4().hex
         # Unbuffered: a launcher's stdout lines and stderr lines keep their order in the pipe.
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **{TAG_ENV: self.tag}, **(extra_env or {}))
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", **{TAG_ENV: self.tag}, **(extra_env or {}))
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, cwd=ROOT, start_new_session=True)

@@ -95,7 +95,9 @@ class Launch:
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", **{TAG_ENV: self.tag}, **(extra_env or {}))
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        # stdin: a pipe that stays open and silent, as a terminal's is. (At EOF, /dev/null,
+        # mlx.launch's main loop spins on it, and a SIGINT lands in its queue locks.)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                      env=env, cwd=ROOT, start_new_session=True)
         self.chunks: List[bytes] = []  # as they come (streamed text has no newlines)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -120,6 +122,17 @@ class Launch:
             time.sleep(0.05)
         raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.output[-4000:]}")
 
+    def ranks(self) -> List[int]:
+        """The processes running run_trinity.py."""
+        out = []
+        for pid in tagged(self.tag):
+            try:
+                if b"run_trinity.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    out.append(pid)
+            except OSError:
+                continue
+        return out
+
     def rank_pid(self, rank: int) -> int:
         """The process that runs run_trinity.py as rank `rank`."""
         for pid in tagged(self.tag):
@@ -137,8 +150,9 @@ class Launch:
         start = time.monotonic()
         while time.monotonic() - start < timeout:
             if not tagged(self.tag):
-                self.proc.poll()
-                return time.monotonic() - start
+                took = time.monotonic() - start
+                self.proc.wait(timeout=10)  # an exiting process leaves /proc's view before wait() can reap it
+                return took
             time.sleep(0.02)
         return None
 
@@ -154,6 +168,8 @@ class Launch:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        if self.proc.stdin:
+            self.proc.stdin.close()
 
 
 def serve_mlx_launch(model: str, grpc_port: int, ranks: int = 2, extra=()) -> Launch:

@@ -38,11 +38,26 @@ def run_trinity(args, env=None, prefix=(), timeout=120):
 
 
 def kill_group(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL everything in proc's session (it was started with start_new_session):
+    mpirun gives each rank a process group of its own, but they stay in its session."""
+    for pid in [proc.pid, *session_members(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
+
+
+def session_members(sid: int):
+    members = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # state, ppid, pgrp, session
+            members.append(int(pid))
+    return members
 
 
 def one_error_line(status, out, err) -> str:

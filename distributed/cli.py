@@ -16,12 +16,13 @@ from typing import List, Optional
 from . import TrinityError
 from .frontend import prompt_ids
 from .lifecycle import Lifecycle, RankStop, launched_by_launcher
+from .preflight import check_launch
 from .rank_startup import build_pipeline, join_ranks
 from .request import GenerationRequest, RequestError, TokenEvent
 from .scheduler import Scheduler
 from .server import AUTH_TOKEN_ENV, ServeOptions, check_options, start_front_ends
 from .shard.config import model_args
-from .watchdog import Watchdog, control_from_env
+from .watchdog import Watchdog
 
 DEFAULT_PROMPT = "Explain pipeline parallelism in one sentence."
 
@@ -238,7 +239,7 @@ def run(args, stop: RankStop) -> None:
     global _watchdog
     validate(args)
     options = serve_options(args) if args.serve or args.http else None
-    control = control_from_env()  # None: one process, or a backend that needs init first (MPI)
+    control = check_launch()  # None: one process, or a backend that needs init first (MPI)
     front_ends = []
     try:
         if options is not None and control is not None and control.rank == 0:

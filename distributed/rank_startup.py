@@ -16,6 +16,7 @@ import mlx.core as mx
 from . import TrinityError
 from .handshake import StartupRefused, agree_control_address, exchange_errors, handshake
 from .pipeline import Pipeline, in_process_pipeline
+from .preflight import check_group
 from .shard.config import model_args, read_config
 from .shard.loader import fetch_stage_files, load_stage, model_dir
 from .shard.plan import layer_ranges, parse_split
@@ -81,6 +82,7 @@ def join_ranks(args, control: Optional[Control], on_stop=None):
     ranks agree on the address through a collective."""
     if control is None:
         group = mx.distributed.init()
+        check_group(group)  # several MPI processes, each alone: MLX found no libmpi
         if group.size() == 1:
             return group, None
         explicit = parse_address(os.environ[CONTROL_ENV]) if os.environ.get(CONTROL_ENV) else None

@@ -30,6 +30,8 @@ def split_address(address: str, flag: str):
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise TrinityError(f"{flag} {address!r} is not HOST:PORT")
+    if int(port) > 65535:  # gRPC would wrap it round to another port
+        raise TrinityError(f"{flag} {address}: port {port} is out of range (0-65535)")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 

@@ -92,6 +92,7 @@ def _broken_copy(src, dst, remove_file=None, config_update=None):
         (["--top-k", "-2"], "--top-k: must be >= 0"),
         (["--max-tokens", "0"], "--max-tokens: must be at least 1"),
         (["--max-tokens", "4090"], "exceeds the context of 4096 tokens"),
+        (["--serve", "127.0.0.1:99999"], "--serve 127.0.0.1:99999: port 99999 is out of range (0-65535)"),
     ],
 )
 def test_bad_arguments_exit_nonzero_naming_the_cause(hf_checkpoint, args, message):
@@ -103,10 +104,28 @@ def test_bad_arguments_exit_nonzero_naming_the_cause(hf_checkpoint, args, messag
 
 def test_missing_model_and_unknown_model_type(hf_checkpoint, tmp_path):
     proc = run_cli(["--model", str(tmp_path / "nope"), "--prompt", "hi"])
-    assert proc.returncode != 0 and "does not exist" in proc.stderr
+    assert proc.returncode != 0 and f"error: --model {tmp_path / 'nope'}: no such folder" in proc.stderr
     bad = _broken_copy(hf_checkpoint, tmp_path / "llama", config_update={"model_type": "llama"})
     proc = run_cli(["--model", str(bad), "--prompt", "hi"])
     assert proc.returncode != 0 and "unsupported model_type 'llama'" in proc.stderr
+
+
+def test_model_that_is_not_a_checkpoint_folder(hf_checkpoint, tmp_path):
+    """A newcomer's first tries: the config file itself, a folder without config.json,
+    a config.json without the model's sizes (mlx-lm would take Trinity-Mini's)."""
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "config.json").write_text(json.dumps({"model_type": "afmoe", "hidden_size": 64}))
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (hf_checkpoint / "config.json",
+         f"error: --model {hf_checkpoint / 'config.json'} is a file: give the checkpoint's folder (the one with config.json)"),
+        (tmp_path / "empty", f"error: config.json not found in {tmp_path / 'empty'}"),
+        (tmp_path / "partial", "error: config.json lacks vocab_size, num_hidden_layers, num_attention_heads "
+                               "(every afmoe config.json has them)"),
+    ]
+    for model, line in cases:
+        proc = run_cli(["--model", str(model), "--prompt", "hi"])
+        assert proc.returncode == 2 and proc.stderr.strip() == line and proc.stdout == "", (proc.stderr, line)
 
 
 def test_missing_shard_file_single_process(hf_checkpoint, tmp_path):

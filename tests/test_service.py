@@ -73,20 +73,25 @@ class Server:
         args = [sys.executable, RUN, "--model", str(model), "--serve", "127.0.0.1:0", *extra]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="trinity-serve-", suffix=".log")
         self.procs = []
-        popen = dict(stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        if ranks == 1:
-            self.procs.append(subprocess.Popen(args, env=env(), **popen))
-        elif manual:
-            base = free_port_range(ranks)
-            self.hostfile = tempfile.NamedTemporaryFile("w", suffix=".json")
-            json.dump([[f"127.0.0.1:{base + r}"] for r in range(ranks)], self.hostfile)
-            self.hostfile.flush()
-            for r in range(ranks):
-                self.procs.append(subprocess.Popen(
-                    args, env=dict(env(), MLX_RANK=str(r), MLX_HOSTFILE=self.hostfile.name), **popen))
-        else:
-            cmd = [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks)), *args]
-            self.procs.append(subprocess.Popen(cmd, env=env(), **popen))
+        # The processes append (O_APPEND) and output() reads the file by name. Handing them
+        # self.log would share its offset with our reads: after output()'s seek to 0, their
+        # next write would overwrite the log's first lines (such as the port line wait_port needs).
+        log = open(self.log.name, "a")
+        popen = dict(stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        with log:
+            if ranks == 1:
+                self.procs.append(subprocess.Popen(args, env=env(), **popen))
+            elif manual:
+                base = free_port_range(ranks + 1)  # + 1: rank 0's control port is one above the ring's
+                self.hostfile = tempfile.NamedTemporaryFile("w", suffix=".json")
+                json.dump([[f"127.0.0.1:{base + r}"] for r in range(ranks)], self.hostfile)
+                self.hostfile.flush()
+                for r in range(ranks):
+                    self.procs.append(subprocess.Popen(
+                        args, env=dict(env(), MLX_RANK=str(r), MLX_HOSTFILE=self.hostfile.name), **popen))
+            else:
+                cmd = [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks + 1)), *args]
+                self.procs.append(subprocess.Popen(cmd, env=env(), **popen))
         self.credentials = credentials
         self.launcher = ranks > 1 and not manual
         self.address = self.channel = None  # known once the server logs its port
@@ -111,8 +116,7 @@ class Server:
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def output(self, tail=4000) -> str:
-        self.log.seek(0)
-        return self.log.read()[-tail:]
+        return Path(self.log.name).read_text(errors="replace")[-tail:]
 
     def health_status(self, service=SERVICE):
         try:
@@ -244,9 +248,9 @@ TOKEN = "s3cret-token"
 
 @pytest.fixture(scope="module")
 def secure_server(hf_checkpoint, reference, tmp_path_factory):
-    """1 rank with --auth-token, --max-queue 1 and (where openssl exists) TLS."""
+    """1 rank with --auth-token, --max-batch 1, --max-queue 1 and (where openssl exists) TLS."""
     tls = openssl_cert(tmp_path_factory.mktemp("tls"))
-    extra = ["--auth-token", TOKEN, "--max-queue", "1"]
+    extra = ["--auth-token", TOKEN, "--max-batch", "1", "--max-queue", "1"]
     credentials = None
     if tls:
         extra += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
@@ -430,7 +434,10 @@ def test_client_command_line_with_token_and_tls(secure_server, reference):
 
 
 def test_queue_overflow_is_resource_exhausted(secure_server, reference):
-    """--max-queue 1: one request running, one waiting, the next refused."""
+    """--max-batch 1, --max-queue 1: one request running, one waiting, the next refused.
+    The running request holds the only batch slot until the test cancels it (greedy,
+    it would run ~400 tokens to EOS), so neither other request can leave the queue:
+    whichever arrives second is refused, whatever the timing."""
     meta = [("authorization", f"Bearer {TOKEN}")]
     running = secure_server.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=LONG), metadata=meta, timeout=120)
     next(running)  # it has left the queue and is generating
@@ -445,13 +452,14 @@ def test_queue_overflow_is_resource_exhausted(secure_server, reference):
     threads = [threading.Thread(target=waiting, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while not any(isinstance(r, grpc.RpcError) for r in results) and time.monotonic() < deadline:
+    while not any(isinstance(r, grpc.RpcError) for r in results) and any(t.is_alive() for t in threads):
         time.sleep(0.01)
+    still_running = not running.done()
     running.cancel()
     for t in threads:
         t.join(timeout=120)
     errors = [r for r in results if isinstance(r, grpc.RpcError)]
+    assert still_running, f"the running request ended before the test cancelled it: {results}"
     assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED, results
     assert "retry" in errors[0].details()
     served = [r for r in results if isinstance(r, dict)]

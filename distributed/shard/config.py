@@ -8,6 +8,9 @@ from mlx_lm.models import afmoe
 from .. import TrinityError
 
 SUPPORTED_MODEL_TYPES = ("afmoe",)
+# mlx-lm's ModelArgs defaults every size to Trinity-Mini's: a config without these
+# would load as the wrong shape, or fail with a KeyError.
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
 def read_config(model_path: Path) -> dict:
@@ -34,6 +37,9 @@ def model_args(config: dict) -> afmoe.ModelArgs:
             f"unsupported model_type {model_type!r} in config.json "
             f"(this runner supports {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    missing = [k for k in REQUIRED_KEYS if k not in config]
+    if missing:
+        raise TrinityError(f"config.json lacks {', '.join(missing)} (every {model_type} config.json has them)")
     config = dict(config)
     rope = config.get("rope_parameters")
     if rope:

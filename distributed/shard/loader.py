@@ -20,6 +20,7 @@ from mlx_lm.utils import infer_quant_config
 
 from .. import TrinityError
 from .config import model_args, read_config
+from .hub import snapshot
 from .stage import Stage
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -83,12 +84,12 @@ def model_dir(model: str) -> Path:
     config and tokenizer files only (weights come with fetch_stage_files)."""
     if _is_local(model):
         path = Path(model).expanduser()
+        if path.exists() and not path.is_dir():
+            raise TrinityError(f"--model {model} is a file: give the checkpoint's folder (the one with config.json)")
         if not path.is_dir():
-            raise TrinityError(f"model path {model} does not exist (and is not a Hugging Face repo id)")
+            raise TrinityError(f"--model {model}: no such folder (nor a Hugging Face repo id, which reads owner/name)")
         return path
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(model, allow_patterns=METADATA_PATTERNS))
+    return snapshot(model, METADATA_PATTERNS)
 
 
 def fetch_stage_files(model: str, start: int, end: int, first: bool) -> Path:
@@ -96,13 +97,11 @@ def fetch_stage_files(model: str, start: int, end: int, first: bool) -> Path:
     path = model_dir(model)
     if _is_local(model):
         return path
-    from huggingface_hub import snapshot_download
-
     if (path / INDEX_FILE).exists():
         files = sorted(local_files(weight_map(path), start, end, first))
     else:
         files = ["model*.safetensors"]
-    return Path(snapshot_download(model, allow_patterns=METADATA_PATTERNS + files))
+    return snapshot(model, METADATA_PATTERNS + files)
 
 
 def _load_tensors(model_path: Path, wmap: Dict[str, str], start: int, end: int, first: bool):

@@ -5,12 +5,15 @@ TRINITY_MEMPROBE_DIR set, every `run_trinity.py` process (one per rank) appends 
 every TRINITY_MEMPROBE_EVERY seconds (default 30) to DIR/rank<R>.jsonl:
   t (s since start), rss, mlx_active and mlx_cache (MLX's buffers in use and kept for reuse;
   the CPU backend caches up to 32 MiB), malloc_in_use and malloc_free (glibc's mallinfo2: what
-  is allocated, and what its heaps keep free), jit_libs (kernels the CPU backend built and
-  loaded, one shared library each), py_objects, threads; bytes unless said otherwise.
-A leak shows as in-use memory (mlx_active, malloc_in_use, py_objects, jit_libs) that keeps
-growing; allocator behaviour as mlx_cache or malloc_free growing while in-use stays flat.
-With TRINITY_MEMPROBE_TRACEMALLOC=1 it also traces Python allocations and adds `top`: the ten
-largest growths since its third sample, by allocation site (slow: tracing costs CPU).
+  is allocated, MLX's CPU buffers cached or not included, and what its heaps keep free),
+  jit_libs (kernels the CPU backend built and loaded, one shared library each), py_objects,
+  threads; bytes unless said otherwise.
+A leak shows as in-use memory that keeps growing (mlx_active, malloc_in_use beyond what
+mlx_cache gained, py_objects, jit_libs); allocator behaviour as mlx_cache (up to its limit) or
+malloc_free growing while the rest stays flat.
+With TRINITY_MEMPROBE_TRACEMALLOC=1 it also traces Python allocations from its second sample on
+and adds `top`: the ten largest growths since its fourth sample, by allocation site (tracing
+slows the rank down).
 """
 
 import os
@@ -25,7 +28,9 @@ def _rss():
         return None
 
 
-def _mallinfo():
+def _mallinfo2():
+    """glibc's mallinfo2 as a function, made once (a ctypes class made per call would itself be
+    garbage that piles up until a full collection); None where there is none."""
     try:
         import ctypes
 
@@ -35,10 +40,16 @@ def _mallinfo():
 
         mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
         mallinfo2.restype = Info
-        info = mallinfo2()
-        return info.uordblks + info.hblkhd, info.fordblks
+        return mallinfo2
     except (OSError, AttributeError):
-        return None, None  # not glibc (macOS), or glibc before 2.33
+        return None  # not glibc (macOS), or glibc before 2.33
+
+
+def _mallinfo(mallinfo2):
+    if mallinfo2 is None:
+        return None, None
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd, info.fordblks
 
 
 def _jit_libs():
@@ -59,26 +70,28 @@ def _probe(folder, every, trace):
     if trace:
         import tracemalloc
 
-        tracemalloc.start(8)
+        ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
     path = os.path.join(folder, f"rank{os.environ.get('MLX_RANK', '0')}.jsonl")
-    start, n, base = time.monotonic(), 0, None
+    start, n, base, mallinfo2 = time.monotonic(), 0, None, _mallinfo2()
     while True:
         time.sleep(every)
         n += 1
         mx = sys.modules.get("mlx.core")
-        in_use, free = _mallinfo()
+        in_use, free = _mallinfo(mallinfo2)
         row = {"t": round(time.monotonic() - start), "rss": _rss(),
                "mlx_active": mx.get_active_memory() if mx else None,
                "mlx_cache": mx.get_cache_memory() if mx else None,
                "malloc_in_use": in_use, "malloc_free": free, "jit_libs": _jit_libs(),
                "py_objects": len(gc.get_objects()), "threads": threading.active_count()}
-        if trace:
-            snapshot = tracemalloc.take_snapshot()
-            if n == 3:
+        if trace and n == 2:  # not from the start: loading under tracemalloc takes far too long
+            tracemalloc.start(8)
+        elif trace and n > 2:
+            snapshot = tracemalloc.take_snapshot().filter_traces(ignore)
+            if n == 4:
                 base = snapshot
             elif base is not None:
-                row["top"] = [f"{s.size_diff:+d} B {s.count_diff:+d} blocks at " + " <- ".join(
-                    f"{os.path.basename(f.filename)}:{f.lineno}" for f in s.traceback)
+                row["top"] = [f"{s.size_diff:+d} B {s.count_diff:+d} blocks at " + " <- ".join(  # innermost first
+                    f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(s.traceback))
                     for s in snapshot.compare_to(base, "traceback")[:10]]
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -58,6 +58,8 @@ class GenerationRequest:
             raise RequestError("top_k", f"must be >= 0, got {self.top_k}")
         if math.isnan(self.min_p) or not 0 <= self.min_p <= 1:
             raise RequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:  # mx.random.key takes a uint64
+            raise RequestError("seed", f"must be in [0, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise RequestError("stop", "stop strings must not be empty")
 

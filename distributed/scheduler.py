@@ -180,11 +180,11 @@ class Scheduler:
             except queue.Empty:
                 return
             block = False
-            with self._lock:
-                self._active.add(handle)
-            if handle.cancelled:
+            if handle.cancelled:  # never admitted, so not kept in _active (pruned only after a step)
                 handle.emit(FinishEvent("cancelled", len(handle.request.prompt_ids), 0))
                 continue
+            with self._lock:
+                self._active.add(handle)
             self.batcher.add(handle)
 
     def _fail_waiting(self, block: bool) -> None:

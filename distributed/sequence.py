@@ -1,14 +1,38 @@
 """One request while it runs: its sampler and random key, its streamed text,
-and the events it sends back to its front end."""
+and the events it sends back to its front end.
 
+The sampling filters are mlx-lm's (sample_utils' apply_top_p, apply_min_p,
+apply_top_k, in make_sampler's order) with one difference: a request's top_p
+and min_p reach them as arrays, never as Python numbers. mx.compile keys its
+cache on Python scalars, so mlx-lm's compiled filters keep one traced graph
+(and on the CPU backend one JIT-built shared library, loaded for good) per
+distinct value: with per-request sampling settings rank 0 grew by ~60 KiB and
+spent seconds in the C++ compiler for each new value (issue 11 item 9).
+"""
+
+import math
 import random
 import time
 from typing import List, Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_top_p
 
 from .request import FinishEvent, TokenEvent
+
+
+@mx.compile
+def apply_min_p(logprobs: mx.array, log_min_p: mx.array) -> mx.array:
+    """mlx-lm's apply_min_p (min_tokens_to_keep=1) with log(min_p) as an array."""
+    threshold = mx.max(logprobs, axis=-1, keepdims=True) + log_min_p
+    return mx.where(logprobs < threshold, -float("inf"), logprobs)
+
+
+def apply_top_k(logprobs: mx.array, top_k: int) -> mx.array:
+    """mlx-lm's apply_top_k, not compiled: k sets a shape, so a compiled version
+    would keep a graph per distinct k (up to the vocabulary size)."""
+    mask_idx = mx.argpartition(-logprobs, kth=top_k - 1, axis=-1)[..., top_k:]
+    return mx.put_along_axis(logprobs, mask_idx, mx.array(-float("inf"), logprobs.dtype), axis=-1)
 
 
 class StopStrings:
@@ -43,6 +67,9 @@ class Sequence:
         self.unsent: List[int] = list(req.prompt_ids)  # prompt tokens not yet sent into the ring
         self.next_token: Optional[int] = None  # the input of the next decode step
         self.greedy = req.temperature == 0
+        # Arrays, not numbers, into compiled code (see the module's docstring).
+        self._top_p = mx.array(req.top_p, dtype=mx.float32) if 0 < req.top_p < 1 else None
+        self._log_min_p = mx.array(math.log(req.min_p), dtype=mx.float32) if req.min_p > 0 else None
         # Every sampled request draws from its own key, so a seeded request's
         # tokens do not depend on what else runs beside it.
         self._key = mx.random.key(req.seed if req.seed is not None else random.getrandbits(63))
@@ -56,15 +83,14 @@ class Sequence:
     def sample(self, logprobs: mx.array) -> mx.array:
         """Draw the next token from one row of log-probabilities (1, vocab):
         mlx-lm's filters in make_sampler's order, then a draw with our own key."""
-        req = self.request
-        if 0 < req.top_p < 1:
-            logprobs = apply_top_p(logprobs, req.top_p)
-        if req.min_p != 0:
-            logprobs = apply_min_p(logprobs, req.min_p)
-        if req.top_k > 0:
-            logprobs = apply_top_k(logprobs, req.top_k)
+        if self._top_p is not None:
+            logprobs = apply_top_p(logprobs, self._top_p)
+        if self._log_min_p is not None:
+            logprobs = apply_min_p(logprobs, self._log_min_p)
+        if 0 < self.request.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, self.request.top_k)
         self._key, draw = mx.random.split(self._key)
-        return mx.random.categorical(logprobs * (1 / req.temperature), key=draw)
+        return mx.random.categorical(logprobs * (1 / self.request.temperature), key=draw)
 
     def accept(self, token: int, logprob: float) -> Optional[str]:
         """Stream a decoded token; returns the finish reason if the request is done."""

@@ -158,6 +158,8 @@ BAD = [
     ("completions", {"extra_body": {"min_p": 1.5}}, "min_p"),
     ("completions", {"extra_body": {"top_k": -1}}, "top_k"),
     ("completions", {"n": 2}, "n"),
+    ("completions", {"seed": -1}, "seed"),  # it used to end the ring (mx.random.key raised in the scheduler)
+    ("chat", {"seed": 2**64}, "seed"),
     ("completions", {"stop": ""}, "stop"),
     ("completions", {"logprobs": -1}, "logprobs"),
     ("chat", {"messages": []}, "messages"),

@@ -84,3 +84,38 @@ def test_queue_is_bounded(scheduler):
     for h in handles:
         h.cancel()
         assert collect(h)[1].finish_reason == "cancelled"
+
+
+def test_finished_requests_leave_nothing_behind(scheduler):
+    """Done, sampled, cancelled mid-stream or cancelled while queued: once finished, nothing in the
+    scheduler holds a request's handle (a soak's memory stays flat)."""
+    import gc
+    import threading
+    import weakref
+
+    def run(cancel_after=None, **sampling):
+        handle = scheduler.submit(GenerationRequest(PROMPT, max_tokens=12, **sampling))
+        for i, event in enumerate(handle.events()):
+            if i + 1 == cancel_after:
+                handle.cancel()
+        assert event.finish_reason == ("length" if cancel_after is None else "cancelled")
+        return weakref.ref(handle)
+
+    refs = [run(), run(temperature=0.8, top_p=0.9, min_p=0.05, top_k=20, seed=1), run(cancel_after=3)]
+    started, release = threading.Event(), threading.Event()  # hold the loop while two are queued and cancelled
+    blocker = threading.Thread(target=scheduler.call, args=(lambda _: (started.set(), release.wait()),))
+    blocker.start()
+    started.wait(30)
+    queued = [scheduler.submit(GenerationRequest(PROMPT, max_tokens=50)) for _ in range(2)]
+    for handle in queued:
+        handle.cancel()
+    release.set()
+    blocker.join()
+    for handle in queued:
+        assert collect(handle)[1].finish_reason == "cancelled"
+    refs += [weakref.ref(h) for h in queued]
+    del handle, queued
+    scheduler.call(lambda _: None)  # one more turn of the loop
+    gc.collect()
+    assert [r() for r in refs] == [None] * 5
+    assert scheduler._active == set() and scheduler.batcher.idle and scheduler.pipeline.caches.slots == {}

@@ -30,5 +30,22 @@ def test_soak_two_minutes_four_ranks(tmp_path):
     assert len(r["samples"]) >= 5
     assert all(len(s["rss"]) == 4 and all(v and v > 0 for v in s["rss"]) for s in r["samples"]), report
     assert len(r["rss_growth"]) == 4 and all(g is not None for g in r["rss_growth"])
+    assert [m["minute"] for m in r["rss_marks"]][0] == 0 and len(r["rss_marks"]) >= 4
+    assert len(r["rss_slope_mib_per_min"]) == 4 and all(v is not None for v in r["rss_slope_mib_per_min"]), report
     assert r["launcher_status"] == 0 and r["restarts"] == 0 and r["orphans"] == [], report
     assert "per-rank resident memory" in proc.stdout and "memory growth first->last" in proc.stdout
+    assert "memory slope after warm-up" in proc.stdout
+
+
+def test_memory_trend_marks_and_slope_after_warmup():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from soak_report import memory_trend
+
+    # Rank 0 grows 1 MiB/min throughout; rank 1 jumps during warm-up, then stays flat.
+    samples = [{"t": t, "rss": [2**27 + t * 2**20 // 60, 2**26 if t > 100 else 2**25]} for t in range(0, 1801, 10)]
+    trend = memory_trend(samples, 2, 1800.0, warmup_s=600)
+    assert [(m["minute"], m["t"]) for m in trend["rss_marks"]] == [(0, 0), (10, 600), (20, 1200), (30, 1800)]
+    assert abs(trend["rss_slope_mib_per_min"][0] - 1.0) < 1e-9 and trend["rss_slope_mib_per_min"][1] == 0
+    assert trend["samples_after_warmup"] == 121
+    short = memory_trend(samples[:37], 2, 362.0, warmup_s=120)  # a 6-minute soak: marks every third
+    assert [m["minute"] for m in short["rss_marks"]] == [0, 2, 4, 6]

@@ -1,18 +1,21 @@
 """Every way of stopping a ring ends every process within seconds and frees
 its ports: real run_trinity.py ranks under mlx.launch (on its default ports,
 so each case also shows the previous one left them free), under
-`python -m launch run`, and one-shot generations interrupted with Ctrl-C."""
+`python -m launch run`, and one-shot generations interrupted with Ctrl-C; then
+distributed.lifecycle on its own (signals, the deadline, a second Ctrl-C)."""
 
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
 import grpc
 import pytest
 
-from conftest import free_port_range
+from conftest import ROOT, free_port_range
+from distributed.lifecycle import EXIT_STOP_TIMEOUT
 from distributed.proto import generation_pb2 as pb
 from distributed.proto import generation_pb2_grpc as pb_grpc
 from reference import PROMPT
@@ -119,3 +122,64 @@ def test_ctrl_c_mid_generation_ends_the_one_shot_run(launcher, hf_checkpoint):
         assert "exited with code" not in run.output, run.output[-3000:]
     finally:
         run.kill()
+
+
+# ---------------------------------------------------------------- the Lifecycle on its own
+
+PROCESS = """
+import sys, threading, time
+from distributed.lifecycle import Lifecycle, block_stop_signals
+block_stop_signals()
+mode = sys.argv[1]
+lifecycle = Lifecycle(deadline=float(sys.argv[2])).start()
+done = threading.Event()
+def on_stop(reason):
+    print("stopping:", reason, flush=True)
+    if mode == "finish":
+        done.set()
+lifecycle.on_stop(on_stop)
+if mode == "peer":
+    lifecycle.request_stop("rank 1 (host h) stopped by SIGTERM", from_peer=True)
+print("ready", flush=True)
+busy = time.monotonic() + 60
+while not done.is_set() and time.monotonic() < busy:
+    sum(range(10000))  # the main thread never waits on anything Python could interrupt
+print("finished", flush=True)
+"""
+
+
+def lifecycle_process(mode: str, deadline: float = 30.0) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", PROCESS, mode, str(deadline)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.stdout.readline() in ("ready\n", "stopping: rank 1 (host h) stopped by SIGTERM\n")
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_runs_the_stop_callbacks_and_the_process_ends_cleanly(sig):
+    proc = lifecycle_process("finish")
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert out == f"stopping: stopped by {signal.Signals(sig).name}\nfinished\n", (out, err)
+    assert f"trinity: stopped by {signal.Signals(sig).name}: stopping (at most 30 s)" in err
+
+
+def test_a_stop_that_does_not_finish_ends_at_the_deadline():
+    proc = lifecycle_process("hang", deadline=1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == EXIT_STOP_TIMEOUT, err
+    assert "the stop did not finish within 1 s; exiting" in err
+
+
+def test_a_second_ctrl_c_exits_at_once_but_a_peers_relay_is_not_one():
+    proc = lifecycle_process("peer")  # already stopping, as asked by another rank
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)  # our own first: nothing more happens
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=1.0)
+    proc.send_signal(signal.SIGINT)  # our own second: out now
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == EXIT_STOP_TIMEOUT, err
+    assert "stopped by SIGINT again: exiting now" in err

@@ -14,15 +14,41 @@ import pytest
 from conftest import ROOT, free_port_range
 from distributed.watchdog import EXIT_PEER_FAILED, Control, control_from_env
 
-# rank size port mode: "stay" (until killed), "close" (a clean exit, staggered), "leave" (rank 1 fails itself)
+# rank size port mode: "stay" (until killed), "close" (a clean exit, staggered), "leave" (rank 1 fails
+# itself), "stop" (rank 2 asks for a stop, then dies), "park" (rank 1 parks until rank 0 wakes it)
 RANK = """
 import sys, time
 from distributed.watchdog import Watchdog
 rank, size, port, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 connect_timeout = float(sys.argv[5]) if len(sys.argv) > 5 else 5.0
-watchdog = Watchdog(rank, size, ("127.0.0.1", port), peer_timeout=1.0, connect_timeout=connect_timeout).start()
+def heard(reason):  # what lifecycle.request_stop(reason, from_peer=True) gets
+    print("stop:", reason, flush=True)
+    watchdog.announce_stop(reason)  # as RankStop does: rank 0 relays it, others say nothing more
+
+
+watchdog = Watchdog(rank, size, ("127.0.0.1", port), peer_timeout=1.0, connect_timeout=connect_timeout,
+                    on_stop=heard).start()
 watchdog.wait_ready()
 print("ready", flush=True)
+if mode == "stop":  # rank 2 is asked to stop (SIGTERM), then dies before the ring's STOP comes
+    if rank == 2:
+        time.sleep(0.3)
+        watchdog.announce_stop("stopped by SIGTERM")
+        time.sleep(0.5)
+        import os
+        os._exit(4)  # no bye: its deadline, say
+    time.sleep(60)
+if mode == "park":  # rank 1 parks at PARK frame 1; rank 0 wakes it when told on stdin
+    if rank == 1:
+        watchdog.wait_wake(1)
+        print("woken", flush=True)
+        watchdog.close()
+        sys.exit(0)
+    sys.stdin.readline()
+    watchdog.wake(1)
+    time.sleep(0.5)
+    watchdog.close()
+    sys.exit(0)
 if mode == "close":
     time.sleep(0.3 * (size - rank))  # rank 0 last, as after the ring's STOP
     watchdog.close()
@@ -41,7 +67,7 @@ def start(size: int, mode: str, ranks=None, connect_timeout=5.0):
     for r in ranks if ranks is not None else range(size):
         procs[r] = subprocess.Popen([sys.executable, "-c", RANK, str(r), str(size), str(port), mode,
                                      str(connect_timeout)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                     env=dict(os.environ, PYTHONPATH=str(ROOT)))
     return procs
 
@@ -155,5 +181,33 @@ def test_strangers_on_the_control_port_are_ignored(garbage):
     procs[1] = subprocess.Popen([sys.executable, "-c", RANK, "1", "2", str(port), "close"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    out = finish(procs)
+    assert all(code == 0 and err == "" for code, err in out.values()), out
+
+
+# ---------------------------------------------------------------- stopping and parking
+
+
+def test_a_stop_asked_of_any_rank_reaches_every_rank_and_losing_a_peer_then_is_no_failure():
+    procs = start(3, "stop")
+    ready(procs)
+    heard = {r: procs[r].stdout.readline() for r in (0, 1)}
+    for r in (0, 1):
+        assert heard[r].startswith("stop: rank 2 (host ") and heard[r].rstrip().endswith("stopped by SIGTERM"), heard
+    out = finish(procs)
+    assert out[2][0] == 4, out
+    for r in (0, 1):  # rank 2 vanished while the ring was stopping: the end, not a failure
+        assert out[r][0] == 0, out
+        assert "exited while the ring was stopping" in out[r][1] and "stopped responding" not in out[r][1], out
+
+
+def test_a_parked_rank_sleeps_until_rank_0_wakes_it():
+    procs = start(2, "park")
+    ready(procs)
+    with pytest.raises(subprocess.TimeoutExpired):
+        procs[1].wait(timeout=1.0)  # parked: nothing comes until rank 0 wakes the ring
+    procs[0].stdin.write("wake\n")
+    procs[0].stdin.flush()
+    assert procs[1].stdout.readline() == "woken\n"
     out = finish(procs)
     assert all(code == 0 and err == "" for code, err in out.values()), out

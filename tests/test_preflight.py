@@ -91,7 +91,7 @@ def test_mpirun_when_mlx_cannot_load_libmpi(hf_checkpoint):
     one and, unchecked, each of mpirun's processes runs the whole model alone and exits 0."""
     mpirun = system_mpirun()
     if shutil.which(mpirun, path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}") is None:
-        pytest.skip("no mpirun (apt-get install openmpi-bin libopenmpi-dev)")
+        pytest.fail("no mpirun: apt-get install openmpi-bin libopenmpi-dev (the README's set-up)")
     prefix = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2"]
     env = {"MLX_MPI_LIBNAME": "/nonexistent/libmpi.so", "OMPI_ALLOW_RUN_AS_ROOT": "1",
            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}

@@ -1,6 +1,6 @@
 """The script mlx.launch runs on every rank. See distributed/cli.py."""
 
-from distributed.lifecycle import block_stop_signals
+from distributed.startup.lifecycle import block_stop_signals
 
 # Before anything starts a thread (numpy's BLAS, MLX, gRPC), so that a thread of
 # ours takes stop signals even while the main thread is blocked inside MLX.

@@ -57,7 +57,7 @@ def make(path: Path):
     from mlx_lm.models import afmoe
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    from distributed.tiny_checkpoint import write_tokenizer
+    from distributed.shard.tiny_checkpoint import write_tokenizer
 
     if (path / "config.json").exists():
         return
@@ -123,8 +123,8 @@ def oneshot(path: Path, gpus: int, max_tokens: int):
 def grpc_runs(path: Path, gpus: int, runs: int, max_tokens: int, port: int):
     import grpc
 
-    from distributed.proto import generation_pb2 as pb
-    from distributed.proto import generation_pb2_grpc as pb_grpc
+    from distributed.serving.proto import generation_pb2 as pb
+    from distributed.serving.proto import generation_pb2_grpc as pb_grpc
 
     cmd = runner_cmd(gpus, "--model", str(path), "--serve", f"127.0.0.1:{port}")
     server = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)

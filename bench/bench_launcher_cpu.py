@@ -178,7 +178,7 @@ def measure(mode: str, d: Path, sshd: int, seconds: float, settle: float) -> dic
                             start_new_session=True)
     try:
         channel, waited = wait_serving(serve, [proc], timeout=300)
-        from distributed.proto import generation_pb2_grpc as pb_grpc
+        from distributed.serving.proto import generation_pb2_grpc as pb_grpc
 
         grpc_generate(pb_grpc.GenerationStub(channel), [int(t) for t in prompt_ids(8).split(",")], 8)
         channel.close()

@@ -29,9 +29,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from common import (FULL, PY, QUICK, RUN, bench_env, checkpoint, grpc_generate, kill_groups,  # noqa: E402
-                    prompt_ids, wait_serving)
-from distributed.proto import generation_pb2_grpc as pb_grpc  # noqa: E402
+from common import (  # noqa: E402
+    FULL,
+    PY,
+    QUICK,
+    RUN,
+    bench_env,
+    checkpoint,
+    grpc_generate,
+    kill_groups,
+    prompt_ids,
+    wait_serving,
+)
+from distributed.serving.proto import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 
 def free_port(n: int = 1) -> int:

@@ -9,7 +9,7 @@ For each stop path (tests/stop_paths.py's STOP_PATHS; default: all): start
 generation (so the ring has served and gone idle), read each rank's and the
 launcher's CPU seconds (utime + stime from /proc) twice, --seconds apart, then
 stop the ring that way and time until no process of it is left. Linux only.
-The speed of a stop is a measurement, not a test: tests/test_lifecycle.py
+The speed of a stop is a measurement, not a test: tests/startup/test_lifecycle.py
 asserts that every process is gone and the ports are free.
 """
 
@@ -23,8 +23,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from stop_paths import (MLX_LAUNCH_PORTS, RUN, STOP_PATHS, Launch, free_port, mlx_launch,  # noqa: E402
-                        ports_in_use, tagged)
+from stop_paths import (  # noqa: E402
+    MLX_LAUNCH_PORTS,
+    RUN,
+    STOP_PATHS,
+    Launch,
+    free_port,
+    mlx_launch,
+    ports_in_use,
+    tagged,
+)
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -63,8 +71,8 @@ def idle_cpu(launch: Launch, seconds: float) -> dict:
 def one_request(port: int) -> None:
     import grpc
 
-    from distributed.proto import generation_pb2 as pb
-    from distributed.proto import generation_pb2_grpc as pb_grpc
+    from distributed.serving.proto import generation_pb2 as pb
+    from distributed.serving.proto import generation_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(token_ids=[1, 2, 3], max_tokens=8), timeout=600))

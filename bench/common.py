@@ -34,7 +34,7 @@ def checkpoint(sizes: dict) -> Path:
     """Make the checkpoint once per machine; a rename makes it appear atomically."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from distributed.tiny_checkpoint import make_checkpoint, tiny_config
+    from distributed.shard.tiny_checkpoint import make_checkpoint, tiny_config
 
     # Keyed by everything the maker writes, so a changed maker never reuses a stale one.
     config = tiny_config(**{k: v for k, v in sizes.items() if k != "layers_per_file"})
@@ -172,7 +172,7 @@ def grpc_generate(stub, token_ids: List[int], max_tokens: int, timeout: Optional
     """One greedy Generate of raw token ids, timed at the client (time.perf_counter):
     `sent` (the call), `first` / `last` (the first / last response carrying tokens, None if
     none), `done` (the stream ended); `token_ids`, `finish_reason`, and the server's `usage`."""
-    from distributed.proto import generation_pb2 as pb
+    from distributed.serving.proto import generation_pb2 as pb
 
     request = pb.GenerateRequest(token_ids=token_ids, max_tokens=max_tokens, temperature=0.0)
     out = {"token_ids": [], "first": None, "last": None, "finish_reason": None, "usage": None}

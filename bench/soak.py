@@ -55,10 +55,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from distributed.proto import generation_pb2 as pb  # noqa: E402
-from distributed.proto import generation_pb2_grpc as pb_grpc  # noqa: E402
+from distributed.serving.proto import generation_pb2 as pb  # noqa: E402
+from distributed.serving.proto import generation_pb2_grpc as pb_grpc  # noqa: E402
 from soak_load import Reference, Soak, Stats  # noqa: E402
-from soak_report import alive, cpu_seconds, memory_trend, print_report, probe_summary, rss_bytes  # noqa: E402
+from soak_report import (  # noqa: E402
+    alive,
+    cpu_seconds,
+    memory_trend,
+    print_report,
+    probe_summary,
+    rss_bytes,
+)
 
 STARTED = re.compile(r"launch: started rank (\d+) \(pid (\d+)\)")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -204,7 +211,7 @@ def stop(launcher: subprocess.Popen):
 
 def main() -> None:
     args = parse_args()
-    from distributed.tiny_checkpoint import default_checkpoint
+    from distributed.shard.tiny_checkpoint import default_checkpoint
 
     model = Path(args.model) if args.model else default_checkpoint()
     address = f"127.0.0.1:{free_port()}"

@@ -1,8 +1,16 @@
 """Pipeline-parallel runner for Arcee Trinity (AFMoE) models on MLX.
 
-Layout: `shard/` is what a rank holds, `transport/` is how tensors move between
-ranks, `pipeline` drives one forward pass around the ring from rank 0,
-`generate` turns forward passes into tokens, `cli` is run_trinity.py.
+Layers, each importing only the ones below it:
+
+    cli.py       run_trinity.py: a rank's main, wiring the layers below together
+    serving/     rank 0's gRPC and OpenAI HTTP front ends, the gRPC client
+    startup/     joining the ring, handshake, watchdog, how a rank process ends
+    runtime/     the ring runtime: pipeline, worker, scheduler, batching, caches
+    shard/       what a rank holds: config, layer plan, stage, weights, sizes
+    transport/   how frames move between ranks
+
+serving/ and startup/ are side by side and never import each other; launch/
+(planning, starting and supervising rings) sits above all of it.
 """
 
 

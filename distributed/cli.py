@@ -1,4 +1,4 @@
-"""run_trinity.py: one-shot generation across 1..N ranks (contract in DESIGN.md).
+"""run_trinity.py, the script every rank runs: one generation, or serving (--serve), across 1..N ranks.
 
     python run_trinity.py --prompt "Hi"                      # 1 rank
     python run_trinity.py --stages 2 --prompt "Hi"           # 2 stages, one process
@@ -14,21 +14,34 @@ import threading
 from typing import List, Optional
 
 from . import TrinityError
-from .frontend import prompt_ids
-from .lifecycle import Lifecycle, RankStop, launched_by_launcher
-from .preflight import check_launch
-from .rank_startup import build_pipeline, join_ranks
-from .request import GenerationRequest, RequestError, TokenEvent
-from .scheduler import Scheduler
-from .server import AUTH_TOKEN_ENV, ServeOptions, check_options, start_front_ends
+from .runtime.request import GenerationRequest, RequestError, TokenEvent
+from .runtime.scheduler import Scheduler
+from .serving.front_ends import start_front_ends
+from .serving.options import AUTH_TOKEN_ENV, ServeOptions, check_options
+from .serving.requests import prompt_ids
 from .shard.config import model_args
-from .watchdog import Watchdog
+from .startup.join import build_pipeline, join_ranks
+from .startup.lifecycle import Lifecycle, RankStop, launched_by_launcher
+from .startup.preflight import check_launch
+from .startup.watchdog import Watchdog
 
 DEFAULT_PROMPT = "Explain pipeline parallelism in one sentence."
+EPILOG = """\
+examples:
+  python run_trinity.py --prompt "Hi"                          1 rank
+  mlx.launch -n 2 python run_trinity.py --prompt "Hi"          2 local ranks (ring)
+  mlx.launch --hostfile hosts.json python run_trinity.py --model REPO --serve 127.0.0.1:50051
+  python -m launch run --hostfile hosts.json -- run_trinity.py --model REPO --serve 127.0.0.1:50051
+
+where things are (README.md, "How it is built"): distributed/shard (what a rank holds),
+distributed/transport (how frames move), distributed/runtime (the ring: pipeline, scheduler),
+distributed/startup (joining, watchdog, stopping), distributed/serving (gRPC, HTTP, client),
+launch/ (planning a split, starting and supervising rings)."""
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="run_trinity.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="run_trinity.py", description=__doc__.split("\n")[0], epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="local checkpoint directory or Hugging Face repo id "
                    "(default: an embedded tiny AFMoE checkpoint, made locally)")
     prompt = p.add_mutually_exclusive_group()
@@ -189,7 +202,7 @@ _watchdog: Optional[Watchdog] = None  # main() tells the other ranks how this on
 
 def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Watchdog], stop: RankStop) -> None:
     """Rank 0 with --serve: load, attach the scheduler to the front ends, serve until a signal."""
-    from .frontend import ModelInfo
+    from .serving.requests import ModelInfo
 
     def on_failure(reason: str) -> None:
         for front_end in front_ends:

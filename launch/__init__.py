@@ -1,10 +1,10 @@
-"""Planning a split across unequal hosts, checking hostfiles, starting ranks.
+"""Starting rings on top of distributed/: `python -m launch plan|run`.
 
-`sizes` turns config.json (or a checkpoint's exact tensor sizes) into bytes per
-layer, `plan` splits layers over hosts by memory (and speed), `hostfile`
-validates mlx.launch's hostfile formats, `memory` measures and exchanges each
-rank's usable memory, `runner` builds the mlx.launch command, `ring` starts a ring
-(local ranks directly, others through mlx.launch), `processes` finds and signals
-what a ring started, `supervisor` watches a ring, tears it down without orphans and
-restarts it after a failure (--restart), `cli` is `python -m launch plan|run`.
+`cli` plans a split (distributed.shard's memory plan, with exact tensor sizes from
+`checkpoint`) and starts the ranks: `hostfile` validates mlx.launch's hostfile
+formats, `runner` picks how, `ring` starts local ranks directly, `ssh_ring` remote
+ones over ssh, `mlx_launch_ring` goes through mlx.launch (other backends) and reads
+which rank failed; `processes` finds and signals what a ring started, `supervisor`
+watches a ring, tears it down without orphans and restarts it (--restart); `guard`
+wraps MPI ranks so their exits are reported. Nothing under distributed/ imports launch.
 """

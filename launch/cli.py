@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import List, Optional
 
 from distributed import TrinityError
+from distributed.shard.memory import usable_memory_bytes
+from distributed.shard.memory_plan import DEFAULT_MARGIN, plan_layers
+from distributed.shard.sizes import quantize_config
+from distributed.startup.auto_split import PLAN_ENV, plan_spec
 
-from . import hostfile, runner
-from .memory import usable_memory_bytes
-from .plan import DEFAULT_MARGIN, plan_layers
-from .sizes import quantize_config
+from . import hostfile, mlx_launch_ring, runner
 from .ssh_ring import SSH_ENV, SSH_OPTIONS, ssh_command
-from .startup import PLAN_ENV, plan_spec
 
 PRESETS = Path(__file__).resolve().parent.parent / "configs" / "presets"
 SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
@@ -147,7 +147,7 @@ def make_plan(config: dict, tensor_sizes, hf: hostfile.Hostfile, context: int, m
 
 
 def cmd_plan(args) -> int:
-    from . import checkpoint  # imports mlx_lm (slow): only when planning
+    from distributed.shard import checkpoint  # imports mlx_lm (slow): only when planning
 
     preset = load_preset(args.preset)
     if args.model is None and "config" in preset:
@@ -190,7 +190,7 @@ def cmd_run(args) -> int:
             cmd += [flag, str(preset["sampling"][key])]
     envs = []
     if not args.no_plan and flag_value(cmd, "--split") is None:
-        from . import checkpoint  # imports mlx_lm (slow): only when planning
+        from distributed.shard import checkpoint  # imports mlx_lm (slow): only when planning
 
         model, path, config = checkpoint.load_config(flag_value(cmd, "--model"))
         max_context = flag_value(cmd, "--max-context")
@@ -224,7 +224,7 @@ def cmd_run(args) -> int:
             print("\n".join(ring.describe_commands()))
             return 0
         return runner.run_direct(cmd, hf, envs, args.starting_port, ssh=ssh, cwd=args.cwd, **restart)
-    launch_cmd = runner.build_command(hf, cmd, single_host=args.single_host, backend=args.backend,
+    launch_cmd = mlx_launch_ring.build_command(hf, cmd, single_host=args.single_host, backend=args.backend,
                                       starting_port=args.starting_port, envs=envs, cwd=args.cwd)
     if args.dry_run:
         print(shlex.join(launch_cmd))

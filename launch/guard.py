@@ -3,7 +3,7 @@
 `mlx.launch --backend mpi` ignores mpirun's exit status and its failure report
 does not come through, so `launch run` wraps each MPI rank in this:
 `python -m launch.guard -- python run_trinity.py …`. Its line reaches mlx.launch's
-stderr like any rank output, and launch.runner reads it.
+stderr like any rank output, and launch.mlx_launch_ring reads it.
 """
 
 import os

@@ -29,12 +29,11 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List, Optional
 
-from .processes import children, free_ports, group_alive, signal_group, signal_name
+from distributed.startup.control_link import CONTROL_ENV
 
-CONTROL_ENV = "TRINITY_CONTROL_ADDR"
+from .processes import free_ports, group_alive, signal_group, signal_name
 
 
 def log(message: str) -> None:
@@ -223,106 +222,3 @@ class DirectRing(Ring):
             except OSError:
                 pass
             self.hostfile = None
-
-
-class MlxLaunchRing(Ring):
-    """mlx.launch (remote hosts, other backends); its stderr read for failed ranks."""
-
-    name = "mlx.launch"
-
-    def __init__(self, cmd: List[str], env: dict):
-        super().__init__()
-        self.cmd, self.env = cmd, env
-        self.seen: List[str] = []
-        self.reader: Optional[threading.Thread] = None
-
-    def start(self) -> None:
-        from .runner import _EXITED, _KILLED
-
-        proc = self.popen(0, self.cmd, self.env, stderr=subprocess.PIPE)
-        log(f"started mlx.launch (pid {proc.pid})")
-
-        def pump():
-            for line in iter(proc.stderr.readline, b""):
-                sys.stderr.buffer.write(line)
-                sys.stderr.buffer.flush()
-                text = line.decode(errors="replace")
-                self.seen.append(text)
-                for rank, code in _EXITED.findall(text):
-                    if int(code) != 0:
-                        self.events.put(("rank-exit", int(rank), int(code)))
-                for rank in _KILLED.findall(text):
-                    self.events.put(("rank-exit", int(rank), -signal.SIGTERM))
-
-        self.reader = threading.Thread(target=pump, name="mlx.launch-stderr", daemon=True)
-        self.reader.start()
-
-    def _children(self) -> List[int]:
-        """mlx.launch's children: the local ranks (bash exec'd into the command) and
-        the ssh clients of remote ones. Empty without /proc."""
-        return children(self.procs[0].pid) if self.procs else []
-
-    def _rank0(self) -> Optional[int]:
-        for pid in self._children():
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"MLX_RANK=0" in env or b"export MLX_RANK=0;" in cmdline:
-                return pid
-        return None
-
-    def forward(self, sig: int) -> None:
-        # To rank 0, which stops the ring; mlx.launch then exits once every rank has.
-        # (An ssh client for a remote rank 0: its end of the session hangs up.)
-        rank0 = self._rank0()
-        if rank0 is not None:
-            try:
-                os.kill(rank0, sig)
-                return
-            except ProcessLookupError:
-                pass
-        self.kill_all(sig)  # as a Ctrl-C in the terminal did: mlx.launch and its local ranks alike
-
-    def kill_all(self, sig: int) -> None:
-        # SIGTERM to the ranks (mlx.launch reports how they exit, then exits itself);
-        # anything else, or no rank left to signal, to the whole group.
-        ranks = self._children() if sig == signal.SIGTERM else []
-        for pid in ranks:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        if not ranks:
-            super().kill_all(sig)
-
-    def stop_status(self) -> int:
-        failure = self._report()
-        return failure.status if failure else 0
-
-    def on_event(self, event: tuple) -> Optional[Failure]:
-        if event[0] == "rank-exit":
-            return Failure(event[1], event[2])
-        return None
-
-    def _report(self) -> Optional[Failure]:
-        from .runner import exit_status, failed_ranks
-
-        if self.reader is not None:
-            self.reader.join(timeout=10)
-        failed = failed_ranks("".join(self.seen))
-        status = exit_status(failed, self.exited.get(0, 0))
-        if not failed and status == 0:
-            return None
-        if failed:
-            own = {r: c for r, c in failed.items() if c > 0}
-            rank = min(own or failed)
-            return Failure(None if rank < 0 else rank, (own or failed)[rank])
-        return Failure(None, status, detail=f"mlx.launch exited with status {status}")
-
-    def on_exit(self, key: int, code: int) -> Optional[Failure]:
-        return self._report()
-
-    def final_failure(self) -> Optional[Failure]:
-        return self._report()

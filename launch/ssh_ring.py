@@ -37,9 +37,11 @@ import subprocess
 import time
 from typing import IO, Dict, List, Optional
 
+from distributed.startup.control_link import CONTROL_ENV
+
 from .hostfile import Host
 from .processes import free_ports, group_alive, signal_group
-from .ring import CONTROL_ENV, DirectRing, Failure, log
+from .ring import DirectRing, Failure, log
 
 SSH_ENV = "TRINITY_SSH"
 SSH_OPTIONS = ["-T", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR"]

@@ -7,7 +7,7 @@ Supervisor.run() starts a ring and watches it:
   then SIGTERM, then SIGKILL, group by group; then, while restarts are left, the
   whole ring starts again (fresh ports), else we exit with the failure's status.
   The cause logged is the rank that died, not those that exited because their
-  watchdog saw it die (exit 3, distributed.watchdog.EXIT_PEER_FAILED); when two or
+  watchdog saw it die (EXIT_PEER_FAILED, 3: "another rank failed"); when two or
   more ranks exit so and one stays (frozen, cut off), that one is named and stopped
   without waiting out the grace.
 - SIGINT/SIGTERM/SIGHUP to the launcher is a clean stop, never restarted: the
@@ -26,27 +26,28 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
+from distributed.startup.watchdog import EXIT_PEER_FAILED
+
+from .mlx_launch_ring import MlxLaunchRing
 from .processes import signal_name
-from .ring import DirectRing, Failure, MlxLaunchRing, Ring, log
+from .ring import DirectRing, Failure, Ring, log
 
 TERM_WAIT_S = 3.0  # after SIGTERM, before SIGKILL
-# distributed.watchdog's EXIT_PEER_FAILED: "another rank failed", never the cause itself.
-PEER_FAILED_EXIT = 3
 CAUSE_WINDOW_S = 1.0  # exits this close to the first failure may name a likelier cause
-STUCK_AFTER_S = 3.0  # the others exited with PEER_FAILED_EXIT this long ago: the rest are stuck
+STUCK_AFTER_S = 3.0  # the others exited with EXIT_PEER_FAILED this long ago: the rest are stuck
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _cause_rank(f: Failure) -> int:
     """How likely a failure is the root cause: a rank killed by a signal, then one that
     exited with an error of its own, then one whose watchdog saw another rank fail."""
-    return 2 if f.code < 0 else 0 if f.code == PEER_FAILED_EXIT else 1
+    return 2 if f.code < 0 else 0 if f.code == EXIT_PEER_FAILED else 1
 
 
 def _peers_reported(codes: List[int]) -> bool:
-    """At least two ranks exited, all with PEER_FAILED_EXIT: their watchdogs agree a peer
+    """At least two ranks exited, all with EXIT_PEER_FAILED: their watchdogs agree a peer
     failed (one such exit alone could be an error of that rank's own with the same code)."""
-    return len(codes) >= 2 and all(c == PEER_FAILED_EXIT for c in codes)
+    return len(codes) >= 2 and all(c == EXIT_PEER_FAILED for c in codes)
 
 
 @dataclass
@@ -150,9 +151,9 @@ class Supervisor:
                             # The cause is the rank that did not exit (frozen, stuck, cut off),
                             # not the first one whose watchdog noticed.
                             stuck = alive[0]
-                            failure = ring.rank_failure(stuck, PEER_FAILED_EXIT,
+                            failure = ring.rank_failure(stuck, EXIT_PEER_FAILED,
                                                         f"stopped responding: the other ranks reported a failed "
-                                                        f"peer (exit {PEER_FAILED_EXIT}) and it did not exit")
+                                                        f"peer (exit {EXIT_PEER_FAILED}) and it did not exit")
                             log(f"attempt {attempt}/{attempts}: {failure.describe()}")
                         ring.kill_all(signal.SIGTERM)
                         ring.kill_all(signal.SIGCONT)  # a stopped (SIGSTOP) rank gets its SIGTERM too
@@ -191,7 +192,7 @@ class Supervisor:
                     if (failure is not None and self.stop_signal is None and not termed
                             and time.monotonic() - failed_at < CAUSE_WINDOW_S):
                         # Ranks failing together: the one that died is the cause, not those
-                        # whose watchdog then made them exit (with PEER_FAILED_EXIT).
+                        # whose watchdog then made them exit (with EXIT_PEER_FAILED).
                         other = ring.on_exit(key, code)
                         if other is not None and _cause_rank(other) > _cause_rank(failure):
                             log(f"attempt {attempt}/{attempts}: {other.describe()}: the cause, rather than "

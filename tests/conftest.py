@@ -4,6 +4,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed.tiny_checkpoint import make_checkpoint
+from distributed.shard.tiny_checkpoint import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = str(ROOT / "run_trinity.py")
@@ -80,3 +81,49 @@ def run_json(args, ranks: int = 1, backend: str = "ring") -> dict:
         return json.loads(proc.stdout)
     except json.JSONDecodeError:
         raise AssertionError(f"stdout is not one JSON object:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-3000:]}")
+
+
+def run_trinity(args, env=None, prefix=(), timeout=120):
+    """run_trinity.py (under `prefix`, e.g. mpirun) in its own session; whatever
+    it started is killed on the way out. `env` adds to this environment (None
+    removes a variable). Returns (status, stdout, stderr)."""
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    full_env = {k: v for k, v in full_env.items() if v is not None}
+    full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"
+    proc = subprocess.Popen([*prefix, sys.executable, RUN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=full_env, cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return proc.returncode, out, err
+
+
+def kill_group(proc):
+    """SIGKILL everything in proc's session (it was started with start_new_session):
+    mpirun gives each rank a process group of its own, but they stay in its session."""
+    for pid in [proc.pid, *session_members(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def session_members(sid: int):
+    members = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # state, ppid, pgrp, session
+            members.append(int(pid))
+    return members
+
+
+def one_error_line(status, out, err) -> str:
+    """The run failed with exactly one `error: …` line and no traceback; returns that line."""
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert status != 0 and len(lines) == 1 and "Traceback" not in err and out == "", (status, out, err)
+    return lines[0]

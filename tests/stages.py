@@ -1,6 +1,6 @@
 """Building an in-process pipeline from a checkpoint, as --stages N does."""
 
-from distributed.pipeline import in_process_pipeline as pipeline_of
+from distributed.runtime.pipeline import in_process_pipeline as pipeline_of
 from distributed.shard.loader import load_stage
 from distributed.shard.plan import layer_ranges
 
@@ -16,8 +16,8 @@ def generate(pipeline, path, prompt, max_tokens, prefill_step_size=512, **sampli
     """(token, logprob) pairs for one request, through the real scheduler on this thread."""
     from mlx_lm.utils import load_tokenizer
 
-    from distributed.request import GenerationRequest, TokenEvent
-    from distributed.scheduler import Scheduler
+    from distributed.runtime.request import GenerationRequest, TokenEvent
+    from distributed.runtime.scheduler import Scheduler
 
     scheduler = Scheduler(pipeline, load_tokenizer(path), prefill_step_size=prefill_step_size)
     handle = scheduler.submit(GenerationRequest(list(prompt), max_tokens=max_tokens, **sampling))

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_json
 from distributed.shard.plan import even_split
-from distributed.tiny_checkpoint import _hf_weights, tiny_config, weights_fingerprint
+from distributed.shard.tiny_checkpoint import _hf_weights, tiny_config, weights_fingerprint
 from distributed.transport import Reply
 from stages import in_process_pipeline
 

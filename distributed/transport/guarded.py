@@ -1,4 +1,4 @@
-"""A transport guarded by a watchdog (distributed.watchdog) or anything with its
+"""A transport guarded by a watchdog (distributed.startup.watchdog) or anything with its
 `verdict(timeout)` and `peer_timeout`."""
 
 import threading

@@ -3,7 +3,9 @@
 
 import os
 
-from test_preflight import ARGS, one_error_line, run_trinity
+from conftest import one_error_line, run_trinity
+
+ARGS = ["--prompt-ids", "1,2,3", "--max-tokens", "2"]
 
 NOT_DOWNLOADABLE = "error: --model models/mine: no such folder, and not downloadable as a Hugging Face repo id ("
 

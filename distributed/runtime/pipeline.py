@@ -1,0 +1,133 @@
+"""Rank 0's view of the ring.
+
+Rank 0 embeds and runs the first layers, sends the hidden state on, and gets
+the last rank's output back for the tail (final norm and lm_head). Sends do
+not wait for replies: several frames can be in the ring at once (prefill
+chunks one behind the other, decode micro-batches), and replies come back in
+the order their frames were sent. With one rank there is no transport and
+everything runs here.
+"""
+
+from collections import deque
+from typing import Callable, List, Optional, Tuple
+
+import mlx.core as mx
+
+from ..shard.loader import parameter_bytes
+from ..shard.stage import Stage
+from ..transport import Header, Op, Reply, Transport
+from . import rank_info
+from .caches import SlotCaches
+
+
+class Pipeline:
+    def __init__(self, stage: Stage, transport: Optional[Transport] = None):
+        assert stage.first, "rank 0 holds the first stage"
+        self.stage = stage
+        self.transport = transport
+        self.caches = SlotCaches(stage)
+        self._local: deque = deque()  # one rank: replies not yet taken by recv()
+        # Parking the other ranks while idle (see park()): the watchdog's wake, or None.
+        self.waker: Optional[Callable[[int], None]] = None
+        self._parked = 0  # number of the PARK frame the ring is parked at; 0: awake
+        self._parks = 0
+
+    @property
+    def num_ranks(self) -> int:
+        return 1 if self.transport is None else self.transport.size
+
+    def _send(self, header: Header, payload: Optional[mx.array] = None) -> None:
+        if self._parked:
+            self.waker(self._parked)
+            self._parked = 0
+        self.transport.send(header, payload)
+
+    def _control(self, header: Header, payload: Optional[mx.array] = None) -> None:
+        if self.transport is not None:
+            self._send(header, payload)
+
+    def park(self) -> None:
+        """The ring goes idle: the other ranks block on the control channel until
+        the next frame (a receive on some backends spins a core). Call only with
+        no reply outstanding."""
+        if self.transport is None or self.waker is None or self._parked:
+            return
+        self._parks += 1
+        self.transport.send(Header(Op.PARK, arg=self._parks))
+        header, _ = self.transport.recv()  # back round: every rank has passed it on
+        assert header.op == Op.PARK, f"expected the PARK frame back, got op {header.op}"
+        self._parked = self._parks
+
+    def release(self, slot: int = 0) -> None:
+        """Free `slot`'s caches on every rank (its request finished or was cancelled)."""
+        self.caches.drop(slot)
+        self._control(Header(Op.RESET, slot=slot))
+
+    def join(self, batch_slot: int, source_slot: int) -> None:
+        """Move the prefilled sequence in `source_slot` into `batch_slot`'s batch, on every rank."""
+        self.caches.join(batch_slot, source_slot)
+        self._control(Header(Op.JOIN, slot=batch_slot, arg=source_slot))
+
+    def filter(self, batch_slot: int, keep: List[int]) -> None:
+        """Keep only rows `keep` of `batch_slot`'s batch, on every rank."""
+        self.caches.filter(batch_slot, keep)
+        rows = mx.array(keep, dtype=mx.int32).reshape(1, -1, 1)
+        self._control(Header.for_payload(Op.FILTER, rows, slot=batch_slot), rows if keep else None)
+
+    def send(self, tokens: mx.array, reply: Reply, slot: int = 0) -> None:
+        """Start tokens (batch, length) through all stages; unless `reply` is
+        NONE, recv() later returns the reply."""
+        h = self.stage(self.stage.embed(tokens), self.caches.get(slot))
+        if self.transport is not None:
+            self._send(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot), h)
+        elif reply in (Reply.NONE, Reply.ACK):
+            self.caches.evaluate(slot)
+            if reply == Reply.ACK:
+                self._local.append((Header(Op.FORWARD, Reply.ACK, slot), None))
+        else:
+            self._local.append((Header(Op.FORWARD, reply, slot), h[:, -1:, :] if reply == Reply.LAST else h))
+
+    def recv(self) -> Tuple[Header, Optional[mx.array]]:
+        """The reply to the oldest frame sent that asked for one: final hidden
+        states (Reply.LAST / ALL), or no payload (Reply.ACK)."""
+        if self.transport is None:
+            return self._local.popleft()
+        return self.transport.recv()
+
+    def forward(self, tokens: mx.array, reply: Reply, slot: int = 0) -> Optional[mx.array]:
+        """send() and wait for its reply: the final hidden states (None for NONE / ACK)."""
+        self.send(tokens, reply, slot)
+        if reply == Reply.NONE:
+            return None
+        _, h = self.recv()
+        return h
+
+    def logits(self, tokens: mx.array, reply: Reply = Reply.LAST, slot: int = 0) -> mx.array:
+        return self.stage.head(self.forward(tokens, reply, slot))
+
+    def rank_info(self) -> List[dict]:
+        """One row per rank: host, layers, embed/head, peak memory, parameter bytes.
+        Call only with no reply outstanding."""
+        s = self.stage
+        table = rank_info.encode_row(0, s.start, s.end, True, parameter_bytes(s))
+        if self.transport is not None:
+            self._send(Header.for_payload(Op.INFO, table), table)
+            _, table = self.transport.recv()
+        return rank_info.decode_rows(table)
+
+    def close(self) -> None:
+        """Stop the other ranks; returns once the STOP frame has gone round."""
+        if self.transport is not None:
+            self._send(Header(Op.STOP))
+            self.transport.recv()
+            self.transport.close()
+            self.transport = None
+
+
+def in_process_pipeline(stages: List[Stage]) -> "Pipeline":
+    """Single-host mode (--stages N): stage 0 here, the others behind an in-process ring."""
+    from ..transport.local import LocalRing
+    from .worker import StageWorker
+
+    workers = [StageWorker(stage, i + 1, len(stages)).handle for i, stage in enumerate(stages[1:])]
+    return Pipeline(stages[0], LocalRing(workers) if workers else None)

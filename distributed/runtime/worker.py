@@ -1,0 +1,71 @@
+"""What a rank other than 0 runs: receive a frame, run its stage, pass it on."""
+
+from typing import Callable, Optional, Tuple
+
+import mlx.core as mx
+
+from ..shard.loader import parameter_bytes
+from ..shard.stage import Stage
+from ..transport import Header, Op, Reply, Transport
+from . import rank_info
+from .caches import SlotCaches
+
+Frame = Tuple[Header, Optional[mx.array]]
+
+
+class StageWorker:
+    def __init__(self, stage: Stage, rank: int, size: int, wait_wake: Optional[Callable[[int], None]] = None):
+        self.stage = stage
+        self.rank, self.is_last = rank, rank == size - 1
+        self.wait_wake = wait_wake  # parks this rank off the transport (the watchdog's); None: no parking
+        self.caches = SlotCaches(stage)
+        self.parameter_bytes = parameter_bytes(stage)
+
+    def handle(self, header: Header, payload: Optional[mx.array]) -> Optional[Frame]:
+        """Process one frame; return the frame to pass on, or None to send nothing."""
+        if header.op == Op.FORWARD:
+            return self._forward(header, payload)
+        if header.op in (Op.RESET, Op.JOIN, Op.FILTER):
+            if header.op == Op.RESET:
+                self.caches.drop(header.slot)
+            elif header.op == Op.JOIN:
+                self.caches.join(header.slot, header.arg)
+            else:
+                self.caches.filter(header.slot, [] if payload is None else payload.reshape(-1).tolist())
+            # The ring keeps frames in order, so rank 0 needs no acknowledgement.
+            return None if self.is_last else (header, payload)
+        if header.op == Op.INFO:
+            row = rank_info.encode_row(
+                self.rank, self.stage.start, self.stage.end, False, self.parameter_bytes
+            )
+            table = mx.concatenate([payload, row], axis=1)
+            return Header.for_payload(Op.INFO, table), table
+        if header.op in (Op.STOP, Op.PARK):
+            return header, None  # round trips: the last rank passes them back to rank 0
+        raise ValueError(f"rank {self.rank} received unknown op {header.op}")
+
+    def _forward(self, header: Header, h: mx.array) -> Optional[Frame]:
+        h = self.stage(h, self.caches.get(header.slot))
+        if self.is_last:
+            if header.reply in (Reply.NONE, Reply.ACK):
+                self.caches.evaluate(header.slot)
+                return None if header.reply == Reply.NONE else (Header(Op.FORWARD, Reply.ACK, header.slot), None)
+            if header.reply == Reply.LAST:
+                h = h[:, -1:, :]
+        return Header.for_payload(Op.FORWARD, h, reply=header.reply, slot=header.slot), h
+
+    def serve(self, transport: Transport) -> None:
+        """Loop until rank 0 sends STOP."""
+        while True:
+            header, payload = transport.recv()
+            out = self.handle(header, payload)
+            if out is not None:
+                transport.send(*out)
+            if header.op == Op.STOP:
+                transport.close()
+                return
+            if header.op == Op.PARK:
+                # Idle ring: block on the control channel, not in a receive that may spin.
+                transport.settle()
+                if self.wait_wake is not None:
+                    self.wait_wake(header.arg)

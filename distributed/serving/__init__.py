@@ -1,0 +1,7 @@
+"""Rank 0's network front ends around the runtime's scheduler.
+
+`front_ends` starts them from `options` (addresses, auth, TLS, limits):
+`grpc_service` (trinity.v1.Generation, health, reflection; messages in `proto/`)
+and `http_api` (OpenAI-compatible). Both turn a client's input into a validated
+request with `requests`. `client` is the command-line gRPC client.
+"""

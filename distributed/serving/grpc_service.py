@@ -1,0 +1,224 @@
+"""Rank 0's gRPC front end: trinity.v1.Generation, grpc.health.v1.Health and
+server reflection (contract: DESIGN.md "Contract: gRPC"; schema: proto/generation.proto).
+
+Lifecycle (driven by cli.serve): start_grpc_server() listens at once, before the
+weights load, with health NOT_SERVING and Generate answering UNAVAILABLE "model
+is loading"; attach() makes it SERVING; set_not_serving(reason) after the ring
+breaks (Generate then answers UNAVAILABLE with the reason); stop() at shutdown.
+
+Status codes: bad input INVALID_ARGUMENT ("field: what is wrong", from
+frontend/request validation); --max-queue exceeded RESOURCE_EXHAUSTED; loading,
+ring broken or shutting down UNAVAILABLE; a client deadline cancels the request
+within one decode step, as does the client cancelling the stream.
+
+Auth: with a token, every call needs the metadata `authorization: Bearer TOKEN`
+(else UNAUTHENTICATED): Generation and server reflection alike. Health stays
+open, so probes (load balancers, orchestrators, grpc_health_probe) need no
+secret; it tells only SERVING or NOT_SERVING.
+"""
+
+import hmac
+import sys
+import threading
+import time
+from concurrent import futures
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .. import TrinityError
+from ..runtime.request import FinishEvent, GenerationRequest, RequestError
+from ..runtime.scheduler import QueueFull, RingUnavailable
+from .options import ServeOptions, split_address
+from .proto import generation_pb2 as pb
+from .proto import generation_pb2_grpc as pb_grpc
+from .requests import ModelInfo, build_request, prompt_ids
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "trinity.v1.Generation"
+DEFAULT_MAX_TOKENS = 100
+OPEN_METHODS = ("/grpc.health.v1.Health/",)  # served without a token
+STOP_GRACE_S = 2.0  # in-flight streams get this long to finish at shutdown, then are cancelled
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self):
+        self.state = None  # (scheduler, tokenizer, ModelInfo) once attached
+        self.unavailable: Optional[str] = "model is loading"
+        self._tokenize = threading.Lock()  # one tokenizer, many request threads
+
+    def _ready(self, context):
+        reason, state = self.unavailable, self.state
+        if reason is not None or state is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, reason or "model is loading")
+        return state
+
+    def Generate(self, request, context):
+        scheduler, tokenizer, info = self._ready(context)
+        try:
+            req = self._request(request, tokenizer, info, context.time_remaining())
+        except RequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            handle = scheduler.submit(req)
+        except QueueFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy, retry later: {e}")
+        except RingUnavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the pipeline is down: {e}")
+        if not context.add_callback(handle.cancel):  # client cancelled, deadline passed or server stopping
+            handle.cancel()  # the RPC had already ended
+        try:
+            for event in handle.events():
+                if isinstance(event, FinishEvent):
+                    break
+                yield pb.GenerateResponse(text=event.text, token_ids=[event.token_id], logprobs=[event.logprob])
+        finally:
+            handle.cancel()  # the stream was closed early; a no-op once finished
+        if event.finish_reason == "error":
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"generation failed, the pipeline is down: {event.error}")
+        if event.finish_reason == "cancelled" and req.expired():
+            # Our own deadline check can win the race with gRPC's: answer as gRPC would.
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        yield pb.GenerateResponse(
+            text=event.text,
+            finish_reason=event.finish_reason,
+            usage=pb.Usage(
+                prompt_tokens=event.prompt_tokens,
+                completion_tokens=event.completion_tokens,
+                prefill_tokens_per_sec=event.prefill_tokens_per_sec,
+                generation_tokens_per_sec=event.generation_tokens_per_sec,
+            ),
+        )
+
+    def _request(self, r: pb.GenerateRequest, tokenizer, info: ModelInfo,
+                 time_remaining: Optional[float]) -> GenerationRequest:
+        messages = [{"role": m.role, "content": m.content} for m in r.messages]
+        with self._tokenize:
+            ids = prompt_ids(tokenizer, prompt=r.prompt or None, token_ids=list(r.token_ids) or None,
+                             messages=messages or None, chat_template=r.chat_template)
+
+        def given(name, default):
+            return getattr(r, name) if r.HasField(name) else default
+
+        # Unset max_tokens: up to 100, within the cap and what the context leaves.
+        default_max = max(1, min(DEFAULT_MAX_TOKENS, info.max_tokens_cap, info.max_context - len(ids)))
+        return build_request(
+            info,
+            ids,
+            max_tokens=given("max_tokens", default_max),
+            temperature=given("temperature", 0.0),
+            top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0),
+            seed=given("seed", None),
+            stop=list(r.stop),
+            deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+        )
+
+    def GetModelInfo(self, request, context):
+        scheduler, _, info = self._ready(context)
+        try:  # asked afresh, so peak memory includes the KV caches of what has run since
+            rows = scheduler.call(lambda pipeline: pipeline.rank_info())
+        except RingUnavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the pipeline is down: {e}")
+        ranks = [
+            pb.RankInfo(rank=r["rank"], host=r["host"], layer_start=r["layers"][0], layer_end=r["layers"][1],
+                        embed=r["embed"], head=r["head"], peak_memory_bytes=r["peak_memory_bytes"],
+                        parameter_bytes=r.get("parameter_bytes", 0))
+            for r in rows
+        ]
+        return pb.ModelInfo(model_id=info.model_id, vocab_size=info.vocab_size, max_context=info.max_context,
+                            max_tokens_cap=info.max_tokens_cap, ranks=ranks)
+
+
+class BearerAuth(grpc.ServerInterceptor):
+    """UNAUTHENTICATED unless the call carries `authorization: Bearer TOKEN` (health excepted)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHODS):
+            return handler
+        sent = dict(details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(sent, str) and hmac.compare_digest(sent.encode(), self._expected):
+            return handler
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong token: send the metadata 'authorization: Bearer <token>'")
+
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        return make(deny)
+
+
+class GrpcFrontEnd:
+    def __init__(self, options: ServeOptions):
+        self.servicer = GenerationServicer()
+        self.health = health.HealthServicer()
+        # Each open stream holds a worker thread, queued ones included: room for
+        # a full queue, the running request and health / info calls besides.
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=options.max_queue + 32, thread_name_prefix="grpc"),
+            interceptors=[BearerAuth(options.auth_token)] if options.auth_token else [],
+            options=[("grpc.so_reuseport", 0)],  # fail on a port in use instead of sharing it
+        )
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.address = self._listen(options)  # HOST:PORT as bound (port 0 picks a free one)
+        self.port = int(self.address.rpartition(":")[2])
+        self.server.start()
+        print(f"gRPC listening on {self.address} (NOT_SERVING until loaded)", file=sys.stderr, flush=True)
+
+    def _listen(self, options: ServeOptions) -> str:
+        host, port = split_address(options.grpc_address, "--serve")
+        host = f"[{host}]" if ":" in host else host
+        try:
+            if options.tls_cert:
+                with open(options.tls_key, "rb") as key, open(options.tls_cert, "rb") as cert:
+                    credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+                bound = self.server.add_secure_port(f"{host}:{port}", credentials)
+            else:
+                bound = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            raise TrinityError(f"--serve {options.grpc_address}: cannot listen ({e})") from None
+        if not bound:
+            raise TrinityError(f"--serve {options.grpc_address}: cannot listen (address in use?)")
+        return f"{host}:{bound}"
+
+    def describe(self) -> str:
+        return f"{self.address} (gRPC)"
+
+    def _set_health(self, status) -> None:
+        for service in ("", SERVICE):
+            self.health.set(service, status)
+
+    def attach(self, scheduler, tokenizer, info: ModelInfo) -> None:
+        """The model is loaded on every rank: start serving."""
+        self.servicer.state = (scheduler, tokenizer, info)
+        self.servicer.unavailable = None
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def set_not_serving(self, reason: str) -> None:
+        """The ring broke: health NOT_SERVING, Generate UNAVAILABLE with `reason`."""
+        self.servicer.unavailable = f"the pipeline is down: {reason}"
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def stop(self) -> None:
+        self.servicer.unavailable = "the server is shutting down"
+        self.health.enter_graceful_shutdown()
+        self.server.stop(STOP_GRACE_S).wait()
+
+
+def start_grpc_server(options: ServeOptions) -> GrpcFrontEnd:
+    """Listen on options.grpc_address now; NOT_SERVING until attach()."""
+    return GrpcFrontEnd(options)

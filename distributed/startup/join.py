@@ -1,0 +1,163 @@
+"""run_trinity.py's start-up on every rank: join the ranks, then load this rank's stage.
+
+join_ranks() runs mx.distributed.init with a watchdog (watchdog.py)
+over the ranks. build_pipeline() settles the split (--split auto plans it from
+every rank's memory), checks that the ranks agree (handshake.py), loads
+the stage, and returns rank 0's Pipeline; other ranks serve as workers until
+rank 0 stops the ring. Ranks that cannot start refuse together.
+"""
+
+import faulthandler
+import os
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+
+from .. import TrinityError
+from ..runtime.pipeline import Pipeline, in_process_pipeline
+from ..runtime.worker import StageWorker
+from ..shard.checkpoint import load_config
+from ..shard.config import model_args
+from ..shard.loader import fetch_stage_files, load_stage
+from ..shard.plan import layer_ranges, parse_split
+from ..transport.collective import MxCollective
+from ..transport.guarded import GuardedTransport
+from ..transport.mx_p2p import MxPointToPoint
+from .handshake import StartupRefused, agree_control_address, exchange_errors, handshake
+from .preflight import check_group
+from .watchdog import CONTROL_ENV, Control, Watchdog, parse_address
+
+
+def startup_check(group, error: Optional[BaseException], hosts: List[str], watchdog: Optional[Watchdog]) -> None:
+    """Every rank says whether it loaded, with its error text; all fail together
+    instead of one waiting forever for a peer that already exited, and rank 0
+    shows each failed rank's own error (that rank may be on another machine)."""
+    texts = exchange_errors(group, None if error is None else str(error) or type(error).__name__)
+    failed = [f"rank {r} failed to start on host {hosts[r]}: {text}" for r, text in enumerate(texts) if text is not None]
+    if failed and watchdog is not None:
+        watchdog.close()  # every rank knows now, and exits with its own message
+    if error is not None:
+        raise error
+    if failed:
+        raise StartupRefused("; ".join(failed))
+
+
+def planned_split(config: dict, group, max_context: Optional[int]) -> List[int]:
+    """--split auto: every rank measures its memory, all exchange it, and each
+    computes the same memory-proportional plan (from config.json alone, so
+    ranks holding different weight files still agree)."""
+    from .auto_split import startup_plan
+
+    plan = startup_plan(config, group, context=max_context)
+    if not plan.fits:
+        raise StartupRefused("the model does not fit:\n" + plan.shortfall())
+    return plan.split
+
+
+def make_transport(group, kind: str, watchdog: Optional[Watchdog] = None):
+    # MLX's NCCL backend has no send/recv; mlx.launch --backend nccl sets NCCL_HOST_IP.
+    if kind == "collective" or (kind == "auto" and "NCCL_HOST_IP" in os.environ):
+        transport = MxCollective(group)
+    else:
+        transport = MxPointToPoint(group)
+    return transport if watchdog is None else GuardedTransport(transport, watchdog)
+
+
+def start_watchdog(args, control: Control, **kw) -> Watchdog:
+    return Watchdog(control.rank, control.size, control.address, hosts=control.hosts,
+                    peer_timeout=args.peer_timeout, connect_timeout=args.connect_timeout, **kw).start()
+
+
+def mx_distributed_init_did_not_return_within_connect_timeout():
+    return mx.distributed.init()  # (named for faulthandler's report, should init hang)
+
+
+def join_ranks(args, control: Optional[Control], on_stop=None):
+    """mx.distributed.init with a watchdog over the ranks (none for one process).
+
+    Where rank 0's control address is known before init (ring, NCCL, or
+    TRINITY_CONTROL_ADDR), every rank connects to it first: init of the ring
+    backend blocks for ever, holding the GIL, if a rank never comes, so rank 0
+    must find that out (and exit naming it) before anyone calls init.
+    Otherwise (MPI, whose launcher starts every rank) init comes first and the
+    ranks agree on the address through a collective."""
+    if control is None:
+        group = mx.distributed.init()
+        check_group(group)  # several MPI processes, each alone: MLX found no libmpi
+        if group.size() == 1:
+            return group, None
+        explicit = parse_address(os.environ[CONTROL_ENV]) if os.environ.get(CONTROL_ENV) else None
+        listener, candidates, hosts = agree_control_address(group, explicit)
+        control = Control(group.rank(), group.size(), candidates[0], hosts)
+        watchdog = start_watchdog(args, control, listener=listener, candidates=candidates, on_stop=on_stop)
+        watchdog.wait_ready()
+        return group, watchdog
+    watchdog = start_watchdog(args, control, on_stop=on_stop)
+    watchdog.wait_ready()
+    # Everyone is there, so init should return at once. Should a rank die in
+    # between (or the ranks' hostfiles disagree), no Python thread runs during
+    # init: faulthandler's timer (a C thread) ends the process with status 1,
+    # its report naming the function below.
+    faulthandler.dump_traceback_later(args.connect_timeout, exit=True)
+    try:
+        with watchdog.paused():
+            group = mx_distributed_init_did_not_return_within_connect_timeout()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    if (group.rank(), group.size()) != (control.rank, control.size):
+        raise TrinityError(f"mx.distributed.init gave rank {group.rank()} of {group.size()}, but the environment "
+                           f"says rank {control.rank} of {control.size}")
+    return group, watchdog
+
+
+def build_pipeline(args, group, watchdog: Optional[Watchdog] = None, on_ready: Optional[Callable[[], None]] = None):
+    """Load this process's stage(s). Returns (pipeline, path, config) on rank 0,
+    or None on other ranks once they have served until STOP. `on_ready()`: on
+    other ranks, called once every rank has loaded, before serving the ring."""
+    world = group.size()
+    if world > 1 and args.stages > 1:
+        raise TrinityError("--stages runs several stages in one process; do not combine it with a multi-rank launch")
+    model, config_dir, config = load_config(args.model)  # None: the embedded tiny model
+    num_layers = model_args(config).num_hidden_layers
+    if args.split == "auto":
+        try:
+            split = planned_split(config, group, args.max_context)
+        except StartupRefused:
+            if watchdog is not None:
+                watchdog.close()  # every rank made the same plan, and exits with it
+            raise
+    else:
+        split = parse_split(args.split) if args.split else None
+    ranges = layer_ranges(num_layers, max(world, args.stages), split)
+
+    if world == 1:
+        path = fetch_stage_files(model, 0, num_layers, True)
+        stages = [load_stage(path, s, e, i == 0, config) for i, (s, e) in enumerate(ranges)]
+        return in_process_pipeline(stages), path, config
+
+    rank = group.rank()
+    start, end = ranges[rank]
+    context = args.max_context or config.get("max_position_embeddings") or 4096
+    try:
+        reports = handshake(group, config_dir, config, ranges, context)
+    except StartupRefused:
+        if watchdog is not None:
+            watchdog.close()  # every rank found the same problems, and exits naming them
+        raise
+    stage, path, error = None, None, None
+    try:
+        path = fetch_stage_files(model, start, end, rank == 0)
+        stage = load_stage(path, start, end, rank == 0, config)
+    except Exception as e:  # reported to every rank before anyone waits on a peer
+        error = e
+    startup_check(group, error, [r["host"] for r in reports], watchdog)
+    transport = make_transport(group, args.transport, watchdog)
+    if rank != 0:
+        if on_ready is not None:
+            on_ready()
+        StageWorker(stage, rank, world, wait_wake=watchdog and watchdog.wait_wake).serve(transport)
+        return None
+    pipeline = Pipeline(stage, transport)
+    if watchdog is not None:
+        pipeline.waker = watchdog.wake
+    return pipeline, path, config

@@ -1,0 +1,121 @@
+"""The scheduler: FIFO requests over an in-process ring, streaming, stop, cancel."""
+
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from distributed.runtime.request import FinishEvent, GenerationRequest, TokenEvent
+from distributed.runtime.scheduler import QueueFull, Scheduler
+from reference import PROMPT, mlx_lm_greedy
+from stages import in_process_pipeline
+
+
+@pytest.fixture
+def scheduler(hf_checkpoint):
+    pipeline, _ = in_process_pipeline(hf_checkpoint, (3, 1, 4))
+    s = Scheduler(pipeline, load_tokenizer(hf_checkpoint), max_queue=2, prefill_step_size=8).start()
+    yield s
+    s.close()
+
+
+def collect(handle):
+    events = list(handle.events())
+    assert isinstance(events[-1], FinishEvent)
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    return tokens, events[-1], "".join(e.text for e in events)
+
+
+def test_stream_equals_mlx_lm_and_caches_are_freed(scheduler, hf_checkpoint):
+    ref, _ = mlx_lm_greedy(hf_checkpoint, PROMPT, 40, 8)
+    tokens, finish, _ = collect(scheduler.submit(GenerationRequest(PROMPT, max_tokens=40)))
+    assert [t.token_id for t in tokens] == ref
+    assert finish.finish_reason == "length" and finish.completion_tokens == 40
+    assert scheduler.pipeline.caches.slots == {}  # released after the request
+    worker = scheduler.pipeline.transport.handlers[0].__self__
+    assert worker.caches.slots == {}
+
+
+def test_stop_string_ends_generation(scheduler):
+    tokens, _, text = collect(scheduler.submit(GenerationRequest(PROMPT, max_tokens=40)))
+    stop = text[10:13]
+    stopped, finish, stopped_text = collect(scheduler.submit(GenerationRequest(PROMPT, max_tokens=40, stop=[stop])))
+    assert finish.finish_reason == "stop"
+    assert stopped_text == text[: text.index(stop)]
+    assert len(stopped) < len(tokens)
+
+
+def test_cancel_mid_stream_then_next_request_is_exact(scheduler, hf_checkpoint):
+    handle = scheduler.submit(GenerationRequest(PROMPT, max_tokens=200))
+    seen = 0
+    for event in handle.events():
+        if isinstance(event, TokenEvent):
+            seen += 1
+            if seen == 3:
+                handle.cancel()
+        else:
+            finish = event
+    assert finish.finish_reason == "cancelled" and seen <= 4
+    ref, _ = mlx_lm_greedy(hf_checkpoint, PROMPT, 20, 8)
+    tokens, _, _ = collect(scheduler.submit(GenerationRequest(PROMPT, max_tokens=20)))
+    assert [t.token_id for t in tokens] == ref
+
+
+def test_seeded_sampling_is_reproducible(scheduler):
+    def run(seed):
+        req = GenerationRequest(PROMPT, max_tokens=16, temperature=1.0, seed=seed)
+        return [t.token_id for t in collect(scheduler.submit(req))[0]]
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_queue_is_bounded(scheduler):
+    """While the loop is held busy nothing is admitted: max_queue=2 requests wait, the third is refused."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=scheduler.call, args=(lambda _: (started.set(), release.wait()),))
+    blocker.start()
+    started.wait(30)
+    handles = [scheduler.submit(GenerationRequest(PROMPT, max_tokens=50)) for _ in range(2)]
+    with pytest.raises(QueueFull):
+        scheduler.submit(GenerationRequest(PROMPT, max_tokens=50))
+    release.set()
+    blocker.join()
+    for h in handles:
+        h.cancel()
+        assert collect(h)[1].finish_reason == "cancelled"
+
+
+def test_finished_requests_leave_nothing_behind(scheduler):
+    """Done, sampled, cancelled mid-stream or cancelled while queued: once finished, nothing in the
+    scheduler holds a request's handle (a soak's memory stays flat)."""
+    import gc
+    import threading
+    import weakref
+
+    def run(cancel_after=None, **sampling):
+        handle = scheduler.submit(GenerationRequest(PROMPT, max_tokens=12, **sampling))
+        for i, event in enumerate(handle.events()):
+            if i + 1 == cancel_after:
+                handle.cancel()
+        assert event.finish_reason == ("length" if cancel_after is None else "cancelled")
+        return weakref.ref(handle)
+
+    refs = [run(), run(temperature=0.8, top_p=0.9, min_p=0.05, top_k=20, seed=1), run(cancel_after=3)]
+    started, release = threading.Event(), threading.Event()  # hold the loop while two are queued and cancelled
+    blocker = threading.Thread(target=scheduler.call, args=(lambda _: (started.set(), release.wait()),))
+    blocker.start()
+    started.wait(30)
+    queued = [scheduler.submit(GenerationRequest(PROMPT, max_tokens=50)) for _ in range(2)]
+    for handle in queued:
+        handle.cancel()
+    release.set()
+    blocker.join()
+    for handle in queued:
+        assert collect(handle)[1].finish_reason == "cancelled"
+    refs += [weakref.ref(h) for h in queued]
+    del handle, queued
+    scheduler.call(lambda _: None)  # one more turn of the loop
+    gc.collect()
+    assert [r() for r in refs] == [None] * 5
+    assert scheduler._active == set() and scheduler.batcher.idle and scheduler.pipeline.caches.slots == {}

@@ -1,0 +1,127 @@
+"""One running request: stop strings in streamed text, its own random key, and its sampling filters."""
+
+import os
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from distributed.runtime.request import GenerationRequest
+from distributed.runtime.scheduler import RequestHandle
+from distributed.runtime.sequence import Sequence, StopStrings
+
+
+def test_stop_strings_hold_back_partial_matches():
+    s = StopStrings(["END"])
+    assert s.feed("abcE") == ("abc", False)
+    assert s.feed("N") == ("", False)
+    assert s.feed("x") == ("ENx", False)
+    assert s.feed("yyEND and more") == ("yy", True)
+    assert StopStrings([]).feed("abc") == ("abc", False)
+
+
+def draws(tokenizer, seed, disturb):
+    request = GenerationRequest([1, 2, 3], temperature=1.0, top_p=0.9, seed=seed)
+    seq = Sequence(RequestHandle(request), tokenizer, slot=5)
+    logprobs = mx.log(mx.softmax(mx.arange(50, dtype=mx.float32)[None] / 10, axis=-1))
+    out = []
+    for i in range(12):
+        if disturb:
+            mx.random.seed(i)  # other requests drawing from the global state meanwhile
+            mx.random.uniform()
+        out.append(seq.sample(logprobs).item())
+    return out
+
+
+def test_a_seeded_request_draws_from_its_own_key(hf_checkpoint):
+    tokenizer = load_tokenizer(hf_checkpoint)
+    assert draws(tokenizer, 3, disturb=False) == draws(tokenizer, 3, disturb=True)
+    assert draws(tokenizer, 3, disturb=False) != draws(tokenizer, 4, disturb=False)
+
+
+def sequence(tokenizer, **sampling):
+    return Sequence(RequestHandle(GenerationRequest([1, 2, 3], **sampling)), tokenizer, slot=5)
+
+
+def row(seed=0, vocab=300):
+    x = mx.random.normal((1, vocab), key=mx.random.key(seed)) * 3
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def test_filters_are_mlx_lms():
+    import math
+
+    from mlx_lm import sample_utils
+
+    from distributed.runtime import sequence as module
+
+    for i, (top_p, min_p, top_k) in enumerate([(0.5, 0.01, 1), (0.9, 0.05, 5), (0.97, 0.1, 40)]):
+        lp = row(i)
+        assert mx.array_equal(sample_utils.apply_top_p(lp, mx.array(top_p)), sample_utils.apply_top_p(lp, top_p))
+        assert mx.array_equal(module.apply_min_p(lp, mx.array(math.log(min_p))), sample_utils.apply_min_p(lp, min_p))
+        assert mx.array_equal(module.apply_top_k(lp, top_k), sample_utils.apply_top_k(lp, top_k))
+
+
+def test_draws_equal_mlx_lms_filters_with_the_same_key(hf_checkpoint):
+    """The draws are those of mlx-lm's filters (given Python numbers) and a categorical draw with our key."""
+    from mlx_lm import sample_utils
+
+    tokenizer = load_tokenizer(hf_checkpoint)
+    seq = sequence(tokenizer, temperature=0.7, top_p=0.9, min_p=0.02, top_k=30, seed=9)
+    key = mx.random.key(9)
+    for i in range(10):
+        lp = row(i)
+        expected = sample_utils.apply_top_k(sample_utils.apply_min_p(sample_utils.apply_top_p(lp, 0.9), 0.02), 30)
+        key, draw = mx.random.split(key)
+        assert seq.sample(lp).item() == mx.random.categorical(expected * (1 / 0.7), key=draw).item()
+
+
+def test_new_sampling_settings_trace_nothing_new(hf_checkpoint, monkeypatch):
+    """mx.compile keys its cache on Python numbers: given as numbers, every distinct top_p / min_p
+    kept a traced graph (and on the CPU a JIT-built library) for good. Given as arrays, one serves all."""
+    from collections import Counter
+
+    from distributed.runtime import sequence as module
+
+    traces = Counter()
+
+    def counted(name, compiled):
+        def body(*args):
+            traces[name] += 1  # runs only while tracing
+            return compiled(*args)
+
+        return mx.compile(body)
+
+    monkeypatch.setattr(module, "apply_top_p", counted("top_p", module.apply_top_p))
+    monkeypatch.setattr(module, "apply_min_p", counted("min_p", module.apply_min_p))
+    tokenizer = load_tokenizer(hf_checkpoint)
+    for i in range(8):
+        seq = sequence(tokenizer, temperature=0.5 + i / 10, top_p=0.6 + i / 20, min_p=0.01 * (i + 1), top_k=i + 1)
+        mx.eval(seq.sample(row(i)))
+    assert traces == {"top_p": 1, "min_p": 1}
+
+
+def jit_libraries() -> int:
+    with open("/proc/self/maps") as f:
+        return len({line.split()[-1] for line in f if line.rstrip().endswith(".so") and "/mlx/" in line
+                    and "site-packages" not in line})
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts mapped libraries in /proc")
+def test_new_sampling_settings_load_no_new_kernel_library(hf_checkpoint):
+    """The CPU backend builds fused kernels as shared libraries and loads them for good: before the
+    fix each new top_p and min_p loaded two (~60 KiB of rank 0's memory per request, seconds of g++)."""
+    tokenizer = load_tokenizer(hf_checkpoint)
+    mx.eval(sequence(tokenizer, temperature=1.0, top_p=0.9, min_p=0.05).sample(row()))
+    before = jit_libraries()
+    for i in range(4):
+        mx.eval(sequence(tokenizer, temperature=1.0, top_p=0.61 + i / 17, min_p=0.013 * (i + 1)).sample(row(i)))
+    assert jit_libraries() == before
+
+
+def test_top_k_at_or_above_the_vocabulary_keeps_every_token(hf_checkpoint):
+    """mlx-lm's apply_top_k raises there, which ended the whole ring (the scheduler took it for a ring failure)."""
+    tokenizer = load_tokenizer(hf_checkpoint)
+    for top_k in (300, 10**6):
+        a, b = sequence(tokenizer, temperature=1.0, top_k=top_k, seed=4), sequence(tokenizer, temperature=1.0, seed=4)
+        assert [a.sample(row(i)).item() for i in range(6)] == [b.sample(row(i)).item() for i in range(6)]

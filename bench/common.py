@@ -63,10 +63,14 @@ def prompt_ids(n: int) -> str:
     return ",".join(str((i * 37 + 11) % 251) for i in range(n))
 
 
-def stream_prompts(count: int, length: int) -> List[List[int]]:
+def stream_prompts(count: int, length: int, tag: Optional[str] = None) -> List[List[int]]:
     """`count` distinct deterministic prompts of byte tokens (no special tokens), equal length
-    (so that batch_generate pads none of them)."""
-    return [[random.Random(1000 + k).randrange(251) for _ in range(length)] for k in range(count)]
+    (so that batch_generate pads none of them), seeded by `tag` and index: prompts of different
+    tags differ from the first token on (nothing for a prefix cache to share). tag None:
+    bench_throughput's prompts, token k repeated (kept so that its results stay comparable)."""
+    if tag is None:
+        return [[random.Random(1000 + k).randrange(251)] * length for k in range(count)]
+    return [[rng.randrange(251) for _ in range(length)] for rng in (random.Random(f"{tag}:{k}") for k in range(count))]
 
 
 def bench_env(blas: str = "reference") -> dict:

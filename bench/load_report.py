@@ -83,18 +83,25 @@ def against_mlx_lm(results: dict) -> dict:
     return out
 
 
-def num(value, fmt: str, width: int) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:{width}{fmt}}"
+def num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def print_table(head: list, rows: list) -> None:
+    """Columns as wide as their widest cell; the first left-aligned, the others right-aligned."""
+    cells = [head] + rows
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    for r in cells:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
 
 
 def print_report(summary: dict, results: dict, spec: dict) -> None:
     names = list(results)
-    print(f"\n{'config':<24}{'prompt':>7}{'streams':>8}{'tok/s':>10}{'TTFT p50':>10}{'p99 ms':>9}{'exact':>9}"
-          f"{'x mlx-lm':>10}{'x P=1':>8}")
-    for r in summary["table"]:
-        print(f"{r['config']:<24}{r['prompt_len']:>7}{r['streams']:>8}{num(r['tok_s'], '.1f', 10)}"
-              f"{num(r['p50_ms'], '.0f', 10)}{num(r['p99_ms'], '.0f', 9)}{'%d/%d' % tuple(r['exact']):>9}"
-              f"{num(r['vs_mlx_lm'], '.2f', 10)}{num(r['vs_p1'], '.2f', 8)}")
+    print()
+    print_table(["config", "prompt", "streams", "tok/s", "TTFT p50 ms", "p99 ms", "exact", "x mlx-lm", "x P=1"],
+                [[r["config"], str(r["prompt_len"]), str(r["streams"]), num(r["tok_s"], ".1f"), num(r["p50_ms"], ".0f"),
+                  num(r["p99_ms"], ".0f"), "%d/%d" % tuple(r["exact"]), num(r["vs_mlx_lm"], ".2f"),
+                  num(r["vs_p1"], ".2f")] for r in summary["table"]])
     print("  tok/s = generated tokens / (last stream's end - first request); TTFT = request sent -> first token "
           "(client side); p99 is nearest-rank (the max below 100 streams); exact = streams whose greedy tokens "
           f"equal the same prompt run alone on that config (the first {spec['check']} of each run); "
@@ -102,11 +109,10 @@ def print_report(summary: dict, results: dict, spec: dict) -> None:
     load = summary["ttft_under_load"]
     if load:
         at, burst = load[0]["at"], load[0]["burst"]
-        print(f"\n{'config':<24}{'prompt':>7}{f'TTFT p50 at {at} streams, ms':>30}"
-              f"{f'TTFT p50 {burst} at once / 1 alone':>36}")
-        for r in load:
-            print(f"{r['config']:<24}{r['prompt_len']:>7}{num(r['p50_ms_at'], '.0f', 30)}"
-                  f"{num(r['burst_over_alone'], '.2f', 36)}")
+        print()
+        print_table(["config", "prompt", f"TTFT p50 at {at} streams, ms", f"TTFT p50 {burst} at once / 1 alone"],
+                    [[r["config"], str(r["prompt_len"]), num(r["p50_ms_at"], ".0f"), num(r["burst_over_alone"], ".2f")]
+                     for r in load])
     if summary["long"]:
         print_long(summary["long"], names, spec)
     exact = summary["vs_mlx_lm_alone"]
@@ -125,15 +131,11 @@ def short(name: str) -> str:
 
 def print_long(rows: list, names: list, spec: dict) -> None:
     p1 = next((n for n in names if n.startswith("runner P=1")), None)
+    vs_base = p1 if p1 and BASELINE in names else None
     others = [n for n in names if n not in (BASELINE, p1)] if p1 else []
     print(f"\nlong prompt alone, TTFT ms (max_tokens 1, prefill step {spec['prefill_step_size']}, "
           f"median of {spec['reps']})")
-    head = f"{'tokens':>8}" + "".join(f"{n[:22]:>24}" for n in names)
-    head += (f"{'P=1 / mlx-lm':>14}" if p1 and BASELINE in names else "") + "".join(f"{short(n) + ' / P=1':>12}" for n in others)
-    print(head)
-    for r in rows:
-        line = f"{r['prompt_len']:>8}" + "".join(num(r[n], '.0f', 24) for n in names)
-        if p1 and BASELINE in names:
-            line += num(ratio(r[p1], r[BASELINE]), '.2f', 14)
-        line += "".join(num(ratio(r[n], r[p1]), '.2f', 12) for n in others)
-        print(line)
+    head = ["tokens", *names] + (["P=1 / mlx-lm"] if vs_base else []) + [f"{short(n)} / P=1" for n in others]
+    print_table(head, [[str(r["prompt_len"]), *(num(r[n], ".0f") for n in names)] +
+                       ([num(ratio(r[p1], r[BASELINE]), ".2f")] if vs_base else []) +
+                       [num(ratio(r[n], r[p1]), ".2f") for n in others] for r in rows])

@@ -36,8 +36,8 @@ on a GPU may differ); the runner's alone tokens are also compared with mlx-lm ge
 Printed: one row per configuration x prompt length x stream count (tok/s, TTFT p50, p99, exact,
 tok/s ratios runner / mlx-lm and P=k / P=1), TTFT p50 at 64 streams and TTFT p50 (32 at once) /
 TTFT (1 alone) (the largest count measured where 64 or 32 is not), the long-prompt TTFTs and their
-ratios. --out gets every raw number (each stream's TTFT and tokens): default
-bench/results/load.json (--smoke: load_smoke.json). Every server process group is ended (SIGTERM,
+ratios. --out gets every raw number (each stream's TTFT and tokens), rewritten after every
+configuration: default bench/results/load.json (--smoke: load_smoke.json). Every server process group is ended (SIGTERM,
 then SIGKILL) on any exit; a server that dies is named with its log tail.
 
 --smoke: the small fp32 checkpoint, 1 and 4 streams of 8-token prompts, 16 tokens, P = 1, 2 and a
@@ -49,7 +49,8 @@ On the GPU machine (see ../shared/DEVICE-MLX-CUDA.md for MLX there; `--make-mini
 Trinity-Mini shape with random 4-bit weights once, with bench/bench_gpu.py's `make`, ~30 s; write
 --out under $OUT to get the JSON back). One command may run 10 minutes: at the defaults one prompt
 length of the three configurations takes about 6 to 8 minutes (the first run on a fresh machine
-also compiles kernels, ~100 s), so run one prompt length per command:
+also compiles kernels, ~100 s), so run one prompt length per command (short of time: drop 128
+from --streams, or --check 1; --out keeps the configurations finished before a stop):
 
     # P=1 vs P=2 over NCCL (the collective transport)
     python3 bench/bench_load.py --make-mini /tmp/trinity-mini-shape-4bit --backend nccl \\
@@ -164,7 +165,7 @@ def run_mlx_lm(spec: dict, env: dict, timeout: float) -> dict:
     os.write(fd, json.dumps(spec).encode())
     os.close(fd)
     try:
-        return run_json_child([PY, str(BENCH / "load_mlx_lm.py"), path], env, timeout)
+        return run_json_child([PY, str(BENCH / "load_mlx_lm.py"), path], env, timeout, relay_stderr=True)
     finally:
         os.unlink(path)
 
@@ -210,32 +211,38 @@ def main() -> None:
     print(header, file=sys.stderr, flush=True)
 
     results, loads = {}, {}
+    out = Path(args.out or ROOT / "bench" / "results" / ("load_smoke.json" if args.smoke else "load.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = dict(vars(args), model=str(model), runner_args=runner_args, config=config, cpus=os.cpu_count(),
+                    loadavg_at_start=loads)
+
+    def save() -> dict:
+        """After every configuration, so that a run stopped at a time limit keeps what it measured."""
+        summary = summarize(results, spec)
+        out.write_text(json.dumps({"settings": settings, "summary": summary, "results": results,
+                                   "wall_s": time.perf_counter() - start}, indent=1))
+        return summary
+
     tic = time.perf_counter()
     loads[BASELINE] = os.getloadavg()[0]
     mlx_env = dict(env, CUDA_VISIBLE_DEVICES="0") if args.gpu_per_rank else env
     results[BASELINE] = run_mlx_lm(spec, mlx_env, args.timeout * 4)
+    save()
     print(f"mlx-lm: {results[BASELINE].get('error') or 'done'} ({time.perf_counter() - tic:.0f} s)",
           file=sys.stderr, flush=True)
     for ranks in args.ps:
         tic, load = time.perf_counter(), os.getloadavg()[0]
         name, results[name] = run_runner(ranks, args, runner_args, env, spec)
         loads[name] = load
+        save()
         print(f"{name}: {results[name].get('error', 'done').splitlines()[0]} ({time.perf_counter() - tic:.0f} s)",
               file=sys.stderr, flush=True)
 
-    summary = summarize(results, spec)
-    wall = time.perf_counter() - start
+    summary = save()
     print(f"\n{header}\n{os.cpu_count()} CPUs, load average {min(loads.values()):.1f}-{max(loads.values()):.1f} "
-          f"at the starts; wall time {wall:.0f} s")
+          f"at the starts; wall time {time.perf_counter() - start:.0f} s")
     print_report(summary, results, spec)
-    out = Path(args.out or ROOT / "bench" / "results" / ("load_smoke.json" if args.smoke else "load.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    settings = dict(vars(args), model=str(model), runner_args=runner_args, config=config, cpus=os.cpu_count(),
-                    loadavg_at_start=loads)
-    out.write_text(json.dumps({"settings": settings, "summary": summary, "results": results, "wall_s": wall},
-                              indent=1))
     print(f"wrote {out}")
-
 
 if __name__ == "__main__":
     main()

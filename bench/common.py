@@ -166,20 +166,36 @@ def kill_groups(procs: List[subprocess.Popen], grace: float = 10.0) -> None:
             return
 
 
-def run_json_child(cmd: list, env: dict, timeout: float) -> dict:
+def run_json_child(cmd: list, env: dict, timeout: float, relay_stderr: bool = False) -> dict:
     """Run a measuring child process (a session of its own, ended on any exit) whose last
-    stdout line starting with "{" is its JSON result; {"error": ...} if it fails."""
+    stdout line starting with "{" is its JSON result; {"error": ...} if it fails.
+    relay_stderr: its stderr (progress) also goes to ours as it comes."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL, start_new_session=True)
+    out, err = [], []
+
+    def drain(stream, keep, echo):
+        for line in stream:
+            keep.append(line)
+            if echo:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+    readers = [threading.Thread(target=drain, args=(proc.stdout, out, False), daemon=True),
+               threading.Thread(target=drain, args=(proc.stderr, err, relay_stderr), daemon=True)]
+    for t in readers:
+        t.start()
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     finally:
         kill_groups([proc], grace=0)
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+        for t in readers:
+            t.join(timeout=10)
+    lines = [line for line in out if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {(stderr or stdout).strip()[-1500:]}"}
+        return {"error": f"exit {proc.returncode}: {(''.join(err) or ''.join(out)).strip()[-1500:]}"}
     return json.loads(lines[-1])
 
 

@@ -52,7 +52,7 @@ def summarize(results: dict, spec: dict) -> dict:
     at, burst = pick(spec["streams"], 64), pick(spec["streams"], 32)
     load = []
     for name, res in results.items():
-        for length in spec["prompt_lens"]:
+        for length in spec["prompt_lens"] if spec["streams"] else []:
             runs = res.get("streams", {}).get(str(length), {})
             p50 = {n: percentile(runs[str(n)]["ttfts_s"], 50) for n in spec["streams"] if str(n) in runs}
             load.append({"config": name, "prompt_len": length, "at": at, "p50_ms_at": ms(p50.get(at)),
@@ -97,6 +97,20 @@ def print_table(head: list, rows: list) -> None:
 
 def print_report(summary: dict, results: dict, spec: dict) -> None:
     names = list(results)
+    if summary["table"]:
+        print_streams(summary, spec)
+    if summary["long"]:
+        print_long(summary["long"], names, spec)
+    exact = summary["vs_mlx_lm_alone"]
+    if any(total for _, total in exact.values()):
+        print("\nrunner alone vs mlx-lm generate_step alone (same prompts): " +
+              ", ".join(f"{n} {s}/{t}" for n, (s, t) in exact.items()))
+    for name, res in results.items():
+        if res.get("error"):
+            print(f"\n{name} FAILED: {res['error']}")
+
+
+def print_streams(summary: dict, spec: dict) -> None:
     print()
     print_table(["config", "prompt", "streams", "tok/s", "TTFT p50 ms", "p99 ms", "exact", "x mlx-lm", "x P=1"],
                 [[r["config"], str(r["prompt_len"]), str(r["streams"]), num(r["tok_s"], ".1f"), num(r["p50_ms"], ".0f"),
@@ -113,15 +127,6 @@ def print_report(summary: dict, results: dict, spec: dict) -> None:
         print_table(["config", "prompt", f"TTFT p50 at {at} streams, ms", f"TTFT p50 {burst} at once / 1 alone"],
                     [[r["config"], str(r["prompt_len"]), num(r["p50_ms_at"], ".0f"), num(r["burst_over_alone"], ".2f")]
                      for r in load])
-    if summary["long"]:
-        print_long(summary["long"], names, spec)
-    exact = summary["vs_mlx_lm_alone"]
-    if exact:
-        print("\nrunner alone vs mlx-lm generate_step alone (same prompts): " +
-              ", ".join(f"{n} {s}/{t}" for n, (s, t) in exact.items()))
-    for name, res in results.items():
-        if res.get("error"):
-            print(f"\n{name} FAILED: {res['error']}")
 
 
 def short(name: str) -> str:

@@ -30,7 +30,7 @@ class RunnerServer:
         self.ranks, self.backend, self.args, self.env = ranks, backend, args, env
         self.gpu_per_rank, self.timeout = gpu_per_rank, timeout
         self.label = f"runner P={ranks}" + (f" ({backend})" if ranks > 1 else "")
-        self.procs, self.names, self.hostfile, self.channel, self.files = [], [], None, None, []
+        self.procs, self.names, self.hostfile, self.channel, self.files, self.logs = [], [], None, None, [], []
         self.logdir = tempfile.mkdtemp(prefix="bench-load-")
 
     def __enter__(self):

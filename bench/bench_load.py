@@ -37,8 +37,8 @@ Printed: one row per configuration x prompt length x stream count (tok/s, TTFT p
 tok/s ratios runner / mlx-lm and P=k / P=1), TTFT p50 at 64 streams and TTFT p50 (32 at once) /
 TTFT (1 alone) (the largest count measured where 64 or 32 is not), the long-prompt TTFTs and their
 ratios. --out gets every raw number (each stream's TTFT and tokens), rewritten after every
-configuration: default bench/results/load.json (--smoke: load_smoke.json). Every server process group is ended (SIGTERM,
-then SIGKILL) on any exit; a server that dies is named with its log tail.
+configuration: default bench/results/load.json (--smoke: load_smoke.json). Every server process
+group is ended (SIGTERM, then SIGKILL) on any exit; a server that dies is named with its log tail.
 
 --smoke: the small fp32 checkpoint, 1 and 4 streams of 8-token prompts, 16 tokens, P = 1, 2 and a
 64-token long prompt: checks the script (about a minute on 2 CPU cores). On a CPU the default

@@ -68,9 +68,9 @@ class RunnerServer:
         self.logs = [os.path.join(self.logdir, "mlx.launch.log")]
         self.files = [open(self.logs[0], "w")]
         self.names = ["mlx.launch (all ranks)"]
-        self.procs = [subprocess.Popen([*MLX_LAUNCH, *where, "-n", str(self.ranks), *cmd], cwd=ROOT, env=self.env,
-                                       stdin=subprocess.DEVNULL, stdout=self.files[0], stderr=subprocess.STDOUT,
-                                       start_new_session=True)]
+        launch = [*MLX_LAUNCH, *where, "-n", str(self.ranks), "--", *cmd]  # "--": runner flags stay the runner's
+        self.procs = [subprocess.Popen(launch, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=self.files[0],
+                                       stderr=subprocess.STDOUT, start_new_session=True)]
 
     def why(self, what: str) -> str:
         """`what` went wrong: name any process that exited (with its code) and add the log tails."""

@@ -104,6 +104,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-lens", type=int_list, help="prompt lengths of the streams (default 8,128)")
     p.add_argument("--max-tokens", type=int, help="greedy tokens per stream (default 128)")
     p.add_argument("--ps", type=int_list, help="runner rank counts (default 1,2)")
+    p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baseline (runner ratios only)")
     p.add_argument("--backend", choices=BACKENDS, default="ring", help="how P > 1 ranks start (default ring)")
     p.add_argument("--gpu-per-rank", action="store_true", help="ring: rank r gets CUDA_VISIBLE_DEVICES=r")
     p.add_argument("--check", type=lambda s: None if s == "all" else int(s),
@@ -223,13 +224,14 @@ def main() -> None:
                                    "wall_s": time.perf_counter() - start}, indent=1))
         return summary
 
-    tic = time.perf_counter()
-    loads[BASELINE] = os.getloadavg()[0]
-    mlx_env = dict(env, CUDA_VISIBLE_DEVICES="0") if args.gpu_per_rank else env
-    results[BASELINE] = run_mlx_lm(spec, mlx_env, args.timeout * 4)
-    save()
-    print(f"mlx-lm: {results[BASELINE].get('error') or 'done'} ({time.perf_counter() - tic:.0f} s)",
-          file=sys.stderr, flush=True)
+    if not args.no_mlx_lm:
+        tic = time.perf_counter()
+        loads[BASELINE] = os.getloadavg()[0]
+        mlx_env = dict(env, CUDA_VISIBLE_DEVICES="0") if args.gpu_per_rank else env
+        results[BASELINE] = run_mlx_lm(spec, mlx_env, args.timeout * 4)
+        save()
+        print(f"mlx-lm: {results[BASELINE].get('error') or 'done'} ({time.perf_counter() - tic:.0f} s)",
+              file=sys.stderr, flush=True)
     for ranks in args.ps:
         tic, load = time.perf_counter(), os.getloadavg()[0]
         name, results[name] = run_runner(ranks, args, runner_args, env, spec)

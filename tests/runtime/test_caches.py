@@ -31,9 +31,9 @@ def test_join_filter_and_back_to_one_row(hf_checkpoint):
     for slot, prompt in ((10, A), (11, B)):
         h = stage(stage.embed(mx.array(prompt)[None]), caches.get(slot))
         firsts.append(mx.argmax(last_logits(stage, h), axis=-1).item())
-    caches.join(0, 10)
+    caches.join(0, 10, [0])
     assert not is_batch(caches.slots[0])  # one row: plain caches
-    caches.join(0, 11)
+    caches.join(0, 11, [0])
     assert is_batch(caches.slots[0]) and set(caches.slots) == {0}
     tokens, rows = [firsts], []
     for step in range(20):

@@ -138,13 +138,14 @@ class Batcher:
 
     def _next_group(self) -> Optional[Group]:
         """An idle group to step, after moving sequences with their first token
-        into it. A group takes newcomers only while no other group is smaller,
-        so groups stay even."""
+        into it. A group takes newcomers up to its share of every running
+        sequence, so groups stay even (and a batch's rows join at once)."""
+        running = sum(len(g.members) for g in self.groups) + sum(len(b.members) for b in self.ready)
+        share = min(self.group_cap, -(-running // len(self.groups)))
         for group in sorted((g for g in self.groups if not g.busy), key=lambda g: len(g.members)):
-            limit = min([self.group_cap] + [len(g.members) + 1 for g in self.groups if g is not group])
-            while self.ready and len(group.members) < limit:
+            while self.ready and len(group.members) < share:
                 batch = self.ready[0]
-                k = min(len(batch.members), limit - len(group.members))
+                k = min(len(batch.members), share - len(group.members))
                 self.pipeline.join(group.slot, batch.slot, list(range(k)))
                 group.members += batch.members[:k]
                 batch.members = batch.members[k:]

@@ -111,6 +111,9 @@ def test_prompts_admitted_together_prefill_in_one_batch_and_stay_exact(hf_checkp
     # Nothing decodes yet: chunks follow each other along the ring, one per rank.
     in_ring = [len(kinds) for _, _, reply, kinds, decoding in log.prefill() if not decoding]
     assert max(in_ring) == len(split) - 1
+    # Then the rows join the decode groups at once, evenly.
+    steps = [shape[0] for slot, shape, _, _, _ in log.sends if slot < len(split)]
+    assert steps[:len(split)] == [len(PROMPTS) // len(split)] * len(split)
     assert_no_caches_left(scheduler.pipeline)
 
 

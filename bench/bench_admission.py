@@ -29,12 +29,13 @@ import json
 import os
 import statistics
 import sys
-import threading
+import tempfile
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
+from bench_throughput import concurrent  # noqa: E402
 from common import PY, QUICK, ROOT, bench_env, checkpoint, free_ports, grpc_generate, kill_groups, start_ranks, wait_serving  # noqa: E402,E501
 
 
@@ -46,28 +47,12 @@ def prompt(k: int, n: int) -> list:
     return [(i * 37 + 11 + 53 * k) % 251 for i in range(n)]
 
 
-def at_once(stub, prompts: list, max_tokens: int) -> dict:
-    barrier = threading.Barrier(len(prompts))
-    runs = [None] * len(prompts)
-
-    def one(i):
-        barrier.wait()
-        try:
-            runs[i] = grpc_generate(stub, prompts[i], max_tokens)
-        except Exception as e:
-            runs[i] = {"error": f"{type(e).__name__}: {e}"}
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    errors = [r["error"] for r in runs if "error" in r]
-    if errors:
-        raise RuntimeError(f"{len(errors)} streams failed: {errors[0]}")
-    wall = max(r["done"] for r in runs) - min(r["sent"] for r in runs)
-    return {"ttft_s": [r["first"] - r["sent"] for r in runs], "tokens": [r["token_ids"] for r in runs],
-            "aggregate_tps": sum(len(r["token_ids"]) for r in runs) / wall}
+def at_once(stub, prompts: list, max_tokens: int, timeout: float) -> dict:
+    """bench_throughput's streams released together; a failed stream fails the run."""
+    out = concurrent(stub, prompts, max_tokens, timeout)
+    if "error" in out:
+        raise RuntimeError(out["error"])
+    return {"ttft_s": out["ttft_s"], "tokens": out["token_ids"], "aggregate_tps": out["aggregate_tps"]}
 
 
 def measure(root: Path, ranks: int, args, model: str) -> dict:
@@ -77,18 +62,23 @@ def measure(root: Path, ranks: int, args, model: str) -> dict:
     cmd = [PY, str(root / "run_trinity.py"), "--model", model, "--serve", target, "--max-batch", str(args.max_batch),
            "--max-queue", str(max(64, args.streams)), "--max-tokens-cap", str(max(4096, args.max_tokens))]
     env = dict(bench_env(args.blas), PYTHONPATH=str(root))
-    log = open(os.devnull, "w")
+    log = tempfile.NamedTemporaryFile("w+", prefix="bench-admission-", suffix=".log")
     procs, hostfile, channel = [], None, None
     try:
         procs, hostfile = start_ranks(cmd, ranks, env, rank0=dict(stdout=log, stderr=log),
                                       others=dict(stdout=log, stderr=log))
-        channel, _ = wait_serving(target, procs)
+        channel, _ = wait_serving(target, procs, args.timeout)
         stub = pb_grpc.GenerationStub(channel)
         grpc_generate(stub, prompt(999, args.prompt_len), 4)  # warm-up
-        at_once(stub, [prompt(900 + k, args.prompt_len) for k in range(4)], 4)
-        alone = [grpc_generate(stub, prompt(0, args.prompt_len), args.max_tokens) for _ in range(args.reps)]
-        rounds = [at_once(stub, [prompt(k, args.prompt_len) for k in range(args.streams)], args.max_tokens)
+        at_once(stub, [prompt(900 + k, args.prompt_len) for k in range(4)], 4, args.timeout)
+        alone = [grpc_generate(stub, prompt(0, args.prompt_len), args.max_tokens, args.timeout)
+                 for _ in range(args.reps)]
+        rounds = [at_once(stub, [prompt(k, args.prompt_len) for k in range(args.streams)], args.max_tokens, args.timeout)
                   for _ in range(args.rounds)]
+    except Exception:
+        log.seek(0)
+        print(f"P={ranks} ({root}) failed; the ranks' output ends:\n{log.read()[-3000:]}", file=sys.stderr)
+        raise
     finally:
         if channel is not None:
             channel.close()
@@ -120,6 +110,7 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--model", help="checkpoint (default: bench/common.py's fp32 QUICK model)")
     p.add_argument("--tiny", action="store_true", help="the tests' tiny model (tiny_checkpoint's defaults, seed 0)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds: server start-up, each request")
     p.add_argument("--blas", choices=["reference", "openblas"], default="reference")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "admission.json")
     args = p.parse_args()

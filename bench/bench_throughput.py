@@ -191,7 +191,7 @@ def concurrent(stub, prompts: list, max_tokens: int, timeout: float) -> dict:
     wall = max(r["done"] for r in runs) - min(r["sent"] for r in runs)
     ttfts = [r["first"] - r["sent"] for r in runs if r["first"] is not None]
     return {"streams": n, "wall_s": wall, "tokens": tokens, "aggregate_tps": tokens / wall,
-            "mean_ttft_s": statistics.mean(ttfts) if ttfts else None,
+            "ttft_s": ttfts, "mean_ttft_s": statistics.mean(ttfts) if ttfts else None,
             "max_ttft_s": max(ttfts) if ttfts else None,
             "token_ids": [r["token_ids"] for r in runs], "finish_reasons": [r["finish_reason"] for r in runs]}
 

@@ -65,6 +65,15 @@ def admitted_together(scheduler, requests):
     return handles
 
 
+def run_admitted(scheduler, requests):
+    """Start the loop, admit `requests` in one turn, take every request's events, stop."""
+    scheduler.start()
+    try:
+        return [list(h.events()) for h in admitted_together(scheduler, requests)]
+    finally:
+        scheduler.close()
+
+
 def tokens_of(events):
     return [e.token_id for e in events if isinstance(e, TokenEvent)]
 
@@ -92,12 +101,7 @@ def scheduler_for(path, split, **kw):
 def test_prompts_admitted_together_prefill_in_one_batch_and_stay_exact(hf_checkpoint, split):
     scheduler = scheduler_for(hf_checkpoint, split)
     log = FrameLog(scheduler)
-    scheduler.start()
-    try:
-        handles = admitted_together(scheduler, [GenerationRequest(p, max_tokens=20) for p in PROMPTS])
-        results = [list(h.events()) for h in handles]
-    finally:
-        scheduler.close()
+    results = run_admitted(scheduler, [GenerationRequest(p, max_tokens=20) for p in PROMPTS])
     for prompt, events in zip(PROMPTS, results):
         assert_alone(hf_checkpoint, prompt, events, 20)
     assert log.first_rows() == [len(PROMPTS)], "one first-token frame for every prompt"
@@ -120,12 +124,7 @@ def test_prompts_admitted_together_prefill_in_one_batch_and_stay_exact(hf_checkp
 def test_batch_token_budget_splits_in_arrival_order(hf_checkpoint):
     scheduler = scheduler_for(hf_checkpoint, (3, 5), prefill_batch_tokens=100)
     log = FrameLog(scheduler)
-    scheduler.start()
-    try:
-        handles = admitted_together(scheduler, [GenerationRequest(p, max_tokens=6) for p in PROMPTS])
-        results = [list(h.events()) for h in handles]
-    finally:
-        scheduler.close()
+    results = run_admitted(scheduler, [GenerationRequest(p, max_tokens=6) for p in PROMPTS])
     for prompt, events in zip(PROMPTS, results):
         assert_alone(hf_checkpoint, prompt, events, 6)
     # Padded sizes within 100 tokens, in arrival order: 5+17 (2x17), 40, 70, 9+33 (2x33).
@@ -174,12 +173,7 @@ def test_prefill_starts_from_histories_of_different_lengths(hf_checkpoint, split
     scheduler = scheduler_for(hf_checkpoint, split)
     scheduler.batcher.prefix = Preloaded(scheduler.pipeline, cuts)
     log = FrameLog(scheduler)
-    scheduler.start()
-    try:
-        handles = admitted_together(scheduler, [GenerationRequest(p, max_tokens=20) for p in PROMPTS])
-        results = [list(h.events()) for h in handles]
-    finally:
-        scheduler.close()
+    results = run_admitted(scheduler, [GenerationRequest(p, max_tokens=20) for p in PROMPTS])
     for prompt, events in zip(PROMPTS, results):
         assert_alone(hf_checkpoint, prompt, events, 20)
     assert log.first_rows() == [len(PROMPTS)]
@@ -264,13 +258,7 @@ class Snapshots(PrefixHooks):
 def test_snapshot_hook_sees_the_finished_row(hf_checkpoint):
     scheduler = scheduler_for(hf_checkpoint, (4, 4))
     hooks = scheduler.batcher.prefix = Snapshots(scheduler.pipeline)
-    scheduler.start()
-    try:
-        requests = [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, [1, 7, 3, 12, 5, 9])]
-        for h in admitted_together(scheduler, requests):
-            list(h.events())
-    finally:
-        scheduler.close()
+    run_admitted(scheduler, [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, [1, 7, 3, 12, 5, 9])])
     assert len(hooks.seen) == len(PROMPTS)
     assert all(offset == prompt + count - 1 for prompt, count, offset in hooks.seen)
 

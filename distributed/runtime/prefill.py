@@ -53,10 +53,6 @@ class Admission:
         self.waiting: deque = deque()  # admitted, in arrival order, not yet in a batch
         self.current: Optional[PrefillBatch] = None  # the batch whose frames are being sent
 
-    @property
-    def pending(self) -> bool:
-        return bool(self.waiting) or self.current is not None
-
     def held(self) -> List[Sequence]:
         """Sequences waiting or in the batch being sent."""
         return list(self.waiting) + (self.current.members if self.current else [])
@@ -69,9 +65,9 @@ class Admission:
         if batch is None:
             return None
         if batch.sent < batch.width:
-            end = min(batch.sent + batch.step, batch.width)
-            chunk = [row[batch.sent:end] + [0] * (end - batch.sent - len(row[batch.sent:end])) for row in batch.rows]
-            batch.sent = end
+            n = min(batch.step, batch.width - batch.sent)
+            chunk = [(row[batch.sent:batch.sent + n] + [0] * n)[:n] for row in batch.rows]  # right-padded
+            batch.sent += n
             self.pipeline.send(mx.array(chunk, dtype=mx.uint32), Reply.ACK, batch.slot)
             return "chunk", batch
         if batch.padded:

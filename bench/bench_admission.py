@@ -35,24 +35,20 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-from bench_throughput import concurrent  # noqa: E402
-from common import PY, QUICK, ROOT, bench_env, checkpoint, free_ports, grpc_generate, kill_groups, start_ranks, wait_serving  # noqa: E402,E501
+from common import (PY, QUICK, ROOT, bench_env, checkpoint, concurrent_streams, free_ports, grpc_generate,  # noqa: E402
+                    kill_groups, start_ranks, stream_prompts, wait_serving)
 
 
 TINY = dict(hidden_size=64, num_hidden_layers=8)  # tiny_checkpoint's defaults: the tests' model
 
 
-def prompt(k: int, n: int) -> list:
-    """Distinct byte-token prompts (no special tokens)."""
-    return [(i * 37 + 11 + 53 * k) % 251 for i in range(n)]
-
-
 def at_once(stub, prompts: list, max_tokens: int, timeout: float) -> dict:
-    """bench_throughput's streams released together; a failed stream fails the run."""
-    out = concurrent(stub, prompts, max_tokens, timeout)
+    """common.py's streams released together; a failed stream fails the run."""
+    out = concurrent_streams(stub, prompts, max_tokens, timeout)
     if "error" in out:
         raise RuntimeError(out["error"])
-    return {"ttft_s": out["ttft_s"], "tokens": out["token_ids"], "aggregate_tps": out["aggregate_tps"]}
+    return {"ttft_s": [t for t in out["ttfts_s"] if t is not None], "tokens": out["token_ids"],
+            "aggregate_tps": out["aggregate_tps"]}
 
 
 def measure(root: Path, ranks: int, args, model: str) -> dict:
@@ -69,12 +65,12 @@ def measure(root: Path, ranks: int, args, model: str) -> dict:
                                       others=dict(stdout=log, stderr=log))
         channel, _ = wait_serving(target, procs, args.timeout)
         stub = pb_grpc.GenerationStub(channel)
-        grpc_generate(stub, prompt(999, args.prompt_len), 4)  # warm-up
-        at_once(stub, [prompt(900 + k, args.prompt_len) for k in range(4)], 4, args.timeout)
-        alone = [grpc_generate(stub, prompt(0, args.prompt_len), args.max_tokens, args.timeout)
-                 for _ in range(args.reps)]
-        rounds = [at_once(stub, [prompt(k, args.prompt_len) for k in range(args.streams)], args.max_tokens, args.timeout)
-                  for _ in range(args.rounds)]
+        prompts = stream_prompts(args.streams, args.prompt_len, "admission")
+        warm = stream_prompts(4, args.prompt_len, "warm-up")
+        grpc_generate(stub, warm[0], 4, args.timeout)
+        at_once(stub, warm, 4, args.timeout)
+        alone = [grpc_generate(stub, prompts[0], args.max_tokens, args.timeout) for _ in range(args.reps)]
+        rounds = [at_once(stub, prompts, args.max_tokens, args.timeout) for _ in range(args.rounds)]
     except Exception:
         log.seek(0)
         print(f"P={ranks} ({root}) failed; the ranks' output ends:\n{log.read()[-3000:]}", file=sys.stderr)

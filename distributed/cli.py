@@ -20,6 +20,7 @@ from .serving.front_ends import start_front_ends
 from .serving.options import AUTH_TOKEN_ENV, ServeOptions, check_options
 from .serving.requests import prompt_ids
 from .shard.config import model_args
+from .shard.kv_budget import DEFAULT_CONTEXT, MAX_BATCH, kv_budget
 from .startup.join import build_pipeline, join_ranks
 from .startup.lifecycle import Lifecycle, RankStop, launched_by_launcher
 from .startup.preflight import check_launch
@@ -63,8 +64,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--prefill-step-size", type=int, default=512,
                    help="prompt tokens per prefill frame (a batch of B prompts: N/B each); "
                    "several ranks work on successive chunks at once")
-    p.add_argument("--max-batch", type=int, default=16,
-                   help="sequences decoding together (split into one micro-batch per rank)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="sequences decoding together (split into one micro-batch per rank); default: as many "
+                   f"as fit beside the weights on the tightest rank, each with a --max-context-token KV cache "
+                   f"(for this estimate --max-context defaults to {DEFAULT_CONTEXT}), at most {MAX_BATCH}")
     p.add_argument("--prefill-batch-tokens", type=int, default=2048,
                    help="waiting prompts prefill together up to this many tokens (each padded to the longest)")
     p.add_argument("--max-context", type=int, default=None,
@@ -95,7 +98,7 @@ def validate(args: argparse.Namespace) -> None:
             raise TrinityError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.prefill_step_size < 1:
         raise TrinityError(f"--prefill-step-size must be at least 1, got {args.prefill_step_size}")
-    if args.max_batch < 1:
+    if args.max_batch is not None and args.max_batch < 1:
         raise TrinityError(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.prefill_batch_tokens < 1:
         raise TrinityError(f"--prefill-batch-tokens must be at least 1, got {args.prefill_batch_tokens}")
@@ -221,27 +224,33 @@ def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Wat
         for front_end in front_ends:
             front_end.stop()
         raise
-    pipeline, path, config = built
+    pipeline, path, config = built.pipeline, built.path, built.config
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    ranks = pipeline.rank_info()
+    max_context = args.max_context or config.get("max_position_embeddings") or 2**31
+    budget = kv_budget(config, ranks, built.memory_bytes, min(max_context, args.max_context or DEFAULT_CONTEXT))
+    max_batch = args.max_batch or budget.max_batch
 
     # The scheduler runs on this main thread (see Scheduler.start); front ends' threads only queue.
     scheduler = Scheduler(pipeline, tokenizer, max_queue=options.max_queue,
-                          prefill_step_size=args.prefill_step_size, max_batch=args.max_batch,
+                          prefill_step_size=args.prefill_step_size, max_batch=max_batch,
                           on_failure=on_failure, prefill_batch_tokens=args.prefill_batch_tokens)
     if watchdog is not None:  # ends every stream with the failed rank's name, then NOT_SERVING
         watchdog.on_failure = scheduler.abort
     info = ModelInfo(
         model_id=args.model or "trinity-tiny",
         vocab_size=model_args(config).vocab_size,
-        max_context=args.max_context or config.get("max_position_embeddings") or 2**31,
+        max_context=max_context,
         max_tokens_cap=options.max_tokens_cap,
-        ranks=pipeline.rank_info(),
+        ranks=ranks,
+        max_batch=max_batch,
     )
     for front_end in front_ends:
         front_end.attach(scheduler, tokenizer, info)
     print(f"serving {info.model_id} on " + " and ".join(f.describe() for f in front_ends), flush=True)
+    print(f"max batch: {max_batch}" + (" (--max-batch)" if args.max_batch else f": {budget.describe()}"), flush=True)
     stop.running(scheduler.stop)
     try:
         scheduler.serve_forever()
@@ -279,7 +288,7 @@ def run(args, stop: RankStop) -> None:
     built = build_pipeline(args, group, _watchdog, on_ready=stop.running)
     if built is None:
         return
-    pipeline, path, config = built
+    pipeline, path, config = built.pipeline, built.path, built.config
     from mlx_lm.utils import load_tokenizer
 
     scheduler = Scheduler(pipeline, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")),

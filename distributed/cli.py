@@ -62,11 +62,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="how hidden states move between ranks: point-to-point send/recv, or collectives "
                    "(for backends without send/recv, such as NCCL); auto picks collective under NCCL")
     p.add_argument("--prefill-step-size", type=int, default=512,
-                   help="prompt chunk size; several ranks work on successive chunks at once")
+                   help="prompt tokens per prefill frame (a batch of B prompts: N/B each); "
+                   "several ranks work on successive chunks at once")
     p.add_argument("--max-batch", type=int, default=None,
                    help="sequences decoding together (split into one micro-batch per rank); default: as many "
                    f"as fit beside the weights on the tightest rank, each with a --max-context-token KV cache "
                    f"(for this estimate --max-context defaults to {DEFAULT_CONTEXT}), at most {MAX_BATCH}")
+    p.add_argument("--prefill-batch-tokens", type=int, default=2048,
+                   help="waiting prompts prefill together up to this many tokens (each padded to the longest)")
     p.add_argument("--max-context", type=int, default=None,
                    help="prompt + max tokens limit (default: max_position_embeddings)")
     faults = p.add_argument_group("faults (several ranks)")
@@ -97,6 +100,8 @@ def validate(args: argparse.Namespace) -> None:
         raise TrinityError(f"--prefill-step-size must be at least 1, got {args.prefill_step_size}")
     if args.max_batch is not None and args.max_batch < 1:
         raise TrinityError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.prefill_batch_tokens < 1:
+        raise TrinityError(f"--prefill-batch-tokens must be at least 1, got {args.prefill_batch_tokens}")
     try:
         _request(args, []).validate_sampling()
     except RequestError as e:
@@ -231,7 +236,7 @@ def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Wat
     # The scheduler runs on this main thread (see Scheduler.start); front ends' threads only queue.
     scheduler = Scheduler(pipeline, tokenizer, max_queue=options.max_queue,
                           prefill_step_size=args.prefill_step_size, max_batch=max_batch,
-                          on_failure=on_failure)
+                          on_failure=on_failure, prefill_batch_tokens=args.prefill_batch_tokens)
     if watchdog is not None:  # ends every stream with the failed rank's name, then NOT_SERVING
         watchdog.on_failure = scheduler.abort
     info = ModelInfo(

@@ -6,11 +6,11 @@ B's, so no rank waits for a whole round trip. A group is one batched decode
 step (mlx-lm's batch caches, one row per sequence); sequences join a group
 between its steps and leave it when they finish.
 
-A new prompt is sent in chunks (mlx-lm's generate_step chunking, so a
-sequence's tokens are those it would get alone), each chunk one behind the
-other along the ring. While groups are decoding, at most one prefill frame is
-in the ring, so a prompt delays a decode step by one chunk at most. A
-sequence's first token comes from its own slot; then it joins a group.
+New sequences are admitted in batches (`prefill`): waiting prompts prefill
+together, in chunks that follow each other along the ring, and take their
+first token together. While groups are decoding, at most one prefill frame is
+in the ring, so prompts delay a decode step by one bounded frame at most. After
+their first token the batch's rows join the groups.
 """
 
 from collections import deque
@@ -21,7 +21,22 @@ import mlx.core as mx
 
 from ..transport import Reply
 from .pipeline import Pipeline
+from .prefill import Admission, PrefillBatch
 from .sequence import Sequence
+
+
+class PrefixHooks:
+    """Where a prefix cache plugs in; these defaults do nothing."""
+
+    def restore(self, seq: Sequence) -> None:
+        """At admission, before `seq` is batched: may fill `seq.slot` on every rank
+        with the caches of a cached prefix of its prompt and drop those tokens from
+        `seq.unsent` (leaving one at least: the last prompt token gives the first
+        token). The batch's prefill then starts from that history."""
+
+    def snapshot(self, seq: Sequence, slot: int, row: int) -> None:
+        """`seq` has finished; row `row` of `slot` still holds its caches (its prompt
+        and every generated token but the last) until right after this call."""
 
 
 @dataclass
@@ -35,22 +50,24 @@ class Group:
 class Outstanding:
     """A frame in the ring whose reply rank 0 waits for."""
 
-    kind: str  # "chunk" (a prefill chunk), "first" (a prompt's last token) or "step"
-    sequences: List[Sequence]
+    kind: str  # "chunk" (prompt rows), "first" (the rows' last prompt tokens) or "step"
+    sequences: List[Sequence]  # the frame's rows, in order
+    slot: int
     group: Optional[Group] = None
 
 
 class Batcher:
-    def __init__(self, pipeline: Pipeline, tokenizer, max_batch: int = 16, prefill_step_size: int = 512):
+    def __init__(self, pipeline: Pipeline, tokenizer, max_batch: int = 16, prefill_step_size: int = 512,
+                 prefill_batch_tokens: int = 2048, prefix: Optional[PrefixHooks] = None):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         ranks = pipeline.num_ranks
         self.groups = [Group(slot) for slot in range(ranks)]
         self.group_cap = -(-max_batch // ranks)
         self.max_batch = max_batch
         self.depth = ranks  # prompt chunks in the ring at once: enough to keep every rank busy
-        self.prefill_step_size = prefill_step_size
-        self.prefilling: deque = deque()  # prompts not fully sent, in arrival order
-        self.ready: deque = deque()  # first token out, waiting for room in a group
+        self.prefix = prefix or PrefixHooks()
+        self.admission = Admission(pipeline, self._new_slot, prefill_step_size, prefill_batch_tokens)
+        self.ready: deque = deque()  # PrefillBatch: rows with their first token, waiting for room in a group
         self.outstanding: deque = deque()  # in the order their replies will come
         self.sequences = 0  # admitted and not finished
         self._next_slot = ranks  # slots below are the groups'
@@ -64,13 +81,14 @@ class Batcher:
         return self.sequences == 0 and not self.outstanding
 
     def add(self, handle) -> None:
-        self.prefilling.append(Sequence(handle, self.tokenizer, self._next_slot))
-        self._next_slot = self._next_slot + 1 if self._next_slot < 2**31 - 1 else len(self.groups)
+        seq = Sequence(handle, self.tokenizer, self._new_slot())
         self.sequences += 1
+        self.prefix.restore(seq)
+        self.admission.waiting.append(seq)
 
     def step(self) -> None:
         """Send what fits into the ring, then take one reply."""
-        self._drop_cancelled_prompts()
+        self._drop_cancelled()
         self._fill()
         if self.outstanding:
             self._receive()
@@ -83,38 +101,56 @@ class Batcher:
     def shutdown(self, reason: str) -> None:
         """End every admitted sequence with an error (the server is stopping)."""
         self.drain()
-        held = list(self.prefilling) + list(self.ready) + [s for g in self.groups for s in g.members]
-        for seq in held:
-            seq.finish("error", error=reason)
-        self.prefilling.clear()
+        held = self.admission.held() + [s for b in self.ready for s in b.members]
+        for seq in held + [s for g in self.groups for s in g.members]:
+            if not seq.finished:
+                seq.finish("error", error=reason)
+        self.admission.waiting.clear()
+        self.admission.current = None
         self.ready.clear()
         for group in self.groups:
             group.members = []
         self.sequences = 0
+
+    def _new_slot(self) -> int:
+        slot = self._next_slot
+        self._next_slot = slot + 1 if slot < 2**31 - 1 else len(self.groups)
+        return slot
 
     # -- sending --------------------------------------------------------------
 
     def _fill(self) -> None:
         decoding = bool(self.ready) or any(g.members for g in self.groups)
         if not decoding:  # prompt chunks fill the ring, one behind the other
-            while self.prefilling and len(self.outstanding) < self.depth:
-                self._send_chunk(self.prefilling[0])
-        elif self.prefilling and all(o.kind == "step" for o in self.outstanding):
-            self._send_chunk(self.prefilling[0])  # one prefill frame at a time beside decoding
+            while len(self.outstanding) < self.depth and self._send_prefill():
+                pass
+        elif all(o.kind == "step" for o in self.outstanding):
+            self._send_prefill()  # one prefill frame at a time beside decoding
         while (group := self._next_group()) is not None:
             self._send_step(group)
 
+    def _send_prefill(self) -> bool:
+        sent = self.admission.send_next()
+        if sent is not None:
+            kind, batch = sent
+            self.outstanding.append(Outstanding(kind, list(batch.members), batch.slot))
+        return sent is not None
+
     def _next_group(self) -> Optional[Group]:
-        """An idle group to step, after moving waiting sequences into it. A
-        group takes newcomers only while no other group is smaller, so groups
-        stay even."""
+        """An idle group to step, after moving sequences with their first token
+        into it. A group takes newcomers up to its share of every running
+        sequence, so groups stay even (and a batch's rows join at once)."""
+        running = sum(len(g.members) for g in self.groups) + sum(len(b.members) for b in self.ready)
+        share = min(self.group_cap, -(-running // len(self.groups)))
         for group in sorted((g for g in self.groups if not g.busy), key=lambda g: len(g.members)):
-            while self.ready and len(group.members) < self.group_cap and len(group.members) <= min(
-                len(g.members) for g in self.groups
-            ):
-                seq = self.ready.popleft()
-                self.pipeline.join(group.slot, seq.slot)
-                group.members.append(seq)
+            while self.ready and len(group.members) < share:
+                batch = self.ready[0]
+                k = min(len(batch.members), share - len(group.members))
+                self.pipeline.join(group.slot, batch.slot, list(range(k)))
+                group.members += batch.members[:k]
+                batch.members = batch.members[k:]
+                if not batch.members:
+                    self.ready.popleft()
             if group.members:
                 return group
         return None
@@ -123,26 +159,19 @@ class Batcher:
         tokens = mx.array([[s.next_token] for s in group.members], dtype=mx.uint32)
         self.pipeline.send(tokens, Reply.LAST, group.slot)
         group.busy = True
-        self.outstanding.append(Outstanding("step", list(group.members), group))
+        self.outstanding.append(Outstanding("step", list(group.members), group.slot, group))
 
-    def _send_chunk(self, seq: Sequence) -> None:
-        if len(seq.unsent) > 1:
-            n = min(self.prefill_step_size, len(seq.unsent) - 1)
-            chunk, seq.unsent = seq.unsent[:n], seq.unsent[n:]
-            self.pipeline.send(mx.array(chunk, dtype=mx.uint32)[None], Reply.ACK, seq.slot)
-            self.outstanding.append(Outstanding("chunk", [seq]))
-            return
-        self.pipeline.send(mx.array(seq.unsent, dtype=mx.uint32)[None], Reply.LAST, seq.slot)
-        seq.unsent = []
-        self.prefilling.popleft()
-        self.outstanding.append(Outstanding("first", [seq]))
-
-    def _drop_cancelled_prompts(self) -> None:
-        for queue in (self.prefilling, self.ready):
-            for seq in [s for s in queue if s.handle.cancelled]:
-                queue.remove(seq)
-                self.pipeline.release(seq.slot)  # after any of its chunks still in the ring
-                self._finish(seq, "cancelled")
+    def _drop_cancelled(self) -> None:
+        self.admission.drop_cancelled(lambda seq: self._finish(seq, "cancelled"))
+        for batch in list(self.ready):
+            keep = [i for i, s in enumerate(batch.members) if not s.handle.cancelled]
+            if len(keep) < len(batch.members):
+                for i in sorted(set(range(len(batch.members))) - set(keep)):
+                    self._finish(batch.members[i], "cancelled", batch.slot, i)
+                self.pipeline.filter(batch.slot, keep)
+                batch.members = [batch.members[i] for i in keep]
+                if not keep:
+                    self.ready.remove(batch)
 
     # -- receiving ------------------------------------------------------------
 
@@ -156,28 +185,24 @@ class Batcher:
         tokens = self._sample(frame.sequences, logprobs)
         chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
         mx.eval(tokens, chosen)
-        results = zip(frame.sequences, tokens.tolist(), chosen.reshape(-1).tolist())
-        if frame.kind == "first":
-            seq, token, logprob = next(results)
-            reason = seq.accept(token, logprob)
-            if reason is None:
-                self.ready.append(seq)
-            else:
-                self.pipeline.release(seq.slot)
-                self._finish(seq, reason)
-            return
-        group = frame.group
-        group.busy = False
         keep = []
-        for i, (seq, token, logprob) in enumerate(results):
+        for i, (seq, token, logprob) in enumerate(zip(frame.sequences, tokens.tolist(), chosen.reshape(-1).tolist())):
+            if seq.finished:
+                continue  # cancelled while its batch was prefilling: its row goes now
             reason = seq.accept(token, logprob)
             if reason is None:
                 keep.append(i)
             else:
-                self._finish(seq, reason)
-        if len(keep) < len(group.members):
-            self.pipeline.filter(group.slot, keep)
-            group.members = [group.members[i] for i in keep]
+                self._finish(seq, reason, frame.slot, i)
+        if len(keep) < len(frame.sequences):
+            self.pipeline.filter(frame.slot, keep)
+        kept = [frame.sequences[i] for i in keep]
+        if frame.kind == "first":
+            if kept:
+                self.ready.append(PrefillBatch(frame.slot, kept))
+        else:
+            frame.group.busy = False
+            frame.group.members = kept
 
     @staticmethod
     def _sample(sequences: List[Sequence], logprobs: mx.array) -> mx.array:
@@ -188,6 +213,9 @@ class Batcher:
             [greedy[i : i + 1] if s.greedy else s.sample(logprobs[i : i + 1]) for i, s in enumerate(sequences)]
         )
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str, slot: Optional[int] = None, row: int = 0) -> None:
+        """End `seq`; `slot` and `row`: where its caches still are (None: nowhere whole)."""
+        if slot is not None:
+            self.prefix.snapshot(seq, slot, row)
         seq.finish(reason)
         self.sequences -= 1

@@ -9,7 +9,7 @@ everything runs here.
 """
 
 from collections import deque
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -58,21 +58,37 @@ class Pipeline:
         assert header.op == Op.PARK, f"expected the PARK frame back, got op {header.op}"
         self._parked = self._parks
 
+    def _cache_op(self, op: Op, slot: int, arg: int = 0, values: Sequence[int] = ()) -> None:
+        """Apply a cache op here and on every other rank (after the frames already sent)."""
+        self.caches.apply(op, slot, arg, values)
+        if self.transport is not None:
+            payload = mx.array(values, dtype=mx.int32).reshape(1, -1, 1) if values else None
+            header = Header.for_payload(op, payload, slot=slot, arg=arg) if values else Header(op, slot=slot, arg=arg)
+            self._send(header, payload)
+
     def release(self, slot: int = 0) -> None:
         """Free `slot`'s caches on every rank (its request finished or was cancelled)."""
-        self.caches.drop(slot)
-        self._control(Header(Op.RESET, slot=slot))
+        self._cache_op(Op.RESET, slot)
 
-    def join(self, batch_slot: int, source_slot: int) -> None:
-        """Move the prefilled sequence in `source_slot` into `batch_slot`'s batch, on every rank."""
-        self.caches.join(batch_slot, source_slot)
-        self._control(Header(Op.JOIN, slot=batch_slot, arg=source_slot))
+    def join(self, batch_slot: int, source_slot: int, rows: List[int]) -> None:
+        """Move rows `rows` of `source_slot` to the end of `batch_slot`'s batch, on every rank."""
+        self._cache_op(Op.JOIN, batch_slot, source_slot, rows)
 
     def filter(self, batch_slot: int, keep: List[int]) -> None:
         """Keep only rows `keep` of `batch_slot`'s batch, on every rank."""
-        self.caches.filter(batch_slot, keep)
-        rows = mx.array(keep, dtype=mx.int32).reshape(1, -1, 1)
-        self._control(Header.for_payload(Op.FILTER, rows, slot=batch_slot), rows if keep else None)
+        self._cache_op(Op.FILTER, batch_slot, values=keep)
+
+    def merge(self, batch_slot: int, sources: List[int]) -> None:
+        """Merge the sequences in slots `sources` into one batch in `batch_slot`, on every rank."""
+        self._cache_op(Op.MERGE, batch_slot, values=sources)
+
+    def prepare(self, slot: int, lengths: List[int], right_padding: List[int]) -> None:
+        """Before right-padded prompt rows go into `slot`'s batch, on every rank."""
+        self._cache_op(Op.PREPARE, slot, values=list(lengths) + list(right_padding))
+
+    def finalize(self, slot: int) -> None:
+        """After the last padded prompt rows of `slot`'s batch, on every rank."""
+        self._cache_op(Op.FINALIZE, slot)
 
     def send(self, tokens: mx.array, reply: Reply, slot: int = 0) -> None:
         """Start tokens (batch, length) through all stages; unless `reply` is

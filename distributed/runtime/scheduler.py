@@ -58,10 +58,11 @@ class RequestHandle:
 
 class Scheduler:
     def __init__(self, pipeline: Pipeline, tokenizer, max_queue: int = 64, prefill_step_size: int = 512,
-                 max_batch: int = 16, on_failure: Optional[Callable[[str], None]] = None):
+                 max_batch: int = 16, on_failure: Optional[Callable[[str], None]] = None,
+                 prefill_batch_tokens: int = 2048):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.on_failure = on_failure  # e.g. turn health to NOT_SERVING
-        self.batcher = Batcher(pipeline, tokenizer, max_batch, prefill_step_size)
+        self.batcher = Batcher(pipeline, tokenizer, max_batch, prefill_step_size, prefill_batch_tokens)
         self._waiting: "queue.Queue[RequestHandle]" = queue.Queue(maxsize=max_queue)
         self._calls: "queue.Queue" = queue.Queue()  # (fn, future) to run between steps
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)

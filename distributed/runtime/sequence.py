@@ -77,6 +77,7 @@ class Sequence:
         self._stops = StopStrings(req.stop)
         self._eos = tokenizer.eos_token_ids
         self.count = 0
+        self.finished = False  # its FinishEvent is out (its cache rows may still be dropped later)
         self.started = time.perf_counter()
         self.first_at: Optional[float] = None
 
@@ -110,6 +111,7 @@ class Sequence:
         return "length" if self.count >= self.request.max_tokens else None
 
     def finish(self, reason: str, error: Optional[str] = None) -> None:
+        self.finished = True
         tail = ""
         if self._stops is not None and reason != "error":
             self._detokenizer.finalize()

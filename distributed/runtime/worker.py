@@ -8,7 +8,7 @@ from ..shard.loader import parameter_bytes
 from ..shard.stage import Stage
 from ..transport import Header, Op, Reply, Transport
 from . import rank_info
-from .caches import SlotCaches
+from .caches import CACHE_OPS, SlotCaches
 
 Frame = Tuple[Header, Optional[mx.array]]
 
@@ -25,13 +25,9 @@ class StageWorker:
         """Process one frame; return the frame to pass on, or None to send nothing."""
         if header.op == Op.FORWARD:
             return self._forward(header, payload)
-        if header.op in (Op.RESET, Op.JOIN, Op.FILTER):
-            if header.op == Op.RESET:
-                self.caches.drop(header.slot)
-            elif header.op == Op.JOIN:
-                self.caches.join(header.slot, header.arg)
-            else:
-                self.caches.filter(header.slot, [] if payload is None else payload.reshape(-1).tolist())
+        if header.op in CACHE_OPS:
+            values = [] if payload is None else payload.reshape(-1).tolist()
+            self.caches.apply(header.op, header.slot, header.arg, values)
             # The ring keeps frames in order, so rank 0 needs no acknowledgement.
             return None if self.is_last else (header, payload)
         if header.op == Op.INFO:

@@ -16,9 +16,13 @@ class Op(IntEnum):
     RESET = 2  # drop the caches of `slot` (a request finished, or a new one starts there)
     INFO = 3  # append this rank's row to the int32 payload table
     STOP = 4  # shut down, after passing the frame on
-    JOIN = 5  # move the one-sequence caches of slot `arg` into the batch of slot `slot`
+    JOIN = 5  # move the rows of slot `arg` listed in the int32 payload to the end of the batch of slot `slot`
     FILTER = 6  # keep only the batch rows listed in the int32 payload (none: drop the slot)
     PARK = 7  # the ring is idle: after passing this on, block until rank 0 wakes the ring (`arg`: its number)
+    # Batched admission (8-15):
+    MERGE = 8  # merge the slots listed in the int32 payload (rows in that order) into a batch in slot `slot`
+    PREPARE = 9  # before right-padded prompt rows: payload = the rows' lengths, then their right padding
+    FINALIZE = 10  # after the padded prompt rows: the padding becomes left padding
 
 
 # Frames that go all the way round, back to rank 0.
@@ -43,7 +47,7 @@ class Header:
     length: int = 0
     width: int = 0
     dtype: int = 0
-    arg: int = 0  # op-specific: JOIN's source slot
+    arg: int = 0  # op-specific: JOIN's source slot, PARK's number
 
     SIZE = 8
 

@@ -4,6 +4,7 @@ import mlx.core as mx
 
 from distributed.runtime.caches import SlotCaches, is_batch
 from distributed.shard.loader import load_stage
+from distributed.transport import Op
 
 A = [(3 * i + 1) % 250 + 1 for i in range(23)]  # longer than the 16-token window
 B = [(5 * i + 2) % 250 + 1 for i in range(6)]
@@ -31,9 +32,9 @@ def test_join_filter_and_back_to_one_row(hf_checkpoint):
     for slot, prompt in ((10, A), (11, B)):
         h = stage(stage.embed(mx.array(prompt)[None]), caches.get(slot))
         firsts.append(mx.argmax(last_logits(stage, h), axis=-1).item())
-    caches.join(0, 10)
+    caches.join(0, 10, [0])
     assert not is_batch(caches.slots[0])  # one row: plain caches
-    caches.join(0, 11)
+    caches.join(0, 11, [0])
     assert is_batch(caches.slots[0]) and set(caches.slots) == {0}
     tokens, rows = [firsts], []
     for step in range(20):
@@ -50,3 +51,44 @@ def test_join_filter_and_back_to_one_row(hf_checkpoint):
     assert b == greedy_alone(stage, B, 21)
     caches.filter(0, [])
     assert caches.slots == {}
+
+
+def test_merge_histories_prefill_padded_rows_then_join_rows_into_groups(hf_checkpoint):
+    """mlx-lm's batched prompt processing on slots: histories of different lengths merged,
+    right-padded prompt rows in chunks between prepare and finalize, one first-token step,
+    then the rows move into two groups (some now, the rest later) and decode on exactly."""
+    stage = load_stage(hf_checkpoint, 0, 8, True)
+    caches = SlotCaches(stage)
+    prompts = [A, B, [(11 * i + 4) % 250 + 1 for i in range(30)]]
+    histories = [20, 0, 5]  # 20: longer than the window
+    for slot, prompt, n in zip((10, 11, 12), prompts, histories):
+        if n:
+            stage(stage.embed(mx.array(prompt[:n])[None]), caches.get(slot))
+    caches.apply(Op.MERGE, 20, 0, [10, 11, 12])  # as a worker applies the ring's op
+    assert set(caches.slots) == {20} and caches.rows(20) == 3
+    rows = [p[n:-1] for p, n in zip(prompts, histories)]
+    width = max(map(len, rows))  # 24
+    caches.prepare(20, [len(r) for r in rows], [width - len(r) for r in rows])
+    padded = mx.array([r + [0] * (width - len(r)) for r in rows])
+    for start in range(0, width, 6):
+        stage(stage.embed(padded[:, start:start + 6]), caches.get(20))
+    caches.finalize(20)
+    logits = last_logits(stage, stage(stage.embed(mx.array([[p[-1]] for p in prompts])), caches.get(20)))
+    tokens = mx.argmax(logits, axis=-1).tolist()
+    out = [[t] for t in tokens]
+    caches.join(0, 20, [1])  # row 1 alone: plain caches
+    assert not is_batch(caches.slots[0]) and caches.rows(20) == 2
+    groups = {0: [1], 1: []}
+    for step in range(16):
+        if step == 5:  # the rest join group 1 together, in the order given; slot 20 is gone
+            caches.join(1, 20, [1, 0])
+            groups[1] = [2, 0]
+            assert 20 not in caches.slots and caches.rows(1) == 2
+        for slot, members in groups.items():
+            if members:
+                x = mx.array([[out[m][-1]] for m in members])
+                logits = last_logits(stage, stage(stage.embed(x), caches.get(slot)))
+                for m, t in zip(members, mx.argmax(logits, axis=-1).tolist()):
+                    out[m].append(t)
+    for prompt, tokens in zip(prompts, out):
+        assert tokens == greedy_alone(stage, prompt, len(tokens))

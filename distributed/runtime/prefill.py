@@ -1,0 +1,129 @@
+"""Batched admission: waiting prompts prefill together and take their first token together.
+
+As mlx-lm's BatchGenerator does (PromptProcessingBatch in mlx_lm/generate.py):
+the sequences' own slots, which may already hold histories of different
+lengths (a restored prefix), are merged into one batch (mlx-lm's cache merge
+left-pads the shorter histories); each row's remaining prompt but its last
+token is right-padded to the longest, the caches are `prepare`d for that
+padding, the rows go through in chunks, and `finalize` turns the padding into
+left padding. Then one frame of every row's last token gives the first tokens.
+A batch of one sequence stays in its own slot with plain caches, exactly as
+mlx-lm's generate_step runs it.
+
+Admission takes every waiting sequence, in arrival order, while the batch's
+padded prompt tokens stay within a budget; a sequence arriving while a batch
+is being sent waits for the next one. Each frame carries at most
+`prefill_step_size` prompt tokens (padding included), so a prefill frame beside
+decode steps delays them by a bounded amount.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+
+from ..transport import Reply
+from .pipeline import Pipeline
+from .sequence import Sequence
+
+
+@dataclass
+class PrefillBatch:
+    slot: int  # a batch slot, or the one member's own slot
+    members: List[Sequence]  # its rows, in order
+    rows: List[List[int]] = field(default_factory=list)  # each row's prompt tokens to prefill
+    width: int = 0  # the longest row: columns to send before the first-token frame
+    sent: int = 0  # columns sent so far
+    step: int = 1  # columns per frame
+    padded: bool = False  # caches prepared for right padding: finalize before decoding
+
+    @property
+    def live(self) -> List[Sequence]:
+        return [s for s in self.members if not s.finished]
+
+
+class Admission:
+    """Forms prefill batches from waiting sequences and sends their frames."""
+
+    def __init__(self, pipeline: Pipeline, new_slot: Callable[[], int], prefill_step_size: int = 512,
+                 batch_tokens: int = 2048):
+        self.pipeline, self.new_slot = pipeline, new_slot
+        self.prefill_step_size, self.batch_tokens = prefill_step_size, batch_tokens
+        self.waiting: deque = deque()  # admitted, in arrival order, not yet in a batch
+        self.current: Optional[PrefillBatch] = None  # the batch whose frames are being sent
+
+    def held(self) -> List[Sequence]:
+        """Sequences waiting or in the batch being sent."""
+        return list(self.waiting) + (self.current.members if self.current else [])
+
+    def send_next(self) -> Optional[tuple]:
+        """Send the next prefill frame: a chunk of the current batch, or its
+        first-token frame, forming a batch first if needed. Returns (kind, batch)
+        with kind "chunk" or "first", or None if nothing waits."""
+        batch = self.current or self._form()
+        if batch is None:
+            return None
+        if batch.sent < batch.width:
+            n = min(batch.step, batch.width - batch.sent)
+            chunk = [(row[batch.sent:batch.sent + n] + [0] * n)[:n] for row in batch.rows]  # right-padded
+            batch.sent += n
+            self.pipeline.send(mx.array(chunk, dtype=mx.uint32), Reply.ACK, batch.slot)
+            return "chunk", batch
+        if batch.padded:
+            self.pipeline.finalize(batch.slot)
+        lasts = [[s.unsent[-1]] for s in batch.members]
+        for seq in batch.members:
+            seq.unsent = []
+        self.pipeline.send(mx.array(lasts, dtype=mx.uint32), Reply.LAST, batch.slot)
+        self.current = None
+        return "first", batch
+
+    def _form(self) -> Optional[PrefillBatch]:
+        """The next batch: waiting sequences in arrival order while its padded tokens
+        fit the budget (one at least)."""
+        taken: List[Sequence] = []
+        longest = 0
+        while self.waiting:
+            n = len(self.waiting[0].unsent)
+            if taken and (len(taken) + 1) * max(longest, n) > self.batch_tokens:
+                break
+            taken.append(self.waiting.popleft())
+            longest = max(longest, n)
+        if not taken:
+            return None
+        rows = [s.unsent[:-1] for s in taken]  # the last token gives the first token
+        width = max(len(r) for r in rows)
+        step = max(1, self.prefill_step_size // len(taken))
+        if len(taken) == 1:
+            batch = PrefillBatch(taken[0].slot, taken, rows, width, step=step)
+        else:
+            batch = PrefillBatch(self.new_slot(), taken, rows, width, step=step)
+            self.pipeline.merge(batch.slot, [s.slot for s in taken])
+            if any(len(r) < width for r in rows):
+                # Padded rows: no chunk of one column, which mlx-lm's rotating batch
+                # cache takes for a decode step (it refuses one before finalize).
+                batch.step = max(2, step)
+                batch.width += batch.width % batch.step == 1  # one more column of padding
+                lengths = [len(r) for r in rows]
+                self.pipeline.prepare(batch.slot, lengths, [batch.width - n for n in lengths])
+                batch.padded = True
+        self.current = batch
+        return batch
+
+    def drop_cancelled(self, finish: Callable[[Sequence], None]) -> None:
+        """Cancelled sequences end now (`finish`). A waiting one frees its slot; a
+        row of the batch being sent stays until the first-token frame drops it,
+        unless no row is left, when the batch is abandoned."""
+        for seq in [s for s in self.waiting if s.handle.cancelled]:
+            self.waiting.remove(seq)
+            self.pipeline.release(seq.slot)  # it may hold a restored prefix
+            finish(seq)
+        batch = self.current
+        if batch is not None:
+            for seq in batch.live:
+                if seq.handle.cancelled:
+                    finish(seq)
+            if not batch.live:
+                self.pipeline.release(batch.slot)  # after its chunks still in the ring
+                self.current = None

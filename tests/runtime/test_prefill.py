@@ -1,0 +1,280 @@
+"""Batched admission: prompts admitted together prefill in one batch and take their first token in
+one frame, and each request still gets exactly what it gets alone."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from distributed.runtime.batching import PrefixHooks
+from distributed.runtime.caches import is_batch
+from distributed.runtime.request import FinishEvent, GenerationRequest, TokenEvent
+from distributed.runtime.scheduler import Scheduler
+from distributed.transport import Op, Reply
+from reference import mlx_lm_greedy
+from stages import in_process_pipeline
+
+# Different lengths: shorter and longer than the 16-token window and than a 16-token prefill step.
+PROMPTS = [[(k * i + 5 * k) % 250 + 1 for i in range(n)] for k, n in [(3, 5), (7, 17), (11, 40), (13, 70), (17, 9), (19, 33)]]
+EOS_FIRST = [96, 2, 158]  # the tiny model's first greedy token after this prompt is EOS
+STEP = 16
+
+
+class FrameLog:
+    """What rank 0 sends: each forward frame (slot, shape, reply, the kinds of frames then in the
+    ring, whether groups were decoding) and each cache op (op, slot, arg, values)."""
+
+    def __init__(self, scheduler, on_send=None):
+        self.sends, self.ops = [], []
+        pipeline, batcher = scheduler.pipeline, scheduler.batcher
+        send, apply = pipeline.send, pipeline.caches.apply
+
+        def logged_send(tokens, reply, slot=0):
+            decoding = any(g.members for g in batcher.groups)
+            self.sends.append((slot, tokens.shape, reply, [o.kind for o in batcher.outstanding], decoding))
+            if on_send is not None:
+                on_send(slot, tokens.shape, reply)
+            return send(tokens, reply, slot)
+
+        def logged_apply(op, slot, arg, values):
+            self.ops.append((op, slot, arg, list(values)))
+            return apply(op, slot, arg, values)
+
+        pipeline.send, pipeline.caches.apply = logged_send, logged_apply
+        self.ranks = pipeline.num_ranks
+
+    def prefill(self):
+        return [s for s in self.sends if s[0] >= self.ranks]
+
+    def first_rows(self):
+        """Rows of each first-token frame, in order."""
+        return [shape[0] for slot, shape, reply, _, _ in self.prefill() if reply == Reply.LAST]
+
+
+def admitted_together(scheduler, requests):
+    """Submit while the scheduler loop is held, so every request is admitted in one turn."""
+    started, release = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=scheduler.call, args=(lambda _: (started.set(), release.wait()),))
+    blocker.start()
+    started.wait(30)
+    handles = [scheduler.submit(r) for r in requests]
+    release.set()
+    blocker.join()
+    return handles
+
+
+def run_admitted(scheduler, requests):
+    """Start the loop, admit `requests` in one turn, take every request's events, stop."""
+    scheduler.start()
+    try:
+        return [list(h.events()) for h in admitted_together(scheduler, requests)]
+    finally:
+        scheduler.close()
+
+
+def tokens_of(events):
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+def assert_alone(path, prompt, events, max_tokens):
+    ref_tokens, ref_logprobs = mlx_lm_greedy(path, prompt, max_tokens, STEP)
+    assert tokens_of(events) == ref_tokens
+    logprobs = [e.logprob for e in events if isinstance(e, TokenEvent)]
+    assert max((abs(a - b) for a, b in zip(logprobs, ref_logprobs)), default=0) < 1e-4
+
+
+def assert_no_caches_left(pipeline):
+    assert pipeline.caches.slots == {}
+    for handler in getattr(pipeline.transport, "handlers", []):
+        assert handler.__self__.caches.slots == {}
+
+
+def scheduler_for(path, split, **kw):
+    pipeline, _ = in_process_pipeline(path, split)
+    kw = dict(dict(prefill_step_size=STEP, max_batch=6), **kw)
+    return Scheduler(pipeline, load_tokenizer(path), **kw)
+
+
+@pytest.mark.parametrize("split", [(8,), (4, 4), (3, 1, 4)])
+def test_prompts_admitted_together_prefill_in_one_batch_and_stay_exact(hf_checkpoint, split):
+    scheduler = scheduler_for(hf_checkpoint, split)
+    log = FrameLog(scheduler)
+    results = run_admitted(scheduler, [GenerationRequest(p, max_tokens=20) for p in PROMPTS])
+    for prompt, events in zip(PROMPTS, results):
+        assert_alone(hf_checkpoint, prompt, events, 20)
+    assert log.first_rows() == [len(PROMPTS)], "one first-token frame for every prompt"
+    ops = [op for op, *_ in log.ops]
+    assert ops[:3] == [Op.MERGE, Op.PREPARE, Op.FINALIZE]
+    chunks = [shape for _, shape, reply, _, _ in log.prefill() if reply == Reply.ACK]
+    # Right-padded to the longest (69 tokens before its last) in 2-column chunks (6 rows x 2 <= 16),
+    # plus one column of padding: a chunk of one column would be taken for a decode step.
+    assert all(cols == 2 for _, cols in chunks) and sum(cols for _, cols in chunks) == 70
+    assert all(rows * cols <= STEP for rows, cols in chunks), "a frame over the token budget"
+    # Nothing decodes yet: chunks follow each other along the ring, one per rank.
+    in_ring = [len(kinds) for _, _, reply, kinds, decoding in log.prefill() if not decoding]
+    assert max(in_ring) == len(split) - 1
+    # Then the rows join the decode groups at once, evenly.
+    steps = [shape[0] for slot, shape, _, _, _ in log.sends if slot < len(split)]
+    assert steps[:len(split)] == [len(PROMPTS) // len(split)] * len(split)
+    assert_no_caches_left(scheduler.pipeline)
+
+
+def test_batch_token_budget_splits_in_arrival_order(hf_checkpoint):
+    scheduler = scheduler_for(hf_checkpoint, (3, 5), prefill_batch_tokens=100)
+    log = FrameLog(scheduler)
+    results = run_admitted(scheduler, [GenerationRequest(p, max_tokens=6) for p in PROMPTS])
+    for prompt, events in zip(PROMPTS, results):
+        assert_alone(hf_checkpoint, prompt, events, 6)
+    # Padded sizes within 100 tokens, in arrival order: 5+17 (2x17), 40, 70, 9+33 (2x33).
+    assert log.first_rows() == [2, 1, 1, 2]
+    assert_no_caches_left(scheduler.pipeline)
+
+
+def test_arrival_during_a_batch_waits_for_the_next(hf_checkpoint):
+    late = []
+
+    def submit_late(slot, shape, reply):  # once the first batch is in the ring
+        if not late:
+            late.append(scheduler.submit(GenerationRequest(PROMPTS[0], max_tokens=6)))
+
+    scheduler = scheduler_for(hf_checkpoint, (3, 5))
+    log = FrameLog(scheduler, submit_late)
+    scheduler.start()
+    try:
+        first = admitted_together(scheduler, [GenerationRequest(PROMPTS[3], max_tokens=6)])[0]
+        results = [list(h.events()) for h in [first] + late]
+    finally:
+        scheduler.close()
+    assert log.first_rows() == [1, 1]
+    for prompt, events in zip([PROMPTS[3], PROMPTS[0]], results):
+        assert_alone(hf_checkpoint, prompt, events, 6)
+
+
+class Preloaded(PrefixHooks):
+    """Stands in for a prefix cache: prefills the first `cut` prompt tokens into the
+    sequence's own slot at admission."""
+
+    def __init__(self, pipeline, cuts):
+        self.pipeline, self.cuts = pipeline, cuts
+
+    def restore(self, seq):
+        n = self.cuts[len(seq.unsent)]
+        if n:  # the ring is empty: every request is admitted in the same turn, before any frame
+            self.pipeline.forward(mx.array(seq.unsent[:n], dtype=mx.uint32)[None], Reply.ACK, seq.slot)
+            seq.unsent = seq.unsent[n:]
+
+
+@pytest.mark.parametrize("split", [(8,), (3, 1, 4)])
+def test_prefill_starts_from_histories_of_different_lengths(hf_checkpoint, split):
+    # prompt length -> tokens already in the slot: none, short, longer than the window, all but one
+    cuts = {5: 0, 17: 3, 40: 20, 70: 33, 9: 0, 33: 32}
+    scheduler = scheduler_for(hf_checkpoint, split)
+    scheduler.batcher.prefix = Preloaded(scheduler.pipeline, cuts)
+    log = FrameLog(scheduler)
+    results = run_admitted(scheduler, [GenerationRequest(p, max_tokens=20) for p in PROMPTS])
+    for prompt, events in zip(PROMPTS, results):
+        assert_alone(hf_checkpoint, prompt, events, 20)
+    assert log.first_rows() == [len(PROMPTS)]
+    chunks = [cols for _, (rows, cols), reply, _, _ in log.prefill() if reply == Reply.ACK and rows > 1]
+    assert sum(chunks) == max(len(p) - cuts[len(p)] for p in PROMPTS) - 1  # only what is not restored
+    assert_no_caches_left(scheduler.pipeline)
+
+
+def test_cancelled_mid_prefill_leaves_the_batch_exact(hf_checkpoint):
+    chunks = []
+
+    def cancel_on_second_chunk(slot, shape, reply):
+        if reply == Reply.ACK and slot >= 2:
+            chunks.append(slot)
+            batches = list(dict.fromkeys(chunks))
+            if chunks.count(slot) == 2 and slot == batches[0]:
+                handles[3].cancel()  # the longest prompt: its batch is still prefilling
+            if chunks.count(slot) == 2 and slot == batches[-1] and len(batches) == 2:
+                handles[6].cancel()  # the second batch, of two: both go
+                handles[7].cancel()
+
+    scheduler = scheduler_for(hf_checkpoint, (4, 4), max_batch=8)
+    log = FrameLog(scheduler, cancel_on_second_chunk)
+    scheduler.start()
+    try:
+        requests = [GenerationRequest(p, max_tokens=12) for p in PROMPTS]
+        handles = admitted_together(scheduler, requests)
+        handles += admitted_together(scheduler, [GenerationRequest(PROMPTS[3], max_tokens=12)] * 2)
+        results = [list(h.events()) for h in handles]
+        after = list(scheduler.submit(GenerationRequest(PROMPTS[1], max_tokens=12)).events())
+    finally:
+        scheduler.close()
+    for i in (3, 6, 7):
+        assert tokens_of(results[i]) == [] and results[i][-1].finish_reason == "cancelled"
+    for i in (0, 1, 2, 4, 5):
+        assert_alone(hf_checkpoint, PROMPTS[i], results[i], 12)
+    assert_alone(hf_checkpoint, PROMPTS[1], after, 12)
+    # The first batch took its first tokens with the cancelled row still in it; the
+    # second, all cancelled, was abandoned before its first-token frame.
+    assert log.first_rows() == [6, 1]
+    assert_no_caches_left(scheduler.pipeline)
+
+
+def test_first_token_endings_in_one_batch(hf_checkpoint):
+    """max_tokens=1, EOS as the first token and a stop string, beside a request that runs on."""
+    assert mlx_lm_greedy(hf_checkpoint, EOS_FIRST, 4, STEP)[0] == []
+    scheduler = scheduler_for(hf_checkpoint, (3, 5))
+    scheduler.start()
+    try:
+        alone = list(scheduler.submit(GenerationRequest(PROMPTS[2], max_tokens=20)).events())
+        text = "".join(e.text for e in alone)
+        stop = text[6:8]
+        requests = [GenerationRequest(PROMPTS[1], max_tokens=1), GenerationRequest(EOS_FIRST, max_tokens=4),
+                    GenerationRequest(PROMPTS[2], max_tokens=20, stop=[stop]), GenerationRequest(PROMPTS[3], max_tokens=20)]
+        results = [list(h.events()) for h in admitted_together(scheduler, requests)]
+    finally:
+        scheduler.close()
+    one, eos, stopped, runs_on = results
+    assert len(tokens_of(one)) == 1 and one[-1].finish_reason == "length"
+    assert_alone(hf_checkpoint, PROMPTS[1], one, 1)
+    assert tokens_of(eos) == [] and eos[-1].finish_reason == "stop"
+    assert stopped[-1].finish_reason == "stop" and "".join(e.text for e in stopped) == text[: text.index(stop)]
+    assert_alone(hf_checkpoint, PROMPTS[3], runs_on, 20)
+    assert isinstance(runs_on[-1], FinishEvent)
+    assert_no_caches_left(scheduler.pipeline)
+
+
+class Snapshots(PrefixHooks):
+    """Checks the snapshot hook's promise: the finished sequence's row still holds
+    its prompt and every generated token but the last."""
+
+    def __init__(self, pipeline):
+        self.pipeline, self.seen = pipeline, []
+
+    def snapshot(self, seq, slot, row):
+        caches = self.pipeline.caches.slots[slot]
+        plain = [c.extract(row) for c in caches] if is_batch(caches) else caches
+        full = next(c for c, layer in zip(plain, self.pipeline.stage.layers) if not layer.use_sliding)
+        self.seen.append((len(seq.request.prompt_ids), seq.count, full.offset))
+
+
+def test_snapshot_hook_sees_the_finished_row(hf_checkpoint):
+    scheduler = scheduler_for(hf_checkpoint, (4, 4))
+    hooks = scheduler.batcher.prefix = Snapshots(scheduler.pipeline)
+    run_admitted(scheduler, [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, [1, 7, 3, 12, 5, 9])])
+    assert len(hooks.seen) == len(PROMPTS)
+    assert all(offset == prompt + count - 1 for prompt, count, offset in hooks.seen)
+
+
+def test_real_two_rank_server_batches_exactly(hf_checkpoint):
+    from grpc_server import SERVER_ARGS, Server, generate
+
+    server = Server(hf_checkpoint, 2, ["--prefill-step-size", str(STEP), "--max-batch", "8", *SERVER_ARGS])
+    try:
+        server.wait_serving()
+        prompts = PROMPTS + [EOS_FIRST]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outs = list(pool.map(lambda p: generate(server.stub, token_ids=p, max_tokens=16), prompts))
+    finally:
+        server.stop()
+    for prompt, out in zip(prompts, outs):
+        ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, prompt, 16, STEP)
+        assert out["token_ids"] == ref_tokens
+        assert max((abs(a - b) for a, b in zip(out["logprobs"], ref_logprobs)), default=0) < 1e-4

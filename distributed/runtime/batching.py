@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from ..transport import Reply
 from .pipeline import Pipeline
+from .prefix_cache import PrefixCache
 from .sequence import Sequence
 
 
@@ -41,8 +42,10 @@ class Outstanding:
 
 
 class Batcher:
-    def __init__(self, pipeline: Pipeline, tokenizer, max_batch: int = 16, prefill_step_size: int = 512):
+    def __init__(self, pipeline: Pipeline, tokenizer, max_batch: int = 16, prefill_step_size: int = 512,
+                 prefix: Optional[PrefixCache] = None):
         self.pipeline, self.tokenizer = pipeline, tokenizer
+        self.prefix = prefix or PrefixCache(pipeline)  # budget 0: off
         ranks = pipeline.num_ranks
         self.groups = [Group(slot) for slot in range(ranks)]
         self.group_cap = -(-max_batch // ranks)
@@ -126,11 +129,13 @@ class Batcher:
         self.outstanding.append(Outstanding("step", list(group.members), group))
 
     def _send_chunk(self, seq: Sequence) -> None:
+        self.prefix.begin_prefill(seq, self.prefilling)  # prefix-cache hook: restore a hit, once
         if len(seq.unsent) > 1:
-            n = min(self.prefill_step_size, len(seq.unsent) - 1)
+            n = min(self.prefill_step_size, len(seq.unsent) - 1, self.prefix.chunk_limit(seq))
             chunk, seq.unsent = seq.unsent[:n], seq.unsent[n:]
             self.pipeline.send(mx.array(chunk, dtype=mx.uint32)[None], Reply.ACK, seq.slot)
             self.outstanding.append(Outstanding("chunk", [seq]))
+            self.prefix.after_chunk(seq)  # prefix-cache hook: store at the prompt's end (and shared prefixes)
             return
         self.pipeline.send(mx.array(seq.unsent, dtype=mx.uint32)[None], Reply.LAST, seq.slot)
         seq.unsent = []
@@ -174,6 +179,7 @@ class Batcher:
             if reason is None:
                 keep.append(i)
             else:
+                self.prefix.finished(seq, group.slot, i)  # prefix-cache hook: store it before the filter
                 self._finish(seq, reason)
         if len(keep) < len(group.members):
             self.pipeline.filter(group.slot, keep)

@@ -25,13 +25,21 @@ class StageWorker:
         """Process one frame; return the frame to pass on, or None to send nothing."""
         if header.op == Op.FORWARD:
             return self._forward(header, payload)
-        if header.op in (Op.RESET, Op.JOIN, Op.FILTER):
+        if header.op in (Op.RESET, Op.JOIN, Op.FILTER, Op.SNAPSHOT, Op.RESTORE, Op.EVICT):
+            ints = [] if payload is None else payload.reshape(-1).tolist()
             if header.op == Op.RESET:
                 self.caches.drop(header.slot)
             elif header.op == Op.JOIN:
                 self.caches.join(header.slot, header.arg)
+            elif header.op == Op.FILTER:
+                self.caches.filter(header.slot, ints)
+            elif header.op == Op.SNAPSHOT:  # prefix-cache entries: ints are (entry, row)
+                self.caches.snapshot(header.slot, *ints)
+            elif header.op == Op.RESTORE:  # (entry, tokens)
+                self.caches.restore(header.slot, *ints)
             else:
-                self.caches.filter(header.slot, [] if payload is None else payload.reshape(-1).tolist())
+                for entry in ints:
+                    self.caches.evict(entry)
             # The ring keeps frames in order, so rank 0 needs no acknowledgement.
             return None if self.is_last else (header, payload)
         if header.op == Op.INFO:

@@ -19,6 +19,11 @@ class Op(IntEnum):
     JOIN = 5  # move the one-sequence caches of slot `arg` into the batch of slot `slot`
     FILTER = 6  # keep only the batch rows listed in the int32 payload (none: drop the slot)
     PARK = 7  # the ring is idle: after passing this on, block until rank 0 wakes the ring (`arg`: its number)
+    # Prefix cache (16 up; 8-15 are admission's). Rank 0 keeps the index, every rank its
+    # layers' slice of each entry; int32 payloads, no reply (the ring keeps them in order).
+    SNAPSHOT = 16  # keep row `row` of `slot` as entry `entry` (payload: entry, row)
+    RESTORE = 17  # fresh caches for `slot` from entry `entry`, cut to `tokens` (payload: entry, tokens)
+    EVICT = 18  # forget the entries listed in the payload
 
 
 # Frames that go all the way round, back to rank 0.

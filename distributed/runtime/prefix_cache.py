@@ -171,7 +171,7 @@ class PrefixCache:
         fed = self._fed(seq)
         if self.enabled and seq.store_at and seq.store_at[0] == fed:
             seq.store_at.pop(0)
-            self._store(seq.slot, 0, seq.request.prompt_ids[:fed])
+            self.store(seq.slot, 0, seq.request.prompt_ids[:fed])
 
     def finished(self, seq, slot: int, row: int) -> None:
         """`seq`, row `row` of group `slot`, ends: store what it was fed (its prompt
@@ -179,7 +179,7 @@ class PrefixCache:
         if not self.enabled:
             return
         fed = self.pipeline.caches.length(slot, row)
-        self._store(slot, row, (list(seq.request.prompt_ids) + seq.generated)[:fed])
+        self.store(slot, row, (list(seq.request.prompt_ids) + seq.generated)[:fed])
 
     def summary(self) -> str:
         if not self.enabled:
@@ -194,7 +194,9 @@ class PrefixCache:
     def _fed(self, seq) -> int:
         return len(seq.request.prompt_ids) - len(seq.unsent)
 
-    def _store(self, slot: int, row: int, tokens: List[int]) -> None:
+    def store(self, slot: int, row: int, tokens: List[int]) -> None:
+        """Keep row `row` of `slot`, which has been fed `tokens`, as an entry (unless
+        one serves as well already, or it exceeds the budget), evicting as needed."""
         tokens = np.array(tokens, dtype=np.int32)
         if len(tokens) == 0 or self.index.covered(tokens):
             return

@@ -179,7 +179,9 @@ class PrefixCache:
         if not self.enabled:
             return
         fed = self.pipeline.caches.length(slot, row)
-        self.store(slot, row, (list(seq.request.prompt_ids) + seq.generated)[:fed])
+        tokens = list(seq.request.prompt_ids) + seq.generated
+        if fed <= len(tokens):
+            self.store(slot, row, tokens[:fed])
 
     def summary(self) -> str:
         if not self.enabled:

@@ -156,13 +156,13 @@ def test_chat_turns_equal_a_cold_run(hf_checkpoint, split):
     pipeline, _ = in_process_pipeline(hf_checkpoint, split)
     warm = Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=8, prefix_cache_bytes=1 << 30)
     cold = cold_scheduler(hf_checkpoint, split)
-    prompt = P
+    prompt, fed = P, 0
     for turn in range(4):
         got = run(warm, prompt)
         assert_same(got, run(cold, prompt))
-        if turn:  # all of the last turn that was fed: not its last token if it ended by length
-            assert got[2].cached_tokens == len(previous) + len(previous_reply) - (ended == "length")
-        previous, previous_reply, ended = prompt, got[0], got[2].finish_reason
+        assert got[2].cached_tokens == fed
+        # What the next turn restores: all this turn fed, not its last token if it ended by length.
+        fed = len(prompt) + len(got[0]) - (got[2].finish_reason == "length")
         prompt = prompt + got[0] + other(10, turn)
     assert_every_rank_agrees(warm.prefix_cache)
 

@@ -166,12 +166,13 @@ class PrefixCache:
             return 1 << 31
         return seq.store_at[0] - self._fed(seq)
 
-    def after_chunk(self, seq) -> None:
-        """After a prompt chunk was sent: store the slot if it reached a store point."""
+    def after_chunk(self, seq, slot: Optional[int] = None, row: int = 0) -> None:
+        """After a prompt chunk was sent: store `seq` if it reached a store point. It is
+        in its own slot, or row `row` of `slot` (prompts prefilled as one batch)."""
         fed = self._fed(seq)
         if self.enabled and seq.store_at and seq.store_at[0] == fed:
             seq.store_at.pop(0)
-            self.store(seq.slot, 0, seq.request.prompt_ids[:fed])
+            self.store(seq.slot if slot is None else slot, row, seq.request.prompt_ids[:fed])
 
     def finished(self, seq, slot: int, row: int) -> None:
         """`seq`, row `row` of group `slot`, ends: store what it was fed (its prompt

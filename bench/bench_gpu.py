@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from common import MLX_LAUNCH as LAUNCH  # noqa: E402
 
 MINI = dict(
     model_type="afmoe", vocab_size=200192, hidden_size=2048, intermediate_size=6144,
@@ -42,7 +44,6 @@ SMOKE = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, moe_interm
              num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, sliding_window=256,
              layer_types=["sliding_attention"] * 3 + ["full_attention"])
-LAUNCH = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; main()"]
 
 LAUNCH_BACKEND = ["nccl"]
 

@@ -45,14 +45,11 @@ Every server process is ended (its process group SIGTERMed, then SIGKILLed) on a
 import argparse
 import json
 import os
-import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -67,12 +64,16 @@ from common import (  # noqa: E402
     RUN,
     bench_env,
     checkpoint,
+    concurrent_streams,
     free_ports,
     grpc_generate,
     kill_groups,
     load_mlx_lm,
+    log_tails,
     prompt_ids,
+    run_json_child,
     start_ranks,
+    stream_prompts,
     wait_serving,
 )
 from throughput_report import MIB, fmt_stream, print_table, ratios, summarize  # noqa: E402
@@ -82,12 +83,6 @@ from throughput_report import MIB, fmt_stream, print_table, ratios, summarize  #
 
 def ids(text: str) -> list:
     return [int(t) for t in text.split(",")]
-
-
-def stream_prompts(count: int, length: int) -> list:
-    """`count` distinct deterministic prompts of byte tokens (no special tokens), equal length
-    (so that batch_generate pads none of them)."""
-    return [[random.Random(1000 + k).randrange(251) for _ in range(length)] for k in range(count)]
 
 
 # ---------------------------------------------------------------- mlx-lm (child process)
@@ -149,52 +144,13 @@ def run_mlx_lm(spec: dict, env: dict, timeout: float) -> dict:
     fd, path = tempfile.mkstemp(suffix=".json")
     os.write(fd, json.dumps(spec).encode())
     os.close(fd)
-    proc = subprocess.Popen([PY, __file__, "--mlx-lm-child", path], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
+        return run_json_child([PY, __file__, "--mlx-lm-child", path], env, timeout)
     finally:
-        kill_groups([proc], grace=0)
         os.unlink(path)
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {(stderr or stdout).strip()[-1500:]}"}
-    return json.loads(lines[-1])
 
 
 # ---------------------------------------------------------------- the runner over gRPC
-
-def concurrent(stub, prompts: list, max_tokens: int, timeout: float) -> dict:
-    """len(prompts) threads, one Generate stream each, released together."""
-    n = len(prompts)
-    barrier = threading.Barrier(n)
-    runs = [None] * n
-
-    def one(i):
-        try:
-            barrier.wait()
-            runs[i] = grpc_generate(stub, prompts[i], max_tokens, timeout)
-        except Exception as e:  # reported with the result
-            runs[i] = {"error": f"{type(e).__name__}: {e.details() if hasattr(e, 'details') else e}"}
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    errors = [r["error"] for r in runs if "error" in r]
-    if errors:
-        return {"streams": n, "error": f"{len(errors)} of {n} streams failed: {errors[0]}"}
-    tokens = sum(len(r["token_ids"]) for r in runs)
-    wall = max(r["done"] for r in runs) - min(r["sent"] for r in runs)
-    ttfts = [r["first"] - r["sent"] for r in runs if r["first"] is not None]
-    return {"streams": n, "wall_s": wall, "tokens": tokens, "aggregate_tps": tokens / wall,
-            "mean_ttft_s": statistics.mean(ttfts) if ttfts else None,
-            "max_ttft_s": max(ttfts) if ttfts else None,
-            "token_ids": [r["token_ids"] for r in runs], "finish_reasons": [r["finish_reason"] for r in runs]}
-
 
 def single(r: dict) -> dict:
     n = len(r["token_ids"])
@@ -202,15 +158,6 @@ def single(r: dict) -> dict:
     return {"ttft_s": r["first"] - r["sent"] if r["first"] is not None else None, "token_ids": r["token_ids"],
             "decode_tps": (n - 1) / (r["last"] - r["first"]) if n > 1 else None,
             "finish_reason": r["finish_reason"], "server_usage": u}
-
-
-def log_tails(logs: list) -> str:
-    out = []
-    for r, path in enumerate(logs):
-        text = Path(path).read_text(errors="replace").strip() if Path(path).exists() else ""
-        if text:
-            out.append(f"[rank {r}] " + text[-800:])
-    return "\n".join(out)
 
 
 def run_runner(ranks: int, spec: dict, env: dict, runner_args: list, timeout: float) -> dict:
@@ -241,7 +188,7 @@ def run_runner(ranks: int, spec: dict, env: dict, runner_args: list, timeout: fl
                        for n, p in spec["ttft_prompts"].items()}
         out["streams"] = {}
         for n in spec["streams"]:
-            out["streams"][str(n)] = concurrent(stub, spec["stream_prompts"][:n], spec["max_tokens"], timeout)
+            out["streams"][str(n)] = concurrent_streams(stub, spec["stream_prompts"][:n], spec["max_tokens"], timeout)
             print(f"  runner P={ranks}: {n} streams {fmt_stream(out['streams'][str(n)])}", file=sys.stderr, flush=True)
         out["vmhwm_bytes"] = [vmhwm_bytes(p.pid) for p in procs]
         dead = [(r, p.returncode) for r, p in enumerate(procs) if p.poll() is not None]

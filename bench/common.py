@@ -1,5 +1,6 @@
 """Helpers the bench/ scripts share: the benchmark checkpoints, prompt ids, the environment
-(BLAS choice), mlx-lm loading, ranks started without mlx.launch, and gRPC serving.
+(BLAS choice), mlx-lm loading, ranks started without mlx.launch (or through it), ending their
+process groups, a measuring child process, and gRPC serving (one stream, or many at once).
 
 Nothing here imports mlx or grpc at module level, so a script that only starts processes
 stays light; the functions that need them import them.
@@ -8,20 +9,26 @@ stays light; the functions that need them import them.
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the distributed and launch packages
+    sys.path.insert(0, str(ROOT))
 PY = sys.executable
 RUN = str(ROOT / "run_trinity.py")
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+# mlx.launch without relying on its console script (missing in some installs, e.g. a --target one).
+MLX_LAUNCH = [PY, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; main()"]
 
 FULL = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=16,
             num_experts=32, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=2,
@@ -32,8 +39,6 @@ QUICK = dict(FULL, hidden_size=128, intermediate_size=256, moe_intermediate_size
 
 def checkpoint(sizes: dict) -> Path:
     """Make the checkpoint once per machine; a rename makes it appear atomically."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     from distributed.shard.tiny_checkpoint import make_checkpoint, tiny_config
 
     # Keyed by everything the maker writes, so a changed maker never reuses a stale one.
@@ -56,6 +61,16 @@ def checkpoint(sizes: dict) -> Path:
 def prompt_ids(n: int) -> str:
     """Deterministic byte-token ids (0..255: no special tokens)."""
     return ",".join(str((i * 37 + 11) % 251) for i in range(n))
+
+
+def stream_prompts(count: int, length: int, tag: Optional[str] = None) -> List[List[int]]:
+    """`count` distinct deterministic prompts of byte tokens (no special tokens), equal length
+    (so that batch_generate pads none of them), seeded by `tag` and index: prompts of different
+    tags differ from the first token on (nothing for a prefix cache to share). tag None:
+    bench_throughput's prompts, token k repeated (kept so that its results stay comparable)."""
+    if tag is None:
+        return [[random.Random(1000 + k).randrange(251)] * length for k in range(count)]
+    return [[rng.randrange(251) for _ in range(length)] for rng in (random.Random(f"{tag}:{k}") for k in range(count))]
 
 
 def bench_env(blas: str = "reference") -> dict:
@@ -93,26 +108,31 @@ def load_mlx_lm(model: str):
 
 
 def start_ranks(cmd: list, ranks: int, env: dict, rank0: Optional[dict] = None,
-                others=None) -> Tuple[List[subprocess.Popen], Optional[str]]:
+                others=None, rank_env: Optional[Callable[[int], dict]] = None
+                ) -> Tuple[List[subprocess.Popen], Optional[str]]:
     """Start `cmd` as `ranks` processes of the ring backend, as mlx.launch would (MLX_HOSTFILE
     with free 127.0.0.1 ports, MLX_RANK) but without its output-relaying loop, which keeps a
     core busy. Each process gets a session (process group) of its own. `rank0` / `others`:
     extra Popen arguments (stdout, stderr, ...); `others` is one dict for every other rank or
-    a list of ranks - 1 dicts (rank 1, 2, ...). Returns ([rank 0, rank 1, ...], hostfile or
-    None); the caller removes the hostfile (os.unlink) and ends the processes (kill_groups)."""
+    a list of ranks - 1 dicts (rank 1, 2, ...). `rank_env(rank)`: extra environment of that
+    rank (e.g. CUDA_VISIBLE_DEVICES). Returns ([rank 0, rank 1, ...], hostfile or None); the
+    caller removes the hostfile (os.unlink) and ends the processes (kill_groups)."""
     start = dict(cwd=ROOT, start_new_session=True)
     procs, hostfile = [], None
+
+    def env_of(rank: int) -> dict:
+        ring = {"MLX_HOSTFILE": hostfile, "MLX_RANK": str(rank)} if ranks > 1 else {}
+        return {**env, **(rank_env(rank) if rank_env else {}), **ring}
+
     try:
         if ranks > 1:
             fd, hostfile = tempfile.mkstemp(suffix=".json")
             os.write(fd, json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(ranks)]).encode())
             os.close(fd)
-            env = dict(env, MLX_HOSTFILE=hostfile)
             extra = others if isinstance(others, list) else [others or {}] * (ranks - 1)
             for r in range(1, ranks):
-                procs.append(subprocess.Popen(cmd, env=dict(env, MLX_RANK=str(r)), **start, **extra[r - 1]))
-            env = dict(env, MLX_RANK="0")
-        procs.insert(0, subprocess.Popen(cmd, env=env, **start, **(rank0 or {})))
+                procs.append(subprocess.Popen(cmd, env=env_of(r), **start, **extra[r - 1]))
+        procs.insert(0, subprocess.Popen(cmd, env=env_of(0), **start, **(rank0 or {})))
     except BaseException:
         kill_groups(procs, grace=0)
         if hostfile:
@@ -122,22 +142,71 @@ def start_ranks(cmd: list, ranks: int, env: dict, rank0: Optional[dict] = None,
 
 
 def kill_groups(procs: List[subprocess.Popen], grace: float = 10.0) -> None:
-    """SIGTERM each process's group, then SIGKILL what is left after `grace` seconds."""
+    """SIGTERM each process's group, then SIGKILL what is left after `grace` seconds. Returns
+    once every group is empty, not only its leader: mlx.launch's ranks live in its group and
+    may outlive it."""
+    from launch.processes import group_alive, signal_group
+
+    def alive(p) -> bool:
+        return p.poll() is None or group_alive(p.pid)
+
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            if alive(p):
+                signal_group(p.pid, sig)
         deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 10)
         for p in procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        if all(p.poll() is not None for p in procs):
+        while any(alive(p) for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not any(alive(p) for p in procs):
             return
+
+
+def run_json_child(cmd: list, env: dict, timeout: float, relay_stderr: bool = False) -> dict:
+    """Run a measuring child process (a session of its own, ended on any exit) whose last
+    stdout line starting with "{" is its JSON result; {"error": ...} if it fails.
+    relay_stderr: its stderr (progress) also goes to ours as it comes."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    out, err = [], []
+
+    def drain(stream, keep, echo):
+        for line in stream:
+            keep.append(line)
+            if echo:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+    readers = [threading.Thread(target=drain, args=(proc.stdout, out, False), daemon=True),
+               threading.Thread(target=drain, args=(proc.stderr, err, relay_stderr), daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    finally:
+        kill_groups([proc], grace=0)
+        for t in readers:
+            t.join(timeout=10)
+    lines = [line for line in out if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {(''.join(err) or ''.join(out)).strip()[-1500:]}"}
+    return json.loads(lines[-1])
+
+
+def log_tails(logs: list, chars: int = 800) -> str:
+    """The last `chars` characters of each non-empty log file, headed by its rank."""
+    out = []
+    for r, path in enumerate(logs):
+        text = Path(path).read_text(errors="replace").strip() if Path(path).exists() else ""
+        if text:
+            out.append(f"[rank {r}] " + text[-chars:])
+    return "\n".join(out)
 
 
 def wait_serving(target: str, procs: List[subprocess.Popen], timeout: float = 600.0):
@@ -190,3 +259,36 @@ def grpc_generate(stub, token_ids: List[int], max_tokens: int, timeout: Optional
                             "generation_tokens_per_sec": u.generation_tokens_per_sec}
     out["done"] = time.perf_counter()
     return out
+
+
+def concurrent_streams(stub, prompts: list, max_tokens: int, timeout: float) -> dict:
+    """len(prompts) threads, one greedy Generate stream each, released together. Aggregate =
+    generated tokens / (last stream's end - first request sent); `ttfts_s`: each stream's
+    request sent -> first token (None if it got none)."""
+    n = len(prompts)
+    barrier = threading.Barrier(n)
+    runs = [None] * n
+
+    def one(i):
+        try:
+            barrier.wait()
+            runs[i] = grpc_generate(stub, prompts[i], max_tokens, timeout)
+        except Exception as e:  # reported with the result
+            runs[i] = {"error": f"{type(e).__name__}: {e.details() if hasattr(e, 'details') else e}"}
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [r["error"] for r in runs if "error" in r]
+    if errors:
+        return {"streams": n, "error": f"{len(errors)} of {n} streams failed: {errors[0]}"}
+    tokens = sum(len(r["token_ids"]) for r in runs)
+    wall = max(r["done"] for r in runs) - min(r["sent"] for r in runs)
+    ttfts = [r["first"] - r["sent"] if r["first"] is not None else None for r in runs]
+    got = [t for t in ttfts if t is not None]
+    return {"streams": n, "wall_s": wall, "tokens": tokens, "aggregate_tps": tokens / wall,
+            "mean_ttft_s": sum(got) / len(got) if got else None, "max_ttft_s": max(got) if got else None,
+            "ttfts_s": ttfts, "token_ids": [r["token_ids"] for r in runs],
+            "finish_reasons": [r["finish_reason"] for r in runs]}

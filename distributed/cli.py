@@ -21,6 +21,7 @@ from .serving.front_ends import start_front_ends
 from .serving.options import AUTH_TOKEN_ENV, ServeOptions, check_options
 from .serving.requests import prompt_ids
 from .shard.config import model_args
+from .shard.kv_budget import DEFAULT_CONTEXT, MAX_BATCH, kv_budget
 from .startup.join import build_pipeline, join_ranks
 from .startup.lifecycle import Lifecycle, RankStop, launched_by_launcher
 from .startup.preflight import check_launch
@@ -63,8 +64,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    "(for backends without send/recv, such as NCCL); auto picks collective under NCCL")
     p.add_argument("--prefill-step-size", type=int, default=512,
                    help="prompt chunk size; several ranks work on successive chunks at once")
-    p.add_argument("--max-batch", type=int, default=16,
-                   help="sequences decoding together (split into one micro-batch per rank)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="sequences decoding together (split into one micro-batch per rank); default: as many "
+                   f"as fit beside the weights on the tightest rank, each with a --max-context-token KV cache "
+                   f"(for this estimate --max-context defaults to {DEFAULT_CONTEXT}), at most {MAX_BATCH}")
     p.add_argument("--max-context", type=int, default=None,
                    help="prompt + max tokens limit (default: max_position_embeddings)")
     faults = p.add_argument_group("faults (several ranks)")
@@ -84,8 +87,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     serve.add_argument("--prefix-cache-bytes", type=int, default=None, metavar="N",
                        help="KV caches kept across requests, so a prompt that extends an earlier one (a chat's "
                        "next turn) prefills only the rest: at most N bytes on any rank; 0 disables; default: a "
-                       "quarter of rank 0's usable memory (Metal's recommended working set, or MemAvailable on "
-                       "Linux) minus its weights")
+                       "quarter of what the tightest rank has beside its weights (its usable memory measured "
+                       "before loading, less 10%%), set aside before the default --max-batch")
     return p.parse_args(argv)
 
 
@@ -98,7 +101,7 @@ def validate(args: argparse.Namespace) -> None:
             raise TrinityError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.prefill_step_size < 1:
         raise TrinityError(f"--prefill-step-size must be at least 1, got {args.prefill_step_size}")
-    if args.max_batch < 1:
+    if args.max_batch is not None and args.max_batch < 1:
         raise TrinityError(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.prefix_cache_bytes is not None and args.prefix_cache_bytes < 0:
         raise TrinityError(f"--prefix-cache-bytes must be >= 0, got {args.prefix_cache_bytes}")
@@ -224,17 +227,23 @@ def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Wat
         for front_end in front_ends:
             front_end.stop()
         raise
-    pipeline, path, config = built
+    pipeline, path, config = built.pipeline, built.path, built.config
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    ranks = pipeline.rank_info()
+    max_context = args.max_context or config.get("max_position_embeddings") or 2**31
+    context = min(max_context, args.max_context or DEFAULT_CONTEXT)
+    prefix_cache_bytes = args.prefix_cache_bytes
+    if prefix_cache_bytes is None:  # a share of the tightest rank's memory beside its weights
+        prefix_cache_bytes = default_budget(kv_budget(config, ranks, built.memory_bytes, context).free_bytes)
+    # The prefix cache's bytes come out of every rank's share before the default batch size.
+    budget = kv_budget(config, ranks, built.memory_bytes, context, set_aside_bytes=prefix_cache_bytes)
+    max_batch = args.max_batch or budget.max_batch
 
     # The scheduler runs on this main thread (see Scheduler.start); front ends' threads only queue.
-    prefix_cache_bytes = args.prefix_cache_bytes
-    if prefix_cache_bytes is None:
-        prefix_cache_bytes = default_budget(pipeline.stage)
     scheduler = Scheduler(pipeline, tokenizer, max_queue=options.max_queue,
-                          prefill_step_size=args.prefill_step_size, max_batch=args.max_batch,
+                          prefill_step_size=args.prefill_step_size, max_batch=max_batch,
                           on_failure=on_failure, prefix_cache_bytes=prefix_cache_bytes)
     print(f"prefix cache: up to {prefix_cache_bytes / 2**20:.1f} MiB on any rank" if prefix_cache_bytes
           else "prefix cache: off", file=sys.stderr, flush=True)
@@ -243,13 +252,15 @@ def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Wat
     info = ModelInfo(
         model_id=args.model or "trinity-tiny",
         vocab_size=model_args(config).vocab_size,
-        max_context=args.max_context or config.get("max_position_embeddings") or 2**31,
+        max_context=max_context,
         max_tokens_cap=options.max_tokens_cap,
-        ranks=pipeline.rank_info(),
+        ranks=ranks,
+        max_batch=max_batch,
     )
     for front_end in front_ends:
         front_end.attach(scheduler, tokenizer, info)
     print(f"serving {info.model_id} on " + " and ".join(f.describe() for f in front_ends), flush=True)
+    print(f"max batch: {max_batch}" + (" (--max-batch)" if args.max_batch else f": {budget.describe()}"), flush=True)
     stop.running(scheduler.stop)
     try:
         scheduler.serve_forever()
@@ -288,7 +299,7 @@ def run(args, stop: RankStop) -> None:
     built = build_pipeline(args, group, _watchdog, on_ready=stop.running)
     if built is None:
         return
-    pipeline, path, config = built
+    pipeline, path, config = built.pipeline, built.path, built.config
     from mlx_lm.utils import load_tokenizer
 
     scheduler = Scheduler(pipeline, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")),

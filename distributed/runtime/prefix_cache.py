@@ -19,24 +19,21 @@ layers) can be cut to any common prefix (mlx-lm's can_trim_prompt_cache).
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence as Seq, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..shard.loader import parameter_bytes
 from .pipeline import Pipeline
 
 MIN_SHARED_GAIN = 32  # tokens: a prompt's agreement with others worth an entry of its own
-DEFAULT_SHARE = 4  # the default budget: 1/DEFAULT_SHARE of what rank 0 may use beyond its weights
+DEFAULT_SHARE = 4  # the default budget: 1/DEFAULT_SHARE of the tightest rank's memory beside its weights
 
 
-def default_budget(stage) -> int:
-    """Bytes for the prefix cache when --prefix-cache-bytes is not given: a quarter of
-    this rank's usable memory (Metal's recommended working set, Linux's MemAvailable)
-    minus its weights."""
-    from ..shard.memory import usable_memory_bytes
-
-    return max(0, (usable_memory_bytes() - parameter_bytes(stage)) // DEFAULT_SHARE)
+def default_budget(free_bytes: Sequence[int]) -> int:
+    """Bytes for the prefix cache when --prefix-cache-bytes is not given, from each
+    rank's memory left beside its weights (shard.kv_budget's free_bytes): a quarter
+    of the tightest rank's."""
+    return max(0, min(free_bytes) // DEFAULT_SHARE)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -138,7 +135,7 @@ class PrefixCache:
 
     # -- hooks ----------------------------------------------------------------
 
-    def begin_prefill(self, seq, waiting: Seq) -> None:
+    def begin_prefill(self, seq, waiting: Sequence) -> None:
         """Before `seq`'s first prompt chunk: restore the best entry into its slot (its
         prompt then starts after the entry's tokens) and plan where to store entries.
         Called at every chunk; acts once. Late, not on admission, so that prompts

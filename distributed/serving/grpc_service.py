@@ -130,7 +130,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             for r in rows
         ]
         return pb.ModelInfo(model_id=info.model_id, vocab_size=info.vocab_size, max_context=info.max_context,
-                            max_tokens_cap=info.max_tokens_cap, ranks=ranks)
+                            max_tokens_cap=info.max_tokens_cap, ranks=ranks, max_batch=info.max_batch)
 
 
 class BearerAuth(grpc.ServerInterceptor):

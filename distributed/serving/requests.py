@@ -15,6 +15,7 @@ class ModelInfo:
     max_context: int
     max_tokens_cap: int
     ranks: List[dict] = field(default_factory=list)  # as in run_trinity.py --json
+    max_batch: int = 0  # sequences decoding together
 
 
 def prompt_ids(

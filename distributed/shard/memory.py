@@ -13,8 +13,17 @@ def usable_memory_bytes() -> int:
     """Bytes the model may use on this machine.
 
     macOS: Metal's recommended working set (about 75% of RAM: what the GPU may
-    wire without the system swapping), else the RAM size. Linux: MemAvailable.
+    wire without the system swapping), else the RAM size. MLX's CUDA build: the
+    GPU's free memory. Otherwise (Linux, CPU): MemAvailable.
     """
+    try:
+        import mlx.core as mx
+
+        if mx.cuda.is_available():
+            info = mx.device_info()
+            return int(info.get("free_memory") or info["total_memory"])
+    except (AttributeError, KeyError):  # an mlx without mx.cuda or these keys: the host's figure
+        pass
     if sys.platform == "darwin":
         try:
             import mlx.core as mx

@@ -9,6 +9,8 @@ rank 0 stops the ring. Ranks that cannot start refuse together.
 
 import faulthandler
 import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, List, Optional
 
 import mlx.core as mx
@@ -19,6 +21,7 @@ from ..runtime.worker import StageWorker
 from ..shard.checkpoint import load_config
 from ..shard.config import model_args
 from ..shard.loader import fetch_stage_files, load_stage
+from ..shard.memory import share_by_host, usable_memory_bytes
 from ..shard.plan import layer_ranges, parse_split
 from ..transport.collective import MxCollective
 from ..transport.guarded import GuardedTransport
@@ -110,10 +113,21 @@ def join_ranks(args, control: Optional[Control], on_stop=None):
     return group, watchdog
 
 
-def build_pipeline(args, group, watchdog: Optional[Watchdog] = None, on_ready: Optional[Callable[[], None]] = None):
-    """Load this process's stage(s). Returns (pipeline, path, config) on rank 0,
-    or None on other ranks once they have served until STOP. `on_ready()`: on
-    other ranks, called once every rank has loaded, before serving the ring."""
+@dataclass
+class Loaded:
+    """What rank 0 holds once every rank has loaded."""
+
+    pipeline: Pipeline
+    path: Path  # this rank's checkpoint folder (config, tokenizer)
+    config: dict
+    memory_bytes: List[int]  # each stage's usable memory, measured before loading (shared per host)
+
+
+def build_pipeline(args, group, watchdog: Optional[Watchdog] = None,
+                   on_ready: Optional[Callable[[], None]] = None) -> Optional[Loaded]:
+    """Load this process's stage(s). Returns what rank 0 holds, or None on other
+    ranks once they have served until STOP. `on_ready()`: on other ranks, called
+    once every rank has loaded, before serving the ring."""
     world = group.size()
     if world > 1 and args.stages > 1:
         raise TrinityError("--stages runs several stages in one process; do not combine it with a multi-rank launch")
@@ -131,9 +145,10 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None, on_ready: O
     ranges = layer_ranges(num_layers, max(world, args.stages), split)
 
     if world == 1:
+        memory = share_by_host([usable_memory_bytes()] * len(ranges), ["here"] * len(ranges))
         path = fetch_stage_files(model, 0, num_layers, True)
         stages = [load_stage(path, s, e, i == 0, config) for i, (s, e) in enumerate(ranges)]
-        return in_process_pipeline(stages), path, config
+        return Loaded(in_process_pipeline(stages), path, config, memory)
 
     rank = group.rank()
     start, end = ranges[rank]
@@ -160,4 +175,4 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None, on_ready: O
     pipeline = Pipeline(stage, transport)
     if watchdog is not None:
         pipeline.waker = watchdog.wake
-    return pipeline, path, config
+    return Loaded(pipeline, path, config, [r["memory_bytes"] for r in reports])

@@ -37,6 +37,11 @@ class MxCollective(Transport):
 
     def _round(self, header: Optional[Header] = None, payload: Optional[mx.array] = None) -> None:
         nbytes = 0 if payload is None else payload.nbytes
+        if payload is not None:
+            # Compute the payload before the first gather: its peers wait in that gather, so
+            # a payload computed after it (inside the second gather, for large ones) would
+            # serialise the ranks instead of overlapping them (chunk k+1 here, k on rank 1).
+            mx.eval(payload)
         head = header.to_array() if header is not None else mx.zeros((Header.SIZE,), dtype=mx.int32)
         parts = [mx.view(head, mx.uint8)]
         if 0 < nbytes <= INLINE_BYTES:

@@ -25,6 +25,7 @@ from conftest import ROOT, run_json
 from grpc_server import (CONFIGS, IDS, LONG, MAX_TOKENS, NOT_SERVING, SERVER_ARGS, SERVICE, SERVING, TOKEN, Server,
                          assert_matches, env, generate, openssl_cert, rpc_error)
 from distributed.serving.proto import generation_pb2 as pb
+from distributed.shard.kv_budget import MAX_BATCH
 from reference import PROMPT
 
 # ---------------------------------------------------------------- fixtures
@@ -157,6 +158,9 @@ def test_model_info_has_the_rank_map(server, hf_checkpoint):
     assert [r.embed for r in info.ranks] == [True] + [False] * (len(server.layers) - 1)
     assert info.ranks[0].head
     assert all(r.host and r.peak_memory_bytes > 0 and r.parameter_bytes > 0 for r in info.ranks)
+    # No --max-batch: as many 2048-token (--max-context) sequences as fit on the tightest rank, said at start.
+    assert 1 <= info.max_batch <= MAX_BATCH
+    assert f"max batch: {info.max_batch}: {info.max_batch} sequences of 2048 tokens (rank " in server.output(100000)
 
 
 def reflection_generate(channel, request_fields, call_credentials=None):
@@ -245,6 +249,7 @@ def test_queue_overflow_is_resource_exhausted(secure_server, reference):
     it would run ~400 tokens to EOS), so neither other request can leave the queue:
     whichever arrives second is refused, whatever the timing."""
     meta = [("authorization", f"Bearer {TOKEN}")]
+    assert secure_server.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=meta, timeout=30).max_batch == 1
     running = secure_server.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=LONG), metadata=meta, timeout=120)
     next(running)  # it has left the queue and is generating
     results = [None, None]

@@ -93,15 +93,17 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., embed: _Optional[bool] = ..., head: _Optional[bool] = ..., peak_memory_bytes: _Optional[int] = ..., parameter_bytes: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_context", "max_tokens_cap", "ranks")
+    __slots__ = ("model_id", "vocab_size", "max_context", "max_tokens_cap", "ranks", "max_batch")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_CAP_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_context: int
     max_tokens_cap: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tokens_cap: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...) -> None: ...
+    max_batch: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tokens_cap: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., max_batch: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,74 @@
+"""What bench_load.py measures on every configuration (mlx-lm in its child process, or a runner
+served over gRPC), in one order, through a client with three calls:
+
+    batch(prompts, max_tokens)  all prompts at once: {"aggregate_tps", "wall_s", "tokens",
+                                "ttfts_s" (one per prompt, request -> first token), "token_ids"}
+    alone(prompt, max_tokens)   the prompt by itself: its greedy token ids
+    first_token(prompt)         seconds from the request to the first token (max_tokens 1)
+
+A call that fails raises RuntimeError naming the cause; measure() keeps what it has and records
+the error. The prompts are made here from the spec alone, so every configuration (and the
+mlx-lm child) gets the same ones.
+"""
+
+import math
+import statistics
+import sys
+
+from common import stream_prompts
+
+WARMUP_TOKENS = 4
+
+
+def prompts_for(length: int, streams: int) -> list:
+    """The prompts of one run: distinct per stream and per run (a prefix cache finds nothing
+    from an earlier run, as mlx-lm's batch_generate, which keeps none, would not)."""
+    return stream_prompts(streams, length, tag=f"load-{length}-{streams}")
+
+
+def long_prompt(length: int) -> list:
+    return stream_prompts(1, length, tag=f"long-{length}")[0]
+
+
+def percentile(values: list, q: float):
+    """Nearest-rank percentile (q in 0..100): an observed value; p99 of fewer than 100 is the max."""
+    values = sorted(v for v in values if v is not None)
+    return values[max(0, math.ceil(q / 100 * len(values)) - 1)] if values else None
+
+
+def describe(run: dict) -> str:
+    ttfts = run["ttfts_s"]
+    return (f"{run['aggregate_tps']:.1f} tok/s, TTFT p50 {percentile(ttfts, 50) * 1e3:.0f} ms "
+            f"p99 {percentile(ttfts, 99) * 1e3:.0f} ms ({run['tokens']} tokens in {run['wall_s']:.2f} s)")
+
+
+def measure(spec: dict, client, name: str) -> dict:
+    """Per prompt length and stream count, one batch run and its first spec["check"] prompts
+    alone; then each long prompt's TTFT spec["reps"] times. Progress goes to stderr."""
+    out = {"streams": {}, "long": {}}
+
+    def say(text):
+        print(f"  {name}: {text}", file=sys.stderr, flush=True)
+
+    try:
+        warm = stream_prompts(min(8, max(spec["streams"] or [1])), 16, tag="warmup")
+        client.alone(warm[0], WARMUP_TOKENS)
+        client.batch(warm, WARMUP_TOKENS)
+        for length in spec["prompt_lens"]:
+            runs = out["streams"][str(length)] = {}
+            for n in spec["streams"]:
+                prompts = prompts_for(length, n)
+                run = client.batch(prompts, spec["max_tokens"])
+                run["alone"] = [client.alone(p, spec["max_tokens"]) for p in prompts[: spec["check"]]]
+                runs[str(n)] = run
+                say(f"{length}-token prompts, {n} streams: {describe(run)}")
+        if spec["long"]:
+            client.first_token(long_prompt(min(spec["long"])))  # warm-up: kernels for long sequences
+        for length in spec["long"]:
+            ttfts = [client.first_token(long_prompt(length)) for _ in range(spec["reps"])]
+            out["long"][str(length)] = {"ttft_s": ttfts, "median_ttft_s": statistics.median(ttfts)}
+            say(f"{length}-token prompt alone: TTFT {statistics.median(ttfts) * 1e3:.0f} ms (median of {len(ttfts)})")
+    except RuntimeError as e:
+        out["error"] = str(e)
+        say(f"FAILED: {e}")
+    return out

@@ -1,0 +1,49 @@
+"""The default --max-batch: sequences whose KV caches fit beside the weights on the tightest rank."""
+
+from distributed.shard.kv_budget import MAX_BATCH, kv_budget
+from distributed.shard.memory_plan import DEFAULT_MARGIN
+from trinity_configs import mini
+
+GIB = 1 << 30
+# Trinity-Mini: 4 KV heads x 128 x (k, v) x 2 bytes = 2 KiB per token per layer; 3 sliding layers
+# (window 2048) then 1 full one, so layers [0, 16) are 12 sliding and 4 full.
+KV_TOKEN = 4 * 128 * 2 * 2
+
+
+def ranks(*layer_ranges, params=(8 * GIB, 6 * GIB)):
+    return [{"layers": list(r), "parameter_bytes": p} for r, p in zip(layer_ranges, params)]
+
+
+def by_hand(memory, params, sliding, full, context):
+    free = int(memory * (1 - DEFAULT_MARGIN)) - params
+    return free // (KV_TOKEN * (sliding * min(context, 2048) + full * context))
+
+
+def test_the_tightest_rank_bounds_the_batch():
+    budget = kv_budget(mini(), ranks((0, 16), (16, 32)), [24 * GIB, 12 * GIB], 4096)
+    assert budget.tightest_rank == 1
+    assert budget.max_batch == by_hand(12 * GIB, 6 * GIB, 12, 4, 4096)
+    assert budget.sequence_bytes[0] == budget.sequence_bytes[1] == KV_TOKEN * (12 * 2048 + 4 * 4096)
+    assert "rank 1" in budget.describe()
+
+
+def test_longer_contexts_cost_full_attention_layers_only_past_the_window():
+    short = kv_budget(mini(), ranks((0, 16), (16, 32)), [24 * GIB, 24 * GIB], 2048)
+    long = kv_budget(mini(), ranks((0, 16), (16, 32)), [24 * GIB, 24 * GIB], 8192)
+    assert long.sequence_bytes[0] == KV_TOKEN * (12 * 2048 + 4 * 8192)
+    assert short.sequence_bytes[0] == KV_TOKEN * 16 * 2048
+    assert long.max_batch == by_hand(24 * GIB, 8 * GIB, 12, 4, 8192) < short.max_batch
+
+
+def test_bytes_set_aside_come_out_of_every_rank():
+    plain = kv_budget(mini(), ranks((0, 16), (16, 32)), [24 * GIB, 24 * GIB], 32768)
+    less = kv_budget(mini(), ranks((0, 16), (16, 32)), [24 * GIB, 24 * GIB], 32768, set_aside_bytes=4 * GIB)
+    assert [a - b for a, b in zip(plain.free_bytes, less.free_bytes)] == [4 * GIB, 4 * GIB]
+    assert less.max_batch < plain.max_batch
+
+
+def test_at_least_one_and_at_most_the_cap():
+    full = kv_budget(mini(), ranks((0, 32), params=(15 * GIB,)), [16 * GIB], 131072)
+    assert full.max_batch == 1 and full.free_bytes[0] < full.sequence_bytes[0]
+    roomy = kv_budget(mini(), ranks((0, 32), params=(1 * GIB,)), [1024 * GIB], 128)
+    assert roomy.max_batch == MAX_BATCH

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from distributed.runtime.caches import SlotCaches
-from distributed.runtime.prefix_cache import PrefixCache
+from distributed.runtime.prefix_cache import PrefixCache, default_budget
 from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
 from distributed.serving.proto import generation_pb2 as pb
@@ -84,6 +84,11 @@ def test_lru_order_and_byte_bound_on_every_rank(hf_checkpoint):
     stored(prefix, P + other(60))
     assert [list(e.tokens) for e in prefix.index.entries.values()] == [a, c]
     assert_every_rank_agrees(prefix)
+
+
+def test_the_default_budget_is_a_share_of_the_tightest_rank():
+    assert default_budget([8 << 30, 2 << 30, 12 << 30]) == (2 << 30) // 4
+    assert default_budget([0, 1 << 30]) == 0
 
 
 def test_longest_prefix_and_wrapped_entries(hf_checkpoint):

@@ -14,6 +14,7 @@ import threading
 from typing import List, Optional
 
 from . import TrinityError
+from .runtime.prefix_cache import default_budget
 from .runtime.request import GenerationRequest, RequestError, TokenEvent
 from .runtime.scheduler import Scheduler
 from .serving.front_ends import start_front_ends
@@ -86,6 +87,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     serve.add_argument("--tls-key", help="PEM private key for TLS")
     serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get RESOURCE_EXHAUSTED")
     serve.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a client may ask for")
+    serve.add_argument("--prefix-cache-bytes", type=int, default=None, metavar="N",
+                       help="KV caches kept across requests, so a prompt that extends an earlier one (a chat's "
+                       "next turn) prefills only the rest: at most N bytes on any rank; 0 disables; default: a "
+                       "quarter of what the tightest rank has beside its weights (its usable memory measured "
+                       "before loading, less 10%%), set aside before the default --max-batch")
     return p.parse_args(argv)
 
 
@@ -102,6 +108,8 @@ def validate(args: argparse.Namespace) -> None:
         raise TrinityError(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.prefill_batch_tokens < 1:
         raise TrinityError(f"--prefill-batch-tokens must be at least 1, got {args.prefill_batch_tokens}")
+    if args.prefix_cache_bytes is not None and args.prefix_cache_bytes < 0:
+        raise TrinityError(f"--prefix-cache-bytes must be >= 0, got {args.prefix_cache_bytes}")
     try:
         _request(args, []).validate_sampling()
     except RequestError as e:
@@ -230,13 +238,21 @@ def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Wat
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     ranks = pipeline.rank_info()
     max_context = args.max_context or config.get("max_position_embeddings") or 2**31
-    budget = kv_budget(config, ranks, built.memory_bytes, min(max_context, args.max_context or DEFAULT_CONTEXT))
+    context = min(max_context, args.max_context or DEFAULT_CONTEXT)
+    prefix_cache_bytes = args.prefix_cache_bytes
+    if prefix_cache_bytes is None:  # a share of the tightest rank's memory beside its weights
+        prefix_cache_bytes = default_budget(kv_budget(config, ranks, built.memory_bytes, context).free_bytes)
+    # The prefix cache's bytes come out of every rank's share before the default batch size.
+    budget = kv_budget(config, ranks, built.memory_bytes, context, set_aside_bytes=prefix_cache_bytes)
     max_batch = args.max_batch or budget.max_batch
 
     # The scheduler runs on this main thread (see Scheduler.start); front ends' threads only queue.
     scheduler = Scheduler(pipeline, tokenizer, max_queue=options.max_queue,
                           prefill_step_size=args.prefill_step_size, max_batch=max_batch,
-                          on_failure=on_failure, prefill_batch_tokens=args.prefill_batch_tokens)
+                          on_failure=on_failure, prefill_batch_tokens=args.prefill_batch_tokens,
+                          prefix_cache_bytes=prefix_cache_bytes)
+    print(f"prefix cache: up to {prefix_cache_bytes / 2**20:.1f} MiB on any rank" if prefix_cache_bytes
+          else "prefix cache: off", file=sys.stderr, flush=True)
     if watchdog is not None:  # ends every stream with the failed rank's name, then NOT_SERVING
         watchdog.on_failure = scheduler.abort
     info = ModelInfo(
@@ -258,6 +274,7 @@ def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Wat
         for front_end in front_ends:
             front_end.stop()
         scheduler.close()
+        print(scheduler.prefix_cache.summary(), file=sys.stderr, flush=True)
     if scheduler.failure is not None:
         raise TrinityError(f"the pipeline is down: {scheduler.failure}")
 

@@ -93,6 +93,7 @@ def _broken_copy(src, dst, remove_file=None, config_update=None):
         (["--max-tokens", "0"], "--max-tokens: must be at least 1"),
         (["--max-tokens", "4090"], "exceeds the context of 4096 tokens"),
         (["--serve", "127.0.0.1:99999"], "--serve 127.0.0.1:99999: port 99999 is out of range (0-65535)"),
+        (["--prefix-cache-bytes", "-1"], "--prefix-cache-bytes must be >= 0, got -1"),
     ],
 )
 def test_bad_arguments_exit_nonzero_naming_the_cause(hf_checkpoint, args, message):

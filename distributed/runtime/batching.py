@@ -38,6 +38,10 @@ class PrefixHooks:
         """`seq` has finished; row `row` of `slot` still holds its caches (its prompt
         and every generated token but the last) until right after this call."""
 
+    def prefilled(self, seq: Sequence, slot: int, row: int) -> None:
+        """`seq` has its first token and goes on decoding; row `row` of `slot` holds
+        its whole prompt."""
+
 
 @dataclass
 class Group:
@@ -198,6 +202,8 @@ class Batcher:
             self.pipeline.filter(frame.slot, keep)
         kept = [frame.sequences[i] for i in keep]
         if frame.kind == "first":
+            for row, seq in enumerate(kept):
+                self.prefix.prefilled(seq, frame.slot, row)
             if kept:
                 self.ready.append(PrefillBatch(frame.slot, kept))
         else:

@@ -7,25 +7,30 @@ slots, or a decode group. A batch of one row goes back to the plain caches:
 they decode faster, and exactly as mlx-lm's generate_step does. Rank 0 and
 every worker apply the same operations (`apply`) in the same order, so their
 slots always describe the same sequences.
+
+Each rank also keeps its layers' slice of the prefix cache's entries (rank 0
+holds the index: prefix_cache.py): a sequence's caches copied at some point,
+restored later into a new sequence's slot.
 """
 
 import copy
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from ..shard.stage import Stage
 from ..transport import Op
 
 # Ops that change caches; each rank applies them with `apply` and rank 0 needs no reply.
-CACHE_OPS = (Op.RESET, Op.JOIN, Op.FILTER, Op.MERGE, Op.PREPARE, Op.FINALIZE)
+CACHE_OPS = (Op.RESET, Op.JOIN, Op.FILTER, Op.MERGE, Op.PREPARE, Op.FINALIZE, Op.SNAPSHOT, Op.RESTORE, Op.EVICT)
 
 
 class SlotCaches:
     def __init__(self, stage: Stage):
         self.stage = stage
         self.slots: Dict[int, List] = {}
+        self.entries: Dict[int, List] = {}  # prefix-cache entries: compact plain caches
 
     def apply(self, op: int, slot: int, arg: int, values: Sequence[int]) -> None:
         """One cache op of the ring header; `values`: its int32 payload as a list."""
@@ -42,6 +47,13 @@ class SlotCaches:
             self.prepare(slot, list(values[:half]), list(values[half:]))
         elif op == Op.FINALIZE:
             self.finalize(slot)
+        elif op == Op.SNAPSHOT:  # prefix-cache entries: values are (entry, row)
+            self.snapshot(slot, *values)
+        elif op == Op.RESTORE:  # (entry, tokens)
+            self.restore(slot, *values)
+        elif op == Op.EVICT:
+            for entry in values:
+                self.evict(entry)
         else:
             raise ValueError(f"op {op} is not a cache op")
 
@@ -125,6 +137,30 @@ class SlotCaches:
         for cache in batch:
             cache.filter(rows)
 
+    def length(self, slot: int, row: int = 0) -> int:
+        """Tokens the sequence in row `row` of `slot` has been fed."""
+        cache = self.slots[slot][0]
+        return cache.offset[row].item() if is_batch(self.slots[slot]) else cache.offset
+
+    def snapshot(self, slot: int, entry: int, row: int = 0) -> Tuple[int, int]:
+        """Keep a copy of row `row` of `slot` as prefix-cache entry `entry`.
+        Returns (tokens it covers, bytes kept)."""
+        caches = self.slots[slot]
+        if is_batch(caches):
+            caches = [c.extract(row) for c in caches]
+        kept = [compact(c) for c in caches]
+        mx.eval([(c.keys, c.values) for c in kept])
+        self.entries[entry] = kept
+        return kept[0].offset, sum(c.nbytes for c in kept)
+
+    def restore(self, slot: int, entry: int, tokens: int) -> None:
+        """Fresh caches for `slot` from `entry`, cut to its first `tokens` tokens (fewer
+        than it covers only if its caches are trimmable: no sliding window wrapped)."""
+        self.slots[slot] = [cut(c, tokens) for c in self.entries[entry]]
+
+    def evict(self, entry: int) -> None:
+        self.entries.pop(entry, None)
+
     def evaluate(self, slot: int) -> None:
         """Force the slot's pending cache updates (bounds the lazy graph between chunks)."""
         mx.eval([c.state for c in self.slots[slot]])
@@ -132,3 +168,33 @@ class SlotCaches:
 
 def is_batch(caches: List) -> bool:
     return isinstance(caches[0], (BatchKVCache, BatchRotatingKVCache))
+
+
+def compact(cache):
+    """A plain cache holding only what the next tokens need, in temporal order, in
+    buffers of its own (not views of a larger, padded or batch buffer): a
+    KVCache's `offset` tokens, a RotatingKVCache's last min(offset, window)."""
+    if isinstance(cache, RotatingKVCache):
+        held = min(cache.offset, cache.max_size)
+        keys, values = (cache._temporal_order(v)[..., -held:, :] for v in (cache.keys, cache.values))
+        out = RotatingKVCache(cache.max_size)
+        out._idx = held
+    else:
+        keys, values = (v[..., : cache.offset, :] for v in (cache.keys, cache.values))
+        out = KVCache()
+    out.keys, out.values, out.offset = mx.array(keys), mx.array(values), cache.offset
+    return out
+
+
+def cut(entry, tokens: int):
+    """A new cache from a compact one, at its first `tokens` tokens. Its arrays are
+    new slices: the cache's in-place updates then copy, never write into the entry."""
+    drop = entry.offset - tokens
+    if drop and not entry.is_trimmable():
+        raise ValueError(f"a wrapped sliding-window cache cannot be cut from {entry.offset} to {tokens} tokens")
+    held = entry.keys.shape[2] - drop
+    out = copy.copy(entry)
+    out.keys, out.values, out.offset = entry.keys[..., :held, :], entry.values[..., :held, :], tokens
+    if isinstance(out, RotatingKVCache):
+        out._idx = held
+    return out

@@ -90,6 +90,31 @@ class Pipeline:
         """After the last padded prompt rows of `slot`'s batch, on every rank."""
         self._cache_op(Op.FINALIZE, slot)
 
+    # Prefix-cache entries (the index: prefix_cache.py): every rank keeps its slice.
+
+    def snapshot(self, slot: int, entry: int, row: int = 0) -> Tuple[int, int]:
+        """Keep row `row` of `slot` as entry `entry`, on every rank. Returns rank 0's
+        share: (tokens it covers, bytes)."""
+        kept = self.caches.snapshot(slot, entry, row)
+        self._ints(Op.SNAPSHOT, [entry, row], slot)
+        return kept
+
+    def restore(self, slot: int, entry: int, tokens: int) -> None:
+        """Start `slot` from entry `entry`'s first `tokens` tokens, on every rank."""
+        self.caches.restore(slot, entry, tokens)
+        self._ints(Op.RESTORE, [entry, tokens], slot)
+
+    def evict(self, entries: List[int]) -> None:
+        """Forget entries, on every rank."""
+        for entry in entries:
+            self.caches.evict(entry)
+        if entries:
+            self._ints(Op.EVICT, entries)
+
+    def _ints(self, op: Op, values: List[int], slot: int = 0) -> None:
+        payload = mx.array(values, dtype=mx.int32).reshape(1, 1, -1)
+        self._control(Header.for_payload(op, payload, slot=slot), payload)
+
     def send(self, tokens: mx.array, reply: Reply, slot: int = 0) -> None:
         """Start tokens (batch, length) through all stages; unless `reply` is
         NONE, recv() later returns the reply."""

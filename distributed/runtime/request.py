@@ -87,3 +87,4 @@ class FinishEvent:
     generation_tokens_per_sec: float = 0.0
     error: Optional[str] = None
     text: str = ""  # text the detokenizer held back until the end
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not computed

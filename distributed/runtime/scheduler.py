@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Optional, Union
 
 from .batching import Batcher
 from .pipeline import Pipeline
+from .prefix_cache import PrefixCache
 from .request import FinishEvent, GenerationRequest, TokenEvent
 
 Event = Union[TokenEvent, FinishEvent]
@@ -59,10 +60,12 @@ class RequestHandle:
 class Scheduler:
     def __init__(self, pipeline: Pipeline, tokenizer, max_queue: int = 64, prefill_step_size: int = 512,
                  max_batch: int = 16, on_failure: Optional[Callable[[str], None]] = None,
-                 prefill_batch_tokens: int = 2048):
+                 prefill_batch_tokens: int = 2048, prefix_cache_bytes: int = 0):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.on_failure = on_failure  # e.g. turn health to NOT_SERVING
-        self.batcher = Batcher(pipeline, tokenizer, max_batch, prefill_step_size, prefill_batch_tokens)
+        self.prefix_cache = PrefixCache(pipeline, prefix_cache_bytes)  # 0: off
+        self.batcher = Batcher(pipeline, tokenizer, max_batch, prefill_step_size, prefill_batch_tokens,
+                               self.prefix_cache)
         self._waiting: "queue.Queue[RequestHandle]" = queue.Queue(maxsize=max_queue)
         self._calls: "queue.Queue" = queue.Queue()  # (fn, future) to run between steps
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)

@@ -66,6 +66,11 @@ class Sequence:
         self.handle, self.request, self.slot = handle, req, slot
         self.unsent: List[int] = list(req.prompt_ids)  # prompt tokens not yet sent into the ring
         self.next_token: Optional[int] = None  # the input of the next decode step
+        self.generated: List[int] = []  # tokens streamed so far
+        # Prefix cache (prefix_cache.py): prompt tokens restored from an entry, and where
+        # in the prompt to store entries (None: not looked up yet).
+        self.cached_tokens = 0
+        self.store_at: Optional[List[int]] = None
         self.greedy = req.temperature == 0
         # Arrays, not numbers, into compiled code (see the module's docstring).
         self._top_p = mx.array(req.top_p, dtype=mx.float32) if 0 < req.top_p < 1 else None
@@ -103,6 +108,7 @@ class Sequence:
         self._detokenizer.add_token(token)
         text, hit = self._stops.feed(self._detokenizer.last_segment)
         self.count += 1
+        self.generated.append(token)
         self.handle.emit(TokenEvent(token, logprob, text))
         if hit:
             self._stops = None  # nothing after the stop string is sent
@@ -128,5 +134,6 @@ class Sequence:
                 generation_tokens_per_sec=(self.count - 1) / (done - first) if first and self.count > 1 else 0.0,
                 error=error,
                 text=tail,
+                cached_tokens=self.cached_tokens,
             )
         )

@@ -88,6 +88,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 completion_tokens=event.completion_tokens,
                 prefill_tokens_per_sec=event.prefill_tokens_per_sec,
                 generation_tokens_per_sec=event.generation_tokens_per_sec,
+                cached_tokens=event.cached_tokens,
             ),
         )
 

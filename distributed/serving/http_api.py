@@ -119,7 +119,8 @@ class _Reply:
             self.finish = "length" if event.finish_reason == "length" else "stop"  # "cancelled": nobody listens
             self.error = event.error if event.finish_reason == "error" else None
             self.usage = {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-                          "total_tokens": event.prompt_tokens + event.completion_tokens}
+                          "total_tokens": event.prompt_tokens + event.completion_tokens,
+                          "prompt_tokens_details": {"cached_tokens": event.cached_tokens}}
         self.text.append(event.text)
         self.entries += entries
         return entries

@@ -23,6 +23,11 @@ class Op(IntEnum):
     MERGE = 8  # merge the slots listed in the int32 payload (rows in that order) into a batch in slot `slot`
     PREPARE = 9  # before right-padded prompt rows: payload = the rows' lengths, then their right padding
     FINALIZE = 10  # after the padded prompt rows: the padding becomes left padding
+    # Prefix cache (16 up; 8-15 are admission's). Rank 0 keeps the index, every rank its
+    # layers' slice of each entry; int32 payloads, no reply (the ring keeps them in order).
+    SNAPSHOT = 16  # keep row `row` of `slot` as entry `entry` (payload: entry, row)
+    RESTORE = 17  # fresh caches for `slot` from entry `entry`, cut to `tokens` (payload: entry, tokens)
+    EVICT = 18  # forget the entries listed in the payload
 
 
 # Frames that go all the way round, back to rank 0.

@@ -1,6 +1,8 @@
-"""Slot caches: sequences joined into a batch, filtered out of it, and back to one row."""
+"""Slot caches: sequences joined into a batch, filtered out of it, and back to one row;
+prefix-cache entries snapshot from a slot or a batch row and restored into a new slot."""
 
 import mlx.core as mx
+import pytest
 
 from distributed.runtime.caches import SlotCaches, is_batch
 from distributed.shard.loader import load_stage
@@ -92,3 +94,36 @@ def test_merge_histories_prefill_padded_rows_then_join_rows_into_groups(hf_check
                     out[m].append(t)
     for prompt, tokens in zip(prompts, out):
         assert tokens == greedy_alone(stage, prompt, len(tokens))
+def next_logits(stage, caches, slot, tokens):
+    return last_logits(stage, stage(stage.embed(mx.array(tokens)[None]), caches.get(slot)))
+
+
+def test_snapshot_of_a_batch_row_restores_as_the_sequence_alone(hf_checkpoint):
+    """A row of a decode batch (both wrapped and not: A is past the 16-token window,
+    B is not) is kept as an entry; restored into a new slot, it continues exactly as
+    the sequence computed alone, and the restored slot's updates leave the entry as it was."""
+    stage = load_stage(hf_checkpoint, 0, 8, True)
+    caches = SlotCaches(stage)
+    for slot, prompt in ((10, A), (11, B)):
+        stage(stage.embed(mx.array(prompt)[None]), caches.get(slot))
+    caches.join(0, 10, [0])  # JOIN now moves listed rows
+    caches.join(0, 11, [0])
+    step = [[7], [9]]
+    stage(stage.embed(mx.array(step)), caches.get(0))  # one decode step, as a batch
+    for row, prompt in enumerate((A, B)):
+        fed = prompt + step[row]
+        assert caches.length(0, row) == len(fed)
+        assert caches.snapshot(0, entry=row, row=row)[0] == len(fed)
+        alone = SlotCaches(stage)
+        expected = next_logits(stage, alone, 0, fed + [5, 6])
+        for slot in (20, 21):  # twice: the first restored slot must not have changed the entry
+            caches.restore(slot, row, len(fed))
+            got = next_logits(stage, caches, slot, [5, 6])
+            assert mx.abs(got - expected).max().item() < 1e-4
+    # Only B's entry (shorter than the window) can be cut back.
+    caches.restore(30, 1, 3)
+    assert mx.abs(next_logits(stage, caches, 30, B[3:]) - next_logits(stage, SlotCaches(stage), 0, B)).max().item() < 1e-4
+    with pytest.raises(ValueError, match="wrapped"):
+        caches.restore(31, 0, 3)
+    caches.evict(0)
+    assert set(caches.entries) == {1}

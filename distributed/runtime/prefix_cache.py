@@ -1,0 +1,197 @@
+"""The prefix cache: KV caches kept across requests, so a prompt that extends an
+earlier one (a chat's next turn, a shared system prompt) prefills only the rest.
+
+Distributed like the KV cache: rank 0 keeps the index (token prefix -> entry,
+LRU, bounded in bytes) and every rank keeps its layers' slice of each entry
+(caches.py), through ring ops that need no reply (pipeline.py: snapshot,
+restore, evict). As in mlx-lm's server (LRUPromptCache) an entry is stored when
+a sequence finishes (prompt and the generated tokens fed through the model) and
+at the end of its prompt (all but the last token, so the same prompt again, or
+any extension of it, hits); also where its prompt stops agreeing with an entry
+or a waiting prompt (a shared system prompt). A hit restores the entry into the
+new sequence's slot; at least the prompt's last token is always computed.
+
+A sliding-window layer's cache that has wrapped (entry of `window` tokens or
+more) cannot be cut back, so such an entry serves only prompts that extend all
+of its tokens; an entry shorter than the window (or a model without sliding
+layers) can be cut to any common prefix (mlx-lm's can_trim_prompt_cache).
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .pipeline import Pipeline
+
+DEFAULT_SHARE = 4  # the default budget: 1/DEFAULT_SHARE of the tightest rank's memory beside its weights
+
+
+def default_budget(free_bytes: Sequence[int]) -> int:
+    """Bytes for the prefix cache when --prefix-cache-bytes is not given, from each
+    rank's memory left beside its weights (shard.kv_budget's free_bytes): a quarter
+    of the tightest rank's."""
+    return max(0, min(free_bytes) // DEFAULT_SHARE)
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+@dataclass
+class Entry:
+    id: int
+    tokens: np.ndarray  # the tokens its caches cover
+    trimmable: bool  # can be cut to a shorter prefix
+    nbytes: List[int]  # what each rank keeps
+
+
+class PrefixIndex:
+    """Rank 0's index: entries by token prefix, least recently used first, bounded
+    so that no rank keeps more than `budget` bytes of entries."""
+
+    def __init__(self, budget: int, ranks: int):
+        self.budget = budget
+        self.entries: "OrderedDict[int, Entry]" = OrderedDict()
+        self.bytes = [0] * ranks  # per rank
+
+    def find(self, prompt: np.ndarray) -> Tuple[Optional[Entry], int]:
+        """The entry that saves the most of `prompt`, and how many tokens it covers
+        (at most all but the last prompt token); (None, 0) if none helps."""
+        best, best_tokens = None, 0
+        for entry in self.entries.values():
+            common = common_prefix(entry.tokens, prompt)
+            if common == len(entry.tokens) < len(prompt):
+                tokens = common  # the whole entry, as it is
+            elif entry.trimmable:
+                tokens = min(common, len(prompt) - 1)
+            else:
+                continue
+            if tokens > best_tokens:
+                best, best_tokens = entry, tokens
+        if best is not None:
+            self.entries.move_to_end(best.id)
+        return best, best_tokens
+
+    def covered(self, tokens: np.ndarray) -> bool:
+        """An entry already serves whatever one for `tokens` would (the same tokens,
+        or a trimmable entry that extends them); it counts as used."""
+        for entry in self.entries.values():
+            same = common_prefix(entry.tokens, tokens) == len(tokens)
+            if same and (len(entry.tokens) == len(tokens) or entry.trimmable):
+                self.entries.move_to_end(entry.id)
+                return True
+        return False
+
+    def insert(self, entry: Entry) -> List[int]:
+        """Add `entry` (most recently used); returns the ids of the entries dropped:
+        those it makes useless (it is trimmable and extends them), then the least
+        recently used while a rank is over budget."""
+        dropped = []
+        if entry.trimmable:
+            dropped = [e.id for e in self.entries.values()
+                       if common_prefix(e.tokens, entry.tokens) == len(e.tokens) <= len(entry.tokens)]
+        for entry_id in dropped:
+            self._remove(entry_id)
+        self.entries[entry.id] = entry
+        self.bytes = [a + b for a, b in zip(self.bytes, entry.nbytes)]
+        while max(self.bytes) > self.budget and len(self.entries) > 1:
+            dropped.append(self._remove(next(iter(self.entries))))
+        return dropped
+
+    def _remove(self, entry_id: int) -> int:
+        entry = self.entries.pop(entry_id)
+        self.bytes = [a - b for a, b in zip(self.bytes, entry.nbytes)]
+        return entry_id
+
+
+class PrefixCache:
+    """The batcher's prefix hooks (batching.PrefixHooks; budget 0: nothing, the cache
+    is off): restore() at admission (look up, restore into the sequence's slot),
+    prefilled() once a row holds its whole prompt and snapshot() when it finishes
+    (store what it was fed)."""
+
+    def __init__(self, pipeline: Pipeline, budget: int = 0):
+        self.pipeline, self.budget = pipeline, budget
+        self.enabled = budget > 0
+        args = pipeline.stage.args
+        self.sliding = [t == "sliding_attention" for t in args.layer_types]
+        self.window = args.sliding_window
+        self.ranges = [r["layers"] for r in pipeline.rank_info()] if self.enabled else []
+        self.index = PrefixIndex(budget, len(self.ranges))
+        self._next_id = 0
+        # Counters for the summary: prompts looked up, hits, their tokens, tokens restored.
+        self.lookups = self.hits = self.prompt_tokens = self.cached_tokens = 0
+        self.stored = self.evicted = 0
+
+    # -- hooks ----------------------------------------------------------------
+
+    def restore(self, seq) -> None:
+        """At admission, before `seq` is batched: restore the best entry into its slot
+        (its prompt then starts after the entry's tokens; the last prompt token is
+        always left to compute)."""
+        if not self.enabled:
+            return
+        prompt = np.array(seq.request.prompt_ids, dtype=np.int32)
+        entry, tokens = self.index.find(prompt)
+        self.lookups += 1
+        self.prompt_tokens += len(prompt)
+        if entry is not None:
+            self.pipeline.restore(seq.slot, entry.id, tokens)
+            seq.unsent = seq.request.prompt_ids[tokens:]
+            seq.cached_tokens = tokens
+            self.hits += 1
+            self.cached_tokens += tokens
+
+    def store_row(self, seq, slot: int, row: int) -> None:
+        """Store what row `row` of `slot` (`seq`) was fed: its prompt and the generated
+        tokens but the last; before the row is filtered out."""
+        if not self.enabled:
+            return
+        fed = self.pipeline.caches.length(slot, row)
+        tokens = list(seq.request.prompt_ids) + seq.generated
+        if fed <= len(tokens):
+            self.store(slot, row, tokens[:fed])
+
+    snapshot = prefilled = store_row  # the batcher's two store points
+
+    def summary(self) -> str:
+        if not self.enabled:
+            return "prefix cache: off"
+        return (f"prefix cache: {len(self.index.entries)} entries, {max(self.index.bytes) / 2**20:.1f} MiB on the "
+                f"fullest rank (budget {self.budget / 2**20:.1f} MiB); {self.hits} of {self.lookups} prompts hit, "
+                f"{self.cached_tokens} of {self.prompt_tokens} prompt tokens reused; "
+                f"{self.stored} entries stored, {self.evicted} evicted")
+
+    # -- storing --------------------------------------------------------------
+
+    def store(self, slot: int, row: int, tokens: List[int]) -> None:
+        """Keep row `row` of `slot`, which has been fed `tokens`, as an entry (unless
+        one serves as well already, or it exceeds the budget), evicting as needed."""
+        tokens = np.array(tokens, dtype=np.int32)
+        if len(tokens) == 0 or self.index.covered(tokens):
+            return
+        entry_id = self._next_id
+        self._next_id = (self._next_id + 1) % (1 << 31)
+        fed, nbytes = self.pipeline.snapshot(slot, entry_id, row)
+        assert fed == len(tokens), f"the slot holds {fed} tokens, expected {len(tokens)}"
+        per_rank = self.entry_bytes(len(tokens), nbytes)
+        if max(per_rank) > self.budget:
+            self.pipeline.evict([entry_id])
+            return
+        trimmable = not any(self.sliding) or len(tokens) < self.window
+        dropped = self.index.insert(Entry(entry_id, tokens, trimmable, per_rank))
+        self.pipeline.evict(dropped)
+        self.stored += 1
+        self.evicted += len(dropped)
+
+    def entry_bytes(self, tokens: int, rank0_bytes: int) -> List[int]:
+        """What each rank keeps for an entry of `tokens` tokens: rank 0's measured
+        bytes, scaled by the tokens each rank's layers hold (a sliding layer at most
+        its window)."""
+        held = [sum(min(tokens, self.window) if self.sliding[layer] else tokens for layer in range(start, end))
+                for start, end in self.ranges]
+        return [rank0_bytes * h // held[0] for h in held]

@@ -1,0 +1,281 @@
+"""The prefix cache: rank 0's index over real caches of the tiny model (LRU order,
+byte bound, longest prefix, trimmable vs wrapped), and greedy output with the cache
+equal to a cold run, in-process (1-3 stages) and on a real 2-rank server (HTTP, gRPC)."""
+
+import re
+import time
+
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from distributed.runtime.caches import SlotCaches
+from distributed.runtime.prefix_cache import PrefixCache, default_budget
+from distributed.runtime.request import GenerationRequest, TokenEvent
+from distributed.runtime.scheduler import Scheduler
+from distributed.serving.proto import generation_pb2 as pb
+from distributed.transport import Reply
+from grpc_server import SERVER_ARGS, Server
+from stages import in_process_pipeline
+
+WINDOW = 16  # the tiny model's sliding window: prompts longer than this wrap it
+P = [(7 * i + 3) % 250 + 1 for i in range(40)]
+SYSTEM = [(5 * i + 2) % 250 + 1 for i in range(40)]  # shared by several prompts
+
+
+def other(n, k=0):
+    return [(11 * i + 13 * k + 7) % 250 + 1 for i in range(n)]
+
+
+def rank_caches(pipeline):
+    """Every rank's SlotCaches, rank 0 first."""
+    workers = getattr(pipeline.transport, "handlers", [])
+    return [pipeline.caches] + [w.__self__.caches for w in workers]
+
+
+def held_bytes(caches: SlotCaches) -> int:
+    return sum(c.nbytes for entry in caches.entries.values() for c in entry)
+
+
+def assert_every_rank_agrees(prefix):
+    """Every rank keeps exactly the index's entries, and the bytes the index counts."""
+    ranks = rank_caches(prefix.pipeline)
+    for caches, counted in zip(ranks, prefix.index.bytes):
+        assert set(caches.entries) == set(prefix.index.entries)
+        assert held_bytes(caches) == counted <= prefix.budget
+
+
+def prefill(pipeline, slot, tokens):
+    pipeline.forward(mx.array(tokens, dtype=mx.uint32)[None], Reply.LAST, slot)
+
+
+def stored(prefix, tokens, slot=100):
+    """Prefill `tokens` in a slot of their own and store them as an entry."""
+    prefill(prefix.pipeline, slot, tokens)
+    prefix.store(slot, 0, tokens)
+    prefix.pipeline.release(slot)
+
+
+def found(prefix, prompt):
+    entry, tokens = prefix.index.find(np.array(prompt, dtype=np.int32))
+    return (None if entry is None else list(entry.tokens)), tokens
+
+
+def test_lru_order_and_byte_bound_on_every_rank(hf_checkpoint):
+    pipeline, _ = in_process_pipeline(hf_checkpoint, (3, 5))
+    probe = PrefixCache(pipeline, 1 << 30)
+    stored(probe, P[:20])
+    one = max(probe.index.bytes)  # a wrapped 20-token entry on the fullest rank (rank 1 here)
+    assert probe.index.bytes[1] > probe.index.bytes[0]
+    pipeline.evict(list(probe.index.entries))
+
+    prefix = PrefixCache(pipeline, one * 5 // 2)  # room for two such entries
+    a, b, c = P[:20], other(20, 1), other(20, 2)
+    stored(prefix, a)
+    stored(prefix, b)
+    assert found(prefix, a + [1, 2]) == (a, 20)  # a is used: b is now the least recently used
+    stored(prefix, c)
+    assert [list(e.tokens) for e in prefix.index.entries.values()] == [a, c]
+    assert prefix.evicted == 1
+    assert_every_rank_agrees(prefix)
+    # An entry larger than the whole budget is not kept, on any rank.
+    stored(prefix, P + other(60))
+    assert [list(e.tokens) for e in prefix.index.entries.values()] == [a, c]
+    assert_every_rank_agrees(prefix)
+
+
+def test_the_default_budget_is_a_share_of_the_tightest_rank():
+    assert default_budget([8 << 30, 2 << 30, 12 << 30]) == (2 << 30) // 4
+    assert default_budget([0, 1 << 30]) == 0
+
+
+def test_longest_prefix_and_wrapped_entries(hf_checkpoint):
+    pipeline, _ = in_process_pipeline(hf_checkpoint, (8,))
+    prefix = PrefixCache(pipeline, 1 << 30)
+    stored(prefix, P[:20])
+    stored(prefix, P[:30])
+    assert found(prefix, P) == (P[:30], 30)  # the longest entry the prompt extends
+    # Both wrapped the window: an entry that the prompt leaves before its end is no use.
+    assert found(prefix, P[:25] + [1, 2, 3]) == (P[:20], 20)
+    # The same tokens again: at least the last one is computed, and a wrapped entry
+    # cannot be cut back by one, so the shorter entry serves.
+    assert found(prefix, P[:30]) == (P[:20], 20)
+    assert found(prefix, other(30)) == (None, 0)
+    assert prefix.index.covered(np.array(P[:30], dtype=np.int32))
+    assert not prefix.index.covered(np.array(P[:25], dtype=np.int32))
+
+
+def test_trimmable_entries_are_cut_to_the_common_prefix(hf_checkpoint):
+    pipeline, _ = in_process_pipeline(hf_checkpoint, (3, 5))
+    prefix = PrefixCache(pipeline, 1 << 30)
+    short = P[:10]  # shorter than the window: every cache can be cut back
+    stored(prefix, short)
+    assert found(prefix, short[:6] + [1, 2, 3]) == (short, 6)
+    assert found(prefix, short) == (short, 9)
+    assert prefix.index.covered(np.array(short[:4], dtype=np.int32))  # a cut serves it
+    # A longer trimmable entry makes the shorter one useless: it replaces it, on every rank.
+    stored(prefix, short + [5, 6])
+    assert [list(e.tokens) for e in prefix.index.entries.values()] == [short + [5, 6]]
+    assert_every_rank_agrees(prefix)
+
+    # A restored, cut entry continues exactly as the prompt computed from scratch.
+    prompt = short[:6] + other(14)
+    entry, tokens = prefix.index.find(np.array(prompt, dtype=np.int32))
+    pipeline.restore(7, entry.id, tokens)
+    warm = pipeline.logits(mx.array(prompt[tokens:], dtype=mx.uint32)[None], slot=7)
+    cold = pipeline.logits(mx.array(prompt, dtype=mx.uint32)[None], slot=8)
+    assert mx.abs(warm[:, -1] - cold[:, -1]).max().item() < 1e-4
+    # The entry itself is unchanged by the restored slot's updates: restore it again.
+    pipeline.restore(9, entry.id, tokens)
+    again = pipeline.logits(mx.array(prompt[tokens:], dtype=mx.uint32)[None], slot=9)
+    assert mx.array_equal(again, warm)
+
+
+def run(scheduler, prompt, max_tokens=12):
+    """(tokens, logprobs, FinishEvent) of one request, on this thread."""
+    handle = scheduler.submit(GenerationRequest(list(prompt), max_tokens=max_tokens))
+    scheduler.run_pending()
+    return split_events(list(handle.events()))
+
+
+def split_events(events):
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    return [e.token_id for e in tokens], [e.logprob for e in tokens], events[-1]
+
+
+def assert_same(warm, cold):
+    assert warm[0] == cold[0]
+    assert max((abs(a - b) for a, b in zip(warm[1], cold[1])), default=0) < 1e-4
+
+
+def cold_scheduler(path, split):
+    return Scheduler(in_process_pipeline(path, split)[0], load_tokenizer(path), prefill_step_size=8)
+
+
+@pytest.mark.parametrize("split", [(8,), (3, 5), (2, 3, 3)])
+def test_chat_turns_equal_a_cold_run(hf_checkpoint, split):
+    """Each turn extends the last (its prompt, its reply, a new message): it restores
+    the last turn's entry and prefills only the new tokens, with the same output."""
+    pipeline, _ = in_process_pipeline(hf_checkpoint, split)
+    warm = Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=8, prefix_cache_bytes=1 << 30)
+    cold = cold_scheduler(hf_checkpoint, split)
+    prompt, fed = P, 0
+    for turn in range(4):
+        got = run(warm, prompt)
+        assert_same(got, run(cold, prompt))
+        assert got[2].cached_tokens == fed
+        # What the next turn restores: all this turn fed, not its last token if it ended by length.
+        fed = len(prompt) + len(got[0]) - (got[2].finish_reason == "length")
+        prompt = prompt + got[0] + other(10, turn)
+    assert_every_rank_agrees(warm.prefix_cache)
+
+
+def test_concurrent_requests_sharing_a_system_prompt(hf_checkpoint):
+    """Five requests arrive together: the first stores the shared system prompt (it
+    agrees with the waiting ones that far), the others restore it; they decode as
+    batch rows, and each row stored when it ends serves that chat's next turn."""
+    pipeline, _ = in_process_pipeline(hf_checkpoint, (3, 5))
+    warm = Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=8, max_batch=5,
+                     prefix_cache_bytes=1 << 30)
+    prompts = [SYSTEM + other(6 + k, k) for k in range(5)]
+    max_tokens = [10, 14, 6, 12, 8]
+    handles = [warm.submit(GenerationRequest(p, max_tokens=m)) for p, m in zip(prompts, max_tokens)]
+    warm.start()
+    try:
+        results = [split_events(list(h.events())) for h in handles]
+        cold = cold_scheduler(hf_checkpoint, (3, 5))
+        for prompt, m, got in zip(prompts, max_tokens, results):
+            assert_same(got, run(cold, prompt, m))
+        assert [r[2].cached_tokens for r in results] == [0] + [len(SYSTEM)] * 4
+        # The next turn of chat 1, whose reply ended as a row of a batch.
+        follow = prompts[1] + results[1][0] + other(5, 9)
+        handle = warm.submit(GenerationRequest(follow, max_tokens=8))
+        got = split_events(list(handle.events()))
+        assert_same(got, run(cold, follow, 8))
+        assert got[2].cached_tokens == len(prompts[1]) + max_tokens[1] - 1
+    finally:
+        warm.close()
+    assert_every_rank_agrees(warm.prefix_cache)
+
+
+def test_eviction_under_a_small_budget(hf_checkpoint):
+    """A budget of about two entries: entries come and go on every rank, never above
+    it, and outputs stay exact."""
+    pipeline, _ = in_process_pipeline(hf_checkpoint, (2, 3, 3))
+    probe = PrefixCache(pipeline, 1 << 30)
+    stored(probe, P + other(10))  # 50 tokens
+    budget = max(probe.index.bytes) * 2  # a prompt's two entries (its end, its finish), not more
+    pipeline.evict(list(probe.index.entries))
+    warm = Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=8, prefix_cache_bytes=budget)
+    cold = cold_scheduler(hf_checkpoint, (2, 3, 3))
+    prompts = [P, other(40, 1), other(40, 1) + other(5, 3), P + other(5, 2)]
+    cached = []
+    for prompt in prompts:
+        got = run(warm, prompt)
+        assert_same(got, run(cold, prompt))
+        assert_every_rank_agrees(warm.prefix_cache)
+        cached.append(got[2].cached_tokens)
+    # The third prompt restores the second's entry; the first's were evicted before the fourth.
+    assert cached == [0, 0, 39, 0] and warm.prefix_cache.evicted > 0
+
+
+@pytest.fixture(scope="module")
+def chats(hf_checkpoint):
+    """A 3-turn chat over HTTP and one over gRPC on a real 2-rank server, once with the
+    prefix cache (its default size) and once with --prefix-cache-bytes 0."""
+    return {cache: chat_on_server(hf_checkpoint, [] if cache else ["--prefix-cache-bytes", "0"])
+            for cache in (True, False)}
+
+
+def chat_on_server(model, extra):
+    server = Server(model, 2, [*SERVER_ARGS, "--http", "127.0.0.1:0", *extra])
+    try:
+        server.wait_serving()
+        while not (listening := re.search(r"and \S+:(\d+) \(HTTP\)", server.output())):
+            time.sleep(0.01)  # health turns SERVING just before rank 0 logs its addresses
+        port = listening.group(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        http, grpc_turns = [], []
+        messages = [{"role": "system", "content": "You are a terse assistant. " * 3}]
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"Question {turn}: what is {turn} + {turn}?"})
+            r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, logprobs=True,
+                                               temperature=0)
+            text = r.choices[0].message.content
+            http.append((text, [e.logprob for e in r.choices[0].logprobs.content],
+                         r.usage.prompt_tokens_details.cached_tokens))
+            messages.append({"role": "assistant", "content": text})
+        history = [pb.ChatMessage(role="user", content="Tell me about rings. " * 3)]
+        for turn in range(3):
+            out = {"token_ids": [], "logprobs": []}
+            for response in server.stub.Generate(pb.GenerateRequest(messages=history, max_tokens=12), timeout=120):
+                out["token_ids"] += list(response.token_ids)
+                out["logprobs"] += list(response.logprobs)
+                out["text"] = out.get("text", "") + response.text
+                if response.finish_reason:
+                    out["cached"] = response.usage.cached_tokens
+            grpc_turns.append(out)
+            history += [pb.ChatMessage(role="assistant", content=out["text"]),
+                        pb.ChatMessage(role="user", content=f"And turn {turn}?")]
+    finally:
+        server.stop()
+    log = server.output(100000)  # with the summary rank 0 prints as it stops
+    server.log.close()
+    return {"http": http, "grpc": grpc_turns, "log": log}
+
+
+def test_a_real_two_rank_server_over_http_and_grpc(chats):
+    on, off = chats[True], chats[False]
+    assert "prefix cache: up to" in on["log"] and "prefix cache: off" in off["log"]
+    for (text, logprobs, cached), (text0, logprobs0, cached0) in zip(on["http"], off["http"]):
+        assert text == text0 and cached0 == 0
+        assert max(abs(a - b) for a, b in zip(logprobs, logprobs0)) < 1e-4
+    assert [c for _, _, c in on["http"]][0] == 0 and all(c > 0 for _, _, c in on["http"][1:])
+    for turn, (got, ref) in enumerate(zip(on["grpc"], off["grpc"])):
+        assert got["token_ids"] == ref["token_ids"] and ref["cached"] == 0
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])) < 1e-4
+        assert (got["cached"] > 0) == (turn > 0)
+    assert "prefix cache: " in on["log"] and re.search(r"[1-9]\d* of \d+ prompts hit", on["log"])
+

@@ -173,9 +173,9 @@ def test_chat_turns_equal_a_cold_run(hf_checkpoint, split):
 
 
 def test_concurrent_requests_sharing_a_system_prompt(hf_checkpoint):
-    """Five requests arrive together: the first stores the shared system prompt (it
-    agrees with the waiting ones that far), the others restore it; they decode as
-    batch rows, and each row stored when it ends serves that chat's next turn."""
+    """Five requests arrive together: they prefill as one batch (so none restores
+    another's entry), decode as batch rows, and each row stored when it ends serves
+    that chat's next turn."""
     pipeline, _ = in_process_pipeline(hf_checkpoint, (3, 5))
     warm = Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=8, max_batch=5,
                      prefix_cache_bytes=1 << 30)
@@ -188,7 +188,7 @@ def test_concurrent_requests_sharing_a_system_prompt(hf_checkpoint):
         cold = cold_scheduler(hf_checkpoint, (3, 5))
         for prompt, m, got in zip(prompts, max_tokens, results):
             assert_same(got, run(cold, prompt, m))
-        assert [r[2].cached_tokens for r in results] == [0] + [len(SYSTEM)] * 4
+        assert [r[2].cached_tokens for r in results] == [0] * 5
         # The next turn of chat 1, whose reply ended as a row of a batch.
         follow = prompts[1] + results[1][0] + other(5, 9)
         handle = warm.submit(GenerationRequest(follow, max_tokens=8))
@@ -217,8 +217,9 @@ def test_eviction_under_a_small_budget(hf_checkpoint):
         assert_same(got, run(cold, prompt))
         assert_every_rank_agrees(warm.prefix_cache)
         cached.append(got[2].cached_tokens)
-    # The third prompt restores the second's entry; the first's were evicted before the fourth.
-    assert cached == [0, 0, 39, 0] and warm.prefix_cache.evicted > 0
+    # The third prompt restores the second's entry (its whole prompt, stored once it had its
+    # first token); the first's were evicted before the fourth.
+    assert cached == [0, 0, 40, 0] and warm.prefix_cache.evicted > 0
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,9 @@ class Pipeline:
     def _cache_op(self, op: Op, slot: int, arg: int = 0, values: Sequence[int] = ()) -> None:
         """Apply a cache op here and on every other rank (after the frames already sent)."""
         self.caches.apply(op, slot, arg, values)
+        self._tell_others(op, slot, arg, values)
+
+    def _tell_others(self, op: Op, slot: int, arg: int = 0, values: Sequence[int] = ()) -> None:
         if self.transport is not None:
             payload = mx.array(values, dtype=mx.int32).reshape(1, -1, 1) if values else None
             header = Header.for_payload(op, payload, slot=slot, arg=arg) if values else Header(op, slot=slot, arg=arg)
@@ -96,24 +99,17 @@ class Pipeline:
         """Keep row `row` of `slot` as entry `entry`, on every rank. Returns rank 0's
         share: (tokens it covers, bytes)."""
         kept = self.caches.snapshot(slot, entry, row)
-        self._ints(Op.SNAPSHOT, [entry, row], slot)
+        self._tell_others(Op.SNAPSHOT, slot, values=[entry, row])
         return kept
 
     def restore(self, slot: int, entry: int, tokens: int) -> None:
         """Start `slot` from entry `entry`'s first `tokens` tokens, on every rank."""
-        self.caches.restore(slot, entry, tokens)
-        self._ints(Op.RESTORE, [entry, tokens], slot)
+        self._cache_op(Op.RESTORE, slot, values=[entry, tokens])
 
     def evict(self, entries: List[int]) -> None:
         """Forget entries, on every rank."""
-        for entry in entries:
-            self.caches.evict(entry)
         if entries:
-            self._ints(Op.EVICT, entries)
-
-    def _ints(self, op: Op, values: List[int], slot: int = 0) -> None:
-        payload = mx.array(values, dtype=mx.int32).reshape(1, 1, -1)
-        self._control(Header.for_payload(op, payload, slot=slot), payload)
+            self._cache_op(Op.EVICT, 0, values=entries)
 
     def send(self, tokens: mx.array, reply: Reply, slot: int = 0) -> None:
         """Start tokens (batch, length) through all stages; unless `reply` is

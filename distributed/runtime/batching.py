@@ -4,7 +4,10 @@ Running sequences decode in groups, one per rank at most, that follow each
 other around the ring: while rank 1 runs group A's step, rank 0 runs group
 B's, so no rank waits for a whole round trip. A group is one batched decode
 step (mlx-lm's batch caches, one row per sequence); sequences join a group
-between its steps and leave it when they finish.
+between its steps and leave it when they finish. A group's next step is sent
+as soon as its tokens are sampled, before rank 0 looks at them (lookahead, as
+mlx-lm's generate does), so the host's work per step (reading the tokens,
+streaming them, building the next step) overlaps the device's.
 
 New sequences are admitted in batches (`prefill`): waiting prompts prefill
 together, in chunks that follow each other along the ring, and take their
@@ -36,7 +39,8 @@ class PrefixHooks:
 
     def snapshot(self, seq: Sequence, slot: int, row: int) -> None:
         """`seq` has finished; row `row` of `slot` still holds its caches (its prompt
-        and every generated token but the last) until right after this call."""
+        and the tokens drawn since, `seq.sampled`: all, or all but the last, as the
+        lookahead may have fed it) until right after this call."""
 
     def prefilled(self, seq: Sequence, slot: int, row: int) -> None:
         """`seq` has its first token and goes on decoding; row `row` of `slot` holds
@@ -58,6 +62,7 @@ class Outstanding:
     sequences: List[Sequence]  # the frame's rows, in order
     slot: int
     group: Optional[Group] = None
+    picked: Optional[tuple] = None  # one rank: (tokens, logprobs), sampled as the frame was sent
 
 
 class Batcher:
@@ -66,7 +71,7 @@ class Batcher:
         self.pipeline, self.tokenizer = pipeline, tokenizer
         ranks = pipeline.num_ranks
         self.groups = [Group(slot) for slot in range(ranks)]
-        self.group_cap = -(-max_batch // ranks)
+        self.group_cap = -(-max_batch // len(self.groups))
         self.max_batch = max_batch
         self.depth = ranks  # prompt chunks in the ring at once: enough to keep every rank busy
         self.prefix = prefix or PrefixHooks()
@@ -74,7 +79,7 @@ class Batcher:
         self.ready: deque = deque()  # PrefillBatch: rows with their first token, waiting for room in a group
         self.outstanding: deque = deque()  # in the order their replies will come
         self.sequences = 0  # admitted and not finished
-        self._next_slot = ranks  # slots below are the groups'
+        self._next_slot = len(self.groups)  # slots below are the groups'
 
     @property
     def has_room(self) -> bool:
@@ -100,7 +105,7 @@ class Batcher:
     def drain(self) -> None:
         """Take every outstanding reply (before a control exchange such as rank info)."""
         while self.outstanding:
-            self._receive()
+            self._receive(lookahead=False)
 
     def shutdown(self, reason: str) -> None:
         """End every admitted sequence with an error (the server is stopping)."""
@@ -137,7 +142,7 @@ class Batcher:
         sent = self.admission.send_next()
         if sent is not None:
             kind, batch = sent
-            self.outstanding.append(Outstanding(kind, list(batch.members), batch.slot))
+            self._expect(Outstanding(kind, list(batch.members), batch.slot))
         return sent is not None
 
     def _next_group(self) -> Optional[Group]:
@@ -159,11 +164,22 @@ class Batcher:
                 return group
         return None
 
-    def _send_step(self, group: Group) -> None:
-        tokens = mx.array([[s.next_token] for s in group.members], dtype=mx.uint32)
-        self.pipeline.send(tokens, Reply.LAST, group.slot)
+    def _send_step(self, group: Group, tokens: Optional[mx.array] = None) -> None:
+        if tokens is None:
+            tokens = mx.array([s.next_token for s in group.members], dtype=mx.uint32)
+        self.pipeline.send(tokens[:, None], Reply.LAST, group.slot)
         group.busy = True
-        self.outstanding.append(Outstanding("step", list(group.members), group.slot, group))
+        self._expect(Outstanding("step", list(group.members), group.slot, group))
+
+    def _expect(self, frame: Outstanding) -> None:
+        """`frame` was sent; its reply comes in order. With one rank the reply is
+        already here, lazily: sample from it now and start the device on it, so the
+        host builds the next frame while this one computes (as mlx-lm's generate
+        overlaps its steps)."""
+        if frame.kind != "chunk" and self.pipeline.transport is None:
+            frame.picked = self._pick(frame.sequences, self.pipeline.take_local_reply())
+            mx.async_eval(*frame.picked)
+        self.outstanding.append(frame)
 
     def _drop_cancelled(self) -> None:
         self.admission.drop_cancelled(lambda seq: self._finish(seq, "cancelled"))
@@ -179,36 +195,59 @@ class Batcher:
 
     # -- receiving ------------------------------------------------------------
 
-    def _receive(self) -> None:
+    def _receive(self, lookahead: bool = True) -> None:
         frame = self.outstanding.popleft()
-        _, h = self.pipeline.recv()
-        if frame.kind == "chunk":
-            return
-        logits = self.pipeline.stage.head(h)[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = self._sample(frame.sequences, logprobs)
-        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
+        if frame.picked is None:
+            _, h = self.pipeline.recv()
+            if frame.kind == "chunk":
+                return
+            frame.picked = self._pick(frame.sequences, h)
+        tokens, chosen = frame.picked
+        # The rows in the slot now, in order: a first-token frame's are all its rows
+        # (one cancelled while its batch prefilled goes below); a step's are those not
+        # finished, as with lookahead a step is sent before the previous one's tokens
+        # are looked at, so rows that finished there were in this step too (and were
+        # filtered out of the caches since).
+        in_slot = [(i, s) for i, s in enumerate(frame.sequences) if frame.kind == "first" or not s.finished]
+        group = frame.group
+        if group is not None and lookahead and in_slot and not self.ready:
+            # Lookahead (as mlx-lm's generate): the group's next step goes now, on the
+            # tokens just sampled, still on the device; they are looked at while it
+            # runs. A row that finishes here costs one wasted row-step. Not while
+            # rows wait to join a group: they join between steps.
+            rows = [i for i, _ in in_slot]
+            self._send_step(group, tokens if len(rows) == len(frame.sequences) else tokens[mx.array(rows)])
+        else:
+            group = None
         mx.eval(tokens, chosen)
+        tokens, chosen = tokens.tolist(), chosen.reshape(-1).tolist()
         keep = []
-        for i, (seq, token, logprob) in enumerate(zip(frame.sequences, tokens.tolist(), chosen.reshape(-1).tolist())):
+        for row, (i, seq) in enumerate(in_slot):
             if seq.finished:
                 continue  # cancelled while its batch was prefilling: its row goes now
-            reason = seq.accept(token, logprob)
+            reason = seq.accept(tokens[i], chosen[i])
             if reason is None:
-                keep.append(i)
+                keep.append(row)
             else:
-                self._finish(seq, reason, frame.slot, i)
-        if len(keep) < len(frame.sequences):
+                self._finish(seq, reason, frame.slot, row)
+        if len(keep) < len(in_slot):
             self.pipeline.filter(frame.slot, keep)
-        kept = [frame.sequences[i] for i in keep]
+        kept = [in_slot[row][1] for row in keep]
         if frame.kind == "first":
             for row, seq in enumerate(kept):
                 self.prefix.prefilled(seq, frame.slot, row)
             if kept:
                 self.ready.append(PrefillBatch(frame.slot, kept))
         else:
-            frame.group.busy = False
             frame.group.members = kept
+            frame.group.busy = group is not None  # its next step is in the ring
+
+    def _pick(self, sequences: List[Sequence], h: mx.array) -> tuple:
+        """(next tokens, their log-probabilities), lazily, from the last rank's output."""
+        logits = self.pipeline.stage.head(h)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = self._sample(sequences, logprobs)
+        return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
 
     @staticmethod
     def _sample(sequences: List[Sequence], logprobs: mx.array) -> mx.array:

@@ -131,6 +131,11 @@ class Pipeline:
             return self._local.popleft()
         return self.transport.recv()
 
+    def take_local_reply(self) -> mx.array:
+        """One rank: the (lazy) reply to the frame just sent, taken now instead of by
+        recv(); frames sent earlier keep their place."""
+        return self._local.pop()[1]
+
     def forward(self, tokens: mx.array, reply: Reply, slot: int = 0) -> Optional[mx.array]:
         """send() and wait for its reply: the final hidden states (None for NONE / ACK)."""
         self.send(tokens, reply, slot)

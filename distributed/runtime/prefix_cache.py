@@ -147,12 +147,13 @@ class PrefixCache:
             self.cached_tokens += tokens
 
     def store_row(self, seq, slot: int, row: int) -> None:
-        """Store what row `row` of `slot` (`seq`) was fed: its prompt and the generated
-        tokens but the last; before the row is filtered out."""
+        """Store what row `row` of `slot` (`seq`) was fed: its prompt and the tokens
+        drawn since (all, or all but the last: the batcher's lookahead may have fed
+        it already); before the row is filtered out."""
         if not self.enabled:
             return
         fed = self.pipeline.caches.length(slot, row)
-        tokens = list(seq.request.prompt_ids) + seq.generated
+        tokens = list(seq.request.prompt_ids) + seq.sampled
         if fed <= len(tokens):
             self.store(slot, row, tokens[:fed])
 

@@ -67,6 +67,7 @@ class Sequence:
         self.unsent: List[int] = list(req.prompt_ids)  # prompt tokens not yet sent into the ring
         self.next_token: Optional[int] = None  # the input of the next decode step
         self.generated: List[int] = []  # tokens streamed so far
+        self.sampled: List[int] = []  # every token drawn (also an EOS or one after a cancel): fed or to be fed
         # Prefix cache (prefix_cache.py): prompt tokens restored from an entry, and where
         # in the prompt to store entries (None: not looked up yet).
         self.cached_tokens = 0
@@ -100,6 +101,7 @@ class Sequence:
     def accept(self, token: int, logprob: float) -> Optional[str]:
         """Stream a decoded token; returns the finish reason if the request is done."""
         self.first_at = self.first_at or time.perf_counter()
+        self.sampled.append(token)
         if self.handle.cancelled:
             return "cancelled"
         if token in self._eos:

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from distributed.runtime.batching import PrefixHooks
-from distributed.runtime.caches import is_batch
+from distributed.runtime.caches import SlotCaches, is_batch
 from distributed.runtime.request import FinishEvent, GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
 from distributed.transport import Op, Reply
@@ -243,7 +243,8 @@ def test_first_token_endings_in_one_batch(hf_checkpoint):
 
 class Snapshots(PrefixHooks):
     """Checks the snapshot hook's promise: the finished sequence's row still holds
-    its prompt and every generated token but the last."""
+    its prompt and the tokens drawn since (all, or all but the last: the batcher's
+    lookahead may have fed the last one already)."""
 
     def __init__(self, pipeline):
         self.pipeline, self.seen = pipeline, []
@@ -251,8 +252,11 @@ class Snapshots(PrefixHooks):
     def snapshot(self, seq, slot, row):
         caches = self.pipeline.caches.slots[slot]
         plain = [c.extract(row) for c in caches] if is_batch(caches) else caches
-        full = next(c for c, layer in zip(plain, self.pipeline.stage.layers) if not layer.use_sliding)
-        self.seen.append((len(seq.request.prompt_ids), seq.count, full.offset))
+        layer = next(i for i, layer in enumerate(self.pipeline.stage.layers) if not layer.use_sliding)
+        full = plain[layer]
+        keys = mx.array(full.keys[..., : full.offset, :])
+        mx.eval(keys)  # here: the hook runs on the scheduler's thread
+        self.seen.append((list(seq.request.prompt_ids) + seq.sampled, len(seq.request.prompt_ids), layer, keys))
 
 
 def test_snapshot_hook_sees_the_finished_row(hf_checkpoint):
@@ -260,7 +264,14 @@ def test_snapshot_hook_sees_the_finished_row(hf_checkpoint):
     hooks = scheduler.batcher.prefix = Snapshots(scheduler.pipeline)
     run_admitted(scheduler, [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, [1, 7, 3, 12, 5, 9])])
     assert len(hooks.seen) == len(PROMPTS)
-    assert all(offset == prompt + count - 1 for prompt, count, offset in hooks.seen)
+    stage = scheduler.pipeline.stage
+    for tokens, prompt, layer, keys in hooks.seen:
+        fed = keys.shape[2]
+        assert len(tokens) - 1 <= fed <= len(tokens) and fed >= prompt
+        # The row's keys are those of its tokens fed alone into fresh caches.
+        fresh = SlotCaches(stage).get(0)
+        mx.eval(stage(stage.embed(mx.array([tokens[:fed]], dtype=mx.uint32)), fresh))
+        assert mx.allclose(keys, fresh[layer].keys[..., :fed, :], atol=1e-4).item()
 
 
 def test_real_two_rank_server_batches_exactly(hf_checkpoint):

@@ -161,14 +161,18 @@ def test_chat_turns_equal_a_cold_run(hf_checkpoint, split):
     pipeline, _ = in_process_pipeline(hf_checkpoint, split)
     warm = Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=8, prefix_cache_bytes=1 << 30)
     cold = cold_scheduler(hf_checkpoint, split)
+    eos = load_tokenizer(hf_checkpoint).eos_token_id
     prompt, fed = P, 0
     for turn in range(4):
         got = run(warm, prompt)
         assert_same(got, run(cold, prompt))
         assert got[2].cached_tokens == fed
-        # What the next turn restores: all this turn fed, not its last token if it ended by length.
-        fed = len(prompt) + len(got[0]) - (got[2].finish_reason == "length")
-        prompt = prompt + got[0] + other(10, turn)
+        # What the next turn restores: all this turn fed, its last token too (the
+        # batcher's lookahead fed it before seeing that the turn had ended), an EOS
+        # too, which the next turn's prompt holds as a chat template would.
+        reply = got[0] + ([eos] if got[2].finish_reason == "stop" else [])
+        fed = len(prompt) + len(reply)
+        prompt = prompt + reply + other(10, turn)
     assert_every_rank_agrees(warm.prefix_cache)
 
 
@@ -194,7 +198,7 @@ def test_concurrent_requests_sharing_a_system_prompt(hf_checkpoint):
         handle = warm.submit(GenerationRequest(follow, max_tokens=8))
         got = split_events(list(handle.events()))
         assert_same(got, run(cold, follow, 8))
-        assert got[2].cached_tokens == len(prompts[1]) + max_tokens[1] - 1
+        assert got[2].cached_tokens == len(prompts[1]) + max_tokens[1]
     finally:
         warm.close()
     assert_every_rank_agrees(warm.prefix_cache)

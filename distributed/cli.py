@@ -14,6 +14,7 @@ import threading
 from typing import List, Optional
 
 from . import TrinityError
+from .runtime.prefill import PREFILL_STEP_SIZE
 from .runtime.prefix_cache import default_budget
 from .runtime.request import GenerationRequest, RequestError, TokenEvent
 from .runtime.scheduler import Scheduler
@@ -62,7 +63,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--transport", choices=["auto", "p2p", "collective"], default="auto",
                    help="how hidden states move between ranks: point-to-point send/recv, or collectives "
                    "(for backends without send/recv, such as NCCL); auto picks collective under NCCL")
-    p.add_argument("--prefill-step-size", type=int, default=512,
+    p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE,
                    help="prompt tokens per prefill frame (a batch of B prompts: N/B each); "
                    "several ranks work on successive chunks at once")
     p.add_argument("--max-batch", type=int, default=None,

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from ..transport import Reply
 from .pipeline import Pipeline
-from .prefill import Admission, PrefillBatch
+from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .sequence import Sequence
 
 
@@ -66,7 +66,7 @@ class Outstanding:
 
 
 class Batcher:
-    def __init__(self, pipeline: Pipeline, tokenizer, max_batch: int = 16, prefill_step_size: int = 512,
+    def __init__(self, pipeline: Pipeline, tokenizer, max_batch: int = 16, prefill_step_size: int = PREFILL_STEP_SIZE,
                  prefill_batch_tokens: int = 2048, prefix: Optional[PrefixHooks] = None):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         ranks = pipeline.num_ranks

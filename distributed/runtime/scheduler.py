@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from typing import Callable, Iterator, Optional, Union
 
 from .batching import Batcher
+from .prefill import PREFILL_STEP_SIZE
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
 from .request import FinishEvent, GenerationRequest, TokenEvent
@@ -58,7 +59,7 @@ class RequestHandle:
 
 
 class Scheduler:
-    def __init__(self, pipeline: Pipeline, tokenizer, max_queue: int = 64, prefill_step_size: int = 512,
+    def __init__(self, pipeline: Pipeline, tokenizer, max_queue: int = 64, prefill_step_size: int = PREFILL_STEP_SIZE,
                  max_batch: int = 16, on_failure: Optional[Callable[[str], None]] = None,
                  prefill_batch_tokens: int = 2048, prefix_cache_bytes: int = 0):
         self.pipeline, self.tokenizer = pipeline, tokenizer

@@ -20,6 +20,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ..transport import Reply
+from .logits import shaped_logprobs, top_logprobs
 from .pipeline import Pipeline
 from .prefill import Admission, PrefillBatch
 from .sequence import Sequence
@@ -87,7 +88,8 @@ class Batcher:
     def add(self, handle) -> None:
         seq = Sequence(handle, self.tokenizer, self._new_slot())
         self.sequences += 1
-        self.prefix.restore(seq)
+        if not seq.request.prompt_logprobs:  # those need every prompt position computed
+            self.prefix.restore(seq)
         self.admission.waiting.append(seq)
 
     def step(self) -> None:
@@ -183,17 +185,20 @@ class Batcher:
         frame = self.outstanding.popleft()
         _, h = self.pipeline.recv()
         if frame.kind == "chunk":
+            if h is not None:  # every position (Reply.ALL): a prompt being scored
+                frame.sequences[0].logits.prompt.add(self.pipeline.stage.head, h)
             return
         logits = self.pipeline.stage.head(h)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = self._sample(frame.sequences, logprobs)
+        tokens = self._sample(frame.sequences, shaped_logprobs(frame.sequences, logits, logprobs))
         chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
         mx.eval(tokens, chosen)
+        tops = top_logprobs(frame.sequences, logprobs)
         keep = []
         for i, (seq, token, logprob) in enumerate(zip(frame.sequences, tokens.tolist(), chosen.reshape(-1).tolist())):
             if seq.finished:
                 continue  # cancelled while its batch was prefilling: its row goes now
-            reason = seq.accept(token, logprob)
+            reason = seq.accept(token, logprob, tops[i])
             if reason is None:
                 keep.append(i)
             else:

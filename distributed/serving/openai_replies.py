@@ -34,7 +34,7 @@ class Choice:
         self.tools = ToolCallStream(reply.tokenizer, reply.plan.tools) if reply.plan.chat else None
         self.echo_waits = echo is not None and scored  # the echo goes out with the prompt's logprobs
         self.text, self.entries, self.calls = [], [], []
-        self.offset = 0
+        self.offset = 0  # text_offset of the next entry
         self.finish = self.error = None
         self.usage = (0, 0, 0)  # prompt, completion and cached tokens
 
@@ -50,10 +50,11 @@ class Choice:
         """Take one event; returns the chunks it makes."""
         logprobs = self.reply.plan.logprobs is not None
         if isinstance(event, PromptEvent):
-            entries = self._prompt_entries(event) if logprobs and self.echo is not None else []
+            entries = [self._entry(*e) for e in zip(event.token_ids, event.logprobs, event.top_logprobs)] \
+                if logprobs and self.echo is not None else []
             return self._text(self.echo or "", entries) if self.echo_waits else []
         if isinstance(event, TokenEvent):
-            entries = [Entry(event.token_id, event.logprob, event.top_logprobs or [], self.offset)] if logprobs else []
+            entries = [self._entry(event.token_id, event.logprob, event.top_logprobs or [])] if logprobs else []
             return self._text(event.text, entries)
         self.error = event.error if event.finish_reason == "error" else None
         self.usage = (event.prompt_tokens, event.completion_tokens, event.cached_tokens)
@@ -64,17 +65,13 @@ class Choice:
             self.finish = "tool_calls" if self.finish == "stop" else self.finish
         return chunks + self._content(tail, calls, [], self.finish)
 
-    def _prompt_entries(self, event: PromptEvent) -> List[Entry]:
-        """Entries for the echoed prompt, at the offsets where its tokens' text starts."""
-        detokenizer, entries, offset = self.reply.tokenizer.detokenizer, [], self.offset
-        for token, logprob, top in zip(event.token_ids, event.logprobs, event.top_logprobs):
-            entries.append(Entry(token, logprob, top, offset))
-            detokenizer.add_token(token)
-            offset += len(detokenizer.last_segment)
-        return entries
+    def _entry(self, token_id: int, logprob: Optional[float], top) -> Entry:
+        """Offsets add up the tokens' own texts, from the choice's start (as vLLM counts them)."""
+        entry = Entry(token_id, logprob, top, self.offset)
+        self.offset += len(self.reply.token(token_id))
+        return entry
 
     def _text(self, text: str, entries: List[Entry]) -> List[dict]:
-        self.offset += len(text)
         calls = []
         if self.tools is not None:
             text, calls = self.tools.feed(text)
@@ -94,7 +91,7 @@ class Choice:
     def _chunk(self, part: dict, entries=(), finish=None) -> dict:
         key = "delta" if self.reply.plan.chat else "text"
         choice = {"index": self.index, **({key: part} if key == "delta" else part),
-                  "logprobs": self.reply.logprobs(entries), "finish_reason": finish}
+                  "logprobs": self.reply.logprobs(entries) if entries else None, "finish_reason": finish}
         return self.reply.frame("chat.completion.chunk" if self.reply.plan.chat else "text_completion", [choice])
 
     def whole(self) -> dict:
@@ -116,6 +113,7 @@ class Reply:
         self.plan, self.model, self.tokenizer = plan, model, tokenizer
         self.id = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._tokens = {}
         self.choices = [Choice(self, i, echo, r.prompt_logprobs)
                         for i, (echo, r) in enumerate(zip(plan.echo or [None] * len(plan.requests), plan.requests))]
 
@@ -143,26 +141,30 @@ class Reply:
         kind = "chat.completion.chunk" if self.plan.chat else "text_completion"
         return {**self.frame(kind, []), "usage": self.usage()}
 
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def token(self, token_id: int) -> str:
+        """A token's own text (cached: each reply decodes the same few ids again and again)."""
+        text = self._tokens.get(token_id)
+        if text is None:
+            text = self._tokens[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def logprobs(self, entries) -> Optional[dict]:
         if self.plan.logprobs is None:
             return None
         if self.plan.chat:
             def item(token_id, logprob):
-                token = self._token(token_id)
+                token = self.token(token_id)
                 return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
             return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top or []]}
                                 for e in entries], "refusal": None}
-        tokens = [self._token(e.token_id) for e in entries]
+        tokens = [self.token(e.token_id) for e in entries]
         tops = []
         for token, e in zip(tokens, entries):
             if e.top is None:
                 tops.append(None)  # the first prompt token
             else:
-                top = {self._token(i): v for i, v in e.top}
+                top = {self.token(i): v for i, v in e.top}
                 top.setdefault(token, e.logprob)  # OpenAI: the chosen token is always there
                 tops.append(top)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,

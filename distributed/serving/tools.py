@@ -146,8 +146,8 @@ class ToolCallStream:
                 if not final:
                     continue
             closed = state != "tool" and i > 0 and segments[i - 1][0] == "tool"
-            if self._call and (closed or final):
-                parsed = self._parse(self._call)
+            if closed or (final and state == "tool"):  # a call ended, or the generation did inside one
+                parsed = self._parse(self._call) if self._call.strip() else None
                 if parsed is None:  # not a call after all (e.g. cut short): show it as text
                     content.append(self.start + self._call + (self.end if closed else ""))
                 calls += parsed or []

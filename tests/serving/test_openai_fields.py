@@ -16,13 +16,14 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_tokenizer
 
-from conftest import ROOT
+from conftest import ROOT, free_port_range
 from distributed.runtime.scheduler import Scheduler
 from distributed.serving.http_api import start_http_server
 from distributed.serving.openai_fields import NEUTRAL, REFUSED, fields
 from distributed.serving.options import ServeOptions
 from distributed.serving.requests import ModelInfo
 from distributed.shard.config import read_config
+from grpc_server import Server
 from reference import PROMPT, mlx_lm_greedy, mlx_lm_logprobs
 from stages import in_process_pipeline
 
@@ -99,6 +100,22 @@ def test_echo_streamed_and_without_logprobs(served):
     assert plain.choices[0].text == whole.choices[0].text and plain.choices[0].logprobs is None
     empty = served.client.completions.create(model="tiny", prompt="Hello", max_tokens=0, echo=True)
     assert empty.choices[0].text == "Hello" and empty.usage.completion_tokens == 0
+
+
+def test_echo_logprobs_over_a_real_two_rank_ring(hf_checkpoint):
+    """run_trinity.py --serve --http under mlx.launch -n 2: the prompt's hidden states cross processes."""
+    port = free_port_range(1)
+    server = Server(hf_checkpoint, 2, ["--http", f"127.0.0.1:{port}"])
+    try:
+        server.wait_serving()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=2, timeout=60)
+        out = client.completions.create(model=str(hf_checkpoint), prompt=[PROMPT], max_tokens=1, echo=True, logprobs=1,
+                                        temperature=0)
+    finally:
+        server.stop()
+    ref = mlx_lm_logprobs(hf_checkpoint, PROMPT)
+    lp = out.choices[0].logprobs.token_logprobs
+    assert lp[0] is None and close(lp[1:len(PROMPT)], [ref[i - 1, t].item() for i, t in enumerate(PROMPT) if i])
 
 
 # ---------------------------------------------------------------- top logprobs

@@ -41,7 +41,7 @@ class Choice:
     def opening(self) -> List[dict]:
         """Chunks before any event: chat's role, or the echoed prompt."""
         if self.reply.plan.chat:
-            return [self._chunk({"role": "assistant", "content": ""})]
+            return [self._chunk({"delta": {"role": "assistant", "content": ""}})]
         if self.echo is not None and not self.echo_waits:
             return self._text(self.echo, [])
         return []
@@ -86,12 +86,12 @@ class Choice:
         if not self.reply.plan.chat:
             return [self._chunk({"text": text}, entries, finish)]
         delta = {**({"content": text} if text else {}), **({"tool_calls": calls} if calls else {})}
-        return [self._chunk(delta, entries, finish)]
+        return [self._chunk({"delta": delta}, entries, finish)]
 
     def _chunk(self, part: dict, entries=(), finish=None) -> dict:
-        key = "delta" if self.reply.plan.chat else "text"
-        choice = {"index": self.index, **({key: part} if key == "delta" else part),
-                  "logprobs": self.reply.logprobs(entries) if entries else None, "finish_reason": finish}
+        """One stream chunk: `part` is the choice's text (completions) or delta (chat)."""
+        choice = {"index": self.index, **part, "logprobs": self.reply.logprobs(entries) if entries else None,
+                  "finish_reason": finish}
         return self.reply.frame("chat.completion.chunk" if self.reply.plan.chat else "text_completion", [choice])
 
     def whole(self) -> dict:

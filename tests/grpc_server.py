@@ -169,7 +169,12 @@ def generate(stub, timeout=120, metadata=None, **fields):
     out = {"text": "", "token_ids": [], "logprobs": [], "responses": 0}
     for r in stub.Generate(pb.GenerateRequest(**fields), timeout=timeout, metadata=metadata):
         assert not out.get("finish_reason"), "a response after the one with finish_reason"
+        if r.prompt_token_ids:  # prompt_logprobs: first, alone
+            assert out["responses"] == 0 and not r.token_ids and fields.get("prompt_logprobs")
+            out["prompt"] = r
+            continue
         out["responses"] += 1
+        out.setdefault("top_logprobs", []).extend(r.top_logprobs)
         out["text"] += r.text
         out["token_ids"] += list(r.token_ids)
         out["logprobs"] += list(r.logprobs)

@@ -27,10 +27,13 @@ def mlx_lm_logprobs(path: Path, prompt: List[int]) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def mlx_lm_greedy(path: Path, prompt: List[int], max_tokens: int, prefill_step_size: int) -> Tuple[List[int], List[float]]:
-    """Greedy tokens and their logprobs from mlx-lm's generate_step, stopping at EOS."""
+def mlx_lm_greedy(path: Path, prompt: List[int], max_tokens: int, prefill_step_size: int,
+                  logits_processors=None) -> Tuple[List[int], List[float]]:
+    """Greedy tokens and their logprobs from mlx-lm's generate_step, stopping at EOS
+    (with `logits_processors`, the logprobs are the processed ones)."""
     tokens, logprobs = [], []
-    for token, lp in generate_step(mx.array(prompt), mlx_lm_model(path), max_tokens=max_tokens, prefill_step_size=prefill_step_size):
+    for token, lp in generate_step(mx.array(prompt), mlx_lm_model(path), max_tokens=max_tokens,
+                                   prefill_step_size=prefill_step_size, logits_processors=logits_processors):
         if token in EOS:
             break
         tokens.append(token)

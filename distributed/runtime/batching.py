@@ -23,6 +23,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ..transport import Reply
+from .logits import shaped_logprobs, top_candidates, top_logprobs
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .sequence import Sequence
@@ -62,7 +63,7 @@ class Outstanding:
     sequences: List[Sequence]  # the frame's rows, in order
     slot: int
     group: Optional[Group] = None
-    picked: Optional[tuple] = None  # one rank: (tokens, logprobs), sampled as the frame was sent
+    picked: Optional[tuple] = None  # what _pick gives; one rank: as the frame was sent
 
 
 class Batcher:
@@ -92,7 +93,8 @@ class Batcher:
     def add(self, handle) -> None:
         seq = Sequence(handle, self.tokenizer, self._new_slot())
         self.sequences += 1
-        self.prefix.restore(seq)
+        if not seq.request.prompt_logprobs:  # those need every prompt position computed
+            self.prefix.restore(seq)
         self.admission.waiting.append(seq)
 
     def step(self) -> None:
@@ -200,9 +202,11 @@ class Batcher:
         if frame.picked is None:
             _, h = self.pipeline.recv()
             if frame.kind == "chunk":
+                if h is not None:  # every position (Reply.ALL): a prompt being scored
+                    frame.sequences[0].logits.prompt.add(self.pipeline.stage.head, h)
                 return
             frame.picked = self._pick(frame.sequences, h)
-        tokens, chosen = frame.picked
+        tokens, chosen, top = frame.picked
         # The rows in the slot now, in order: a first-token frame's are all its rows
         # (one cancelled while its batch prefilled goes below); a step's are those not
         # finished, as with lookahead a step is sent before the previous one's tokens
@@ -210,22 +214,25 @@ class Batcher:
         # filtered out of the caches since).
         in_slot = [(i, s) for i, s in enumerate(frame.sequences) if frame.kind == "first" or not s.finished]
         group = frame.group
-        if group is not None and lookahead and in_slot and not self.ready:
+        if (group is not None and lookahead and in_slot and not self.ready
+                and not any(s.logits.processors for _, s in in_slot)):
             # Lookahead (as mlx-lm's generate): the group's next step goes now, on the
             # tokens just sampled, still on the device; they are looked at while it
             # runs. A row that finishes here costs one wasted row-step. Not while
-            # rows wait to join a group: they join between steps.
+            # rows wait to join a group (they join between steps), nor with logits
+            # processors (their next draw needs this token in the history).
             rows = [i for i, _ in in_slot]
             self._send_step(group, tokens if len(rows) == len(frame.sequences) else tokens[mx.array(rows)])
         else:
             group = None
-        mx.eval(tokens, chosen)
+        mx.eval(tokens, chosen, *(top or ()))
+        tops = top_logprobs(frame.sequences, top)
         tokens, chosen = tokens.tolist(), chosen.reshape(-1).tolist()
         keep = []
         for row, (i, seq) in enumerate(in_slot):
             if seq.finished:
                 continue  # cancelled while its batch was prefilling: its row goes now
-            reason = seq.accept(tokens[i], chosen[i])
+            reason = seq.accept(tokens[i], chosen[i], tops[i])
             if reason is None:
                 keep.append(row)
             else:
@@ -243,11 +250,14 @@ class Batcher:
             frame.group.busy = group is not None  # its next step is in the ring
 
     def _pick(self, sequences: List[Sequence], h: mx.array) -> tuple:
-        """(next tokens, their log-probabilities), lazily, from the last rank's output."""
+        """(next tokens, their log-probabilities, the top candidates or None), lazily,
+        from the last rank's output. Tokens are drawn from what the logits processors
+        make of the logits; the logprobs reported are the model's."""
         logits = self.pipeline.stage.head(h)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = self._sample(sequences, logprobs)
-        return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
+        tokens = self._sample(sequences, shaped_logprobs(sequences, logits, logprobs))
+        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
+        return tokens, chosen, top_candidates(sequences, logprobs)
 
     @staticmethod
     def _sample(sequences: List[Sequence], logprobs: mx.array) -> mx.array:

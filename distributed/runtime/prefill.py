@@ -73,7 +73,9 @@ class Admission:
             n = min(batch.step, batch.width - batch.sent)
             chunk = [(row[batch.sent:batch.sent + n] + [0] * n)[:n] for row in batch.rows]  # right-padded
             batch.sent += n
-            self.pipeline.send(mx.array(chunk, dtype=mx.uint32), Reply.ACK, batch.slot)
+            # A scored prompt needs every position's output (logits.PromptScores).
+            reply = Reply.ALL if batch.members[0].request.prompt_logprobs else Reply.ACK
+            self.pipeline.send(mx.array(chunk, dtype=mx.uint32), reply, batch.slot)
             return "chunk", batch
         if batch.padded:
             self.pipeline.finalize(batch.slot)
@@ -91,10 +93,13 @@ class Admission:
         longest = 0
         while self.waiting:
             n = len(self.waiting[0].unsent)
-            if taken and (len(taken) + 1) * max(longest, n) > self.batch_tokens:
+            alone = self.waiting[0].request.prompt_logprobs  # scored: a batch of its own, plain caches
+            if taken and (alone or (len(taken) + 1) * max(longest, n) > self.batch_tokens):
                 break
             taken.append(self.waiting.popleft())
             longest = max(longest, n)
+            if alone:
+                break
         if not taken:
             return None
         rows = [s.unsent[:-1] for s in taken]  # the last token gives the first token

@@ -7,7 +7,9 @@ own input into a GenerationRequest and its own errors from RequestError.
 import math
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
+
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token (OpenAI's chat limit)
 
 
 class RequestError(ValueError):
@@ -29,6 +31,17 @@ class GenerationRequest:
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
     deadline: Optional[float] = None  # time.monotonic() after which it is cancelled
+    # Logits processors (mlx-lm's make_logits_processors, runtime/logits.py); each
+    # penalty counts the last *_context_size tokens fed, prompt included, as mlx-lm does.
+    presence_penalty: float = 0.0  # 0: off
+    frequency_penalty: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    presence_context_size: int = 20
+    frequency_context_size: int = 20
+    repetition_context_size: int = 20
+    logit_bias: Dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    top_logprobs: int = 0  # most likely alternatives reported with each token (and prompt token)
+    prompt_logprobs: bool = False  # report the prompt's logprobs first (a PromptEvent); max_tokens may be 0
 
     def validate(self, vocab_size: int, max_context: int, max_tokens_cap: Optional[int] = None) -> None:
         if not self.prompt_ids:
@@ -36,6 +49,9 @@ class GenerationRequest:
         bad = next((t for t in self.prompt_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise RequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        bad = next((t for t in self.logit_bias if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
         if max_tokens_cap is not None and self.max_tokens > max_tokens_cap:
             raise RequestError("max_tokens", f"{self.max_tokens} is above the server's cap of {max_tokens_cap}")
         self.validate_sampling()
@@ -48,7 +64,7 @@ class GenerationRequest:
 
     def validate_sampling(self) -> None:
         """The checks that need no model (the command line runs them before loading)."""
-        if self.max_tokens < 1:
+        if self.max_tokens < (0 if self.prompt_logprobs else 1):  # 0: score the prompt, generate nothing
             raise RequestError("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if math.isnan(self.temperature) or self.temperature < 0:
             raise RequestError("temperature", f"must be >= 0, got {self.temperature}")
@@ -62,18 +78,52 @@ class GenerationRequest:
             raise RequestError("seed", f"must be in [0, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise RequestError("stop", "stop strings must not be empty")
+        self._validate_logits()
+
+    def _validate_logits(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:  # OpenAI's range (NaN fails it too)
+                raise RequestError(name, f"must be in [-2, 2], got {value}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise RequestError("repetition_penalty", f"must be > 0 (1: off), got {self.repetition_penalty}")
+        for name in ("presence_context_size", "frequency_context_size", "repetition_context_size"):
+            if getattr(self, name) < 1:
+                raise RequestError(name, f"must be at least 1, got {getattr(self, name)}")
+        bad = next((b for b in self.logit_bias.values() if not -100 <= b <= 100), None)
+        if bad is not None:
+            raise RequestError("logit_bias", f"biases must be in [-100, 100], got {bad}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
 
 
+TopLogprobs = List[Tuple[int, float]]  # (token id, logprob), most likely first
+
+
 @dataclass
 class TokenEvent:
-    """One decoded token: its id, log-probability (before temperature) and new text."""
+    """One decoded token: its id, log-probability (before logits processors and
+    temperature), new text, and the request's top_logprobs most likely tokens."""
 
     token_id: int
     logprob: float
     text: str
+    top_logprobs: Optional[TopLogprobs] = None
+
+
+@dataclass
+class PromptEvent:
+    """The prompt's logprobs (request.prompt_logprobs), before any TokenEvent: for
+    each prompt token, its logprob given the tokens before it (None for the first)
+    and the top_logprobs most likely tokens there (None for the first)."""
+
+    token_ids: List[int]
+    logprobs: List[Optional[float]]
+    top_logprobs: List[Optional[TopLogprobs]]
+    text: str = ""  # no new text: consumers that join texts need no case for it
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
+from .logits import SequenceLogits
 from .request import FinishEvent, TokenEvent
 
 
@@ -78,6 +79,7 @@ class Sequence:
         # Every sampled request draws from its own key, so a seeded request's
         # tokens do not depend on what else runs beside it.
         self._key = mx.random.key(req.seed if req.seed is not None else random.getrandbits(63))
+        self.logits = SequenceLogits(req)  # its logits processors, top and prompt logprobs
         self._detokenizer = tokenizer.detokenizer
         self._stops = StopStrings(req.stop)
         self._eos = tokenizer.eos_token_ids
@@ -98,19 +100,25 @@ class Sequence:
         self._key, draw = mx.random.split(self._key)
         return mx.random.categorical(logprobs * (1 / self.request.temperature), key=draw)
 
-    def accept(self, token: int, logprob: float) -> Optional[str]:
-        """Stream a decoded token; returns the finish reason if the request is done."""
+    def accept(self, token: int, logprob: float, top=None) -> Optional[str]:
+        """Stream a decoded token (`top`: its top logprobs); returns the finish reason
+        if the request is done."""
         self.first_at = self.first_at or time.perf_counter()
         self.sampled.append(token)
         if self.handle.cancelled:
             return "cancelled"
+        if self.logits.prompt is not None:  # the prompt's logprobs go first
+            self.handle.emit(self.logits.prompt.event())
+            self.logits.prompt = None
+        if self.request.max_tokens == 0:  # the prompt scored, nothing to generate
+            return "length"
         if token in self._eos:
             return "stop"
         self._detokenizer.add_token(token)
         text, hit = self._stops.feed(self._detokenizer.last_segment)
         self.count += 1
         self.generated.append(token)
-        self.handle.emit(TokenEvent(token, logprob, text))
+        self.handle.emit(TokenEvent(token, logprob, text, top))
         if hit:
             self._stops = None  # nothing after the stop string is sent
             return "stop"

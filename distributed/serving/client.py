@@ -4,6 +4,7 @@
     python -m distributed.client --target HOST:PORT --token-ids 1,2,3 --max-tokens 16 --json
     python -m distributed.client --target HOST:PORT --message system:"Be brief." --message user:Hi
     python -m distributed.client --target HOST:PORT --info
+    python -m distributed.client --target HOST:PORT --prompt "The sky is blue" --prompt-logprobs --max-tokens 0 --json
 
 Streams text to stdout as it is generated (a summary line goes to stderr);
 --json prints one object instead. On an error prints the gRPC status and
@@ -12,6 +13,7 @@ message to stderr and exits 1.
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -42,6 +44,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--min-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--presence-penalty", type=float)
+    p.add_argument("--frequency-penalty", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS to token ID's logit (repeatable)")
+    p.add_argument("--top-logprobs", type=int, default=0, metavar="N", help="report the N most likely tokens at each step")
+    p.add_argument("--prompt-logprobs", action="store_true",
+                   help="report the prompt's logprobs (with --max-tokens 0: score the prompt only)")
     p.add_argument("--timeout", type=float, help="deadline in seconds")
     p.add_argument("--auth-token", default=os.environ.get(AUTH_TOKEN_ENV), help=f"bearer token (or {AUTH_TOKEN_ENV})")
     p.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")
@@ -65,10 +75,22 @@ def make_request(args) -> pb.GenerateRequest:
         if not sep:
             sys.exit(f"error: --message {message!r} is not ROLE:CONTENT")
         request.messages.add(role=role, content=content)
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
         if getattr(args, name) is not None:
             setattr(request, name, getattr(args, name))
+    for bias in args.logit_bias:
+        token, sep, value = bias.partition("=")
+        try:
+            request.logit_bias[int(token)] = float(value)
+        except ValueError:
+            sys.exit(f"error: --logit-bias {bias!r} is not ID=BIAS")
+    request.top_logprobs, request.prompt_logprobs = args.top_logprobs, args.prompt_logprobs
     return request
+
+
+def _pairs(top: pb.TopLogprobs) -> list:
+    return [[t, v] for t, v in zip(top.token_ids, top.logprobs)]
 
 
 def channel(args) -> grpc.Channel:
@@ -90,6 +112,12 @@ def generate(stub, request: pb.GenerateRequest, metadata, timeout: Optional[floa
             result["text"] += response.text
             result["token_ids"] += list(response.token_ids)
             result["logprobs"] += list(response.logprobs)
+            if response.top_logprobs:
+                result.setdefault("top_logprobs", []).extend(_pairs(t) for t in response.top_logprobs)
+            if response.prompt_token_ids:  # NaN (the first token's) becomes null in --json
+                result["prompt_token_ids"] = list(response.prompt_token_ids)
+                result["prompt_logprobs"] = [None if math.isnan(v) else v for v in response.prompt_logprobs]
+                result["prompt_top_logprobs"] = [_pairs(t) for t in response.prompt_top_logprobs]
             if stream:
                 print(response.text, end="", flush=True)
             if response.finish_reason:

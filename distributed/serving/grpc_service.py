@@ -18,6 +18,7 @@ secret; it tells only SERVING or NOT_SERVING.
 """
 
 import hmac
+import math
 import sys
 import threading
 import time
@@ -29,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .. import TrinityError
-from ..runtime.request import FinishEvent, GenerationRequest, RequestError
+from ..runtime.request import FinishEvent, GenerationRequest, PromptEvent, RequestError
 from ..runtime.scheduler import QueueFull, RingUnavailable
 from .options import ServeOptions, split_address
 from .proto import generation_pb2 as pb
@@ -72,7 +73,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             for event in handle.events():
                 if isinstance(event, FinishEvent):
                     break
-                yield pb.GenerateResponse(text=event.text, token_ids=[event.token_id], logprobs=[event.logprob])
+                if isinstance(event, PromptEvent):
+                    yield pb.GenerateResponse(
+                        prompt_token_ids=event.token_ids, prompt_top_logprobs=[_top(t) for t in event.top_logprobs],
+                        prompt_logprobs=[math.nan if lp is None else lp for lp in event.logprobs])
+                    continue
+                top = [] if event.top_logprobs is None else [_top(event.top_logprobs)]
+                yield pb.GenerateResponse(text=event.text, token_ids=[event.token_id], logprobs=[event.logprob],
+                                          top_logprobs=top)
         finally:
             handle.cancel()  # the stream was closed early; a no-op once finished
         if event.finish_reason == "error":
@@ -115,6 +123,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             seed=given("seed", None),
             stop=list(r.stop),
             deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+            presence_penalty=given("presence_penalty", 0.0),
+            frequency_penalty=given("frequency_penalty", 0.0),
+            repetition_penalty=given("repetition_penalty", 1.0),
+            presence_context_size=given("presence_context_size", 20),
+            frequency_context_size=given("frequency_context_size", 20),
+            repetition_context_size=given("repetition_context_size", 20),
+            logit_bias=dict(r.logit_bias),
+            top_logprobs=r.top_logprobs,
+            prompt_logprobs=r.prompt_logprobs,
         )
 
     def GetModelInfo(self, request, context):
@@ -131,6 +148,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         ]
         return pb.ModelInfo(model_id=info.model_id, vocab_size=info.vocab_size, max_context=info.max_context,
                             max_tokens_cap=info.max_tokens_cap, ranks=ranks, max_batch=info.max_batch)
+
+
+def _top(top) -> pb.TopLogprobs:
+    """(token id, logprob) pairs; None (the first prompt token) is empty."""
+    return pb.TopLogprobs(token_ids=[t for t, _ in top or ()], logprobs=[v for _, v in top or ()])
 
 
 class BearerAuth(grpc.ServerInterceptor):

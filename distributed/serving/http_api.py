@@ -2,11 +2,12 @@
 
 GET /v1/models, POST /v1/completions and POST /v1/chat/completions, streamed
 (server-sent events ending in `data: [DONE]`) or not, shaped as OpenAI's API so
-the `openai` package works unchanged. Input is validated by the code all front
-ends share (requests.py). Errors are OpenAI error bodies: 400 bad input (naming
-the field), 401 missing or wrong bearer token, 429 queue full, 503 loading or
-pipeline down. Extensions: top_k and min_p (the `openai` package sends them in
-`extra_body`). Defaults follow OpenAI: temperature 1; max_tokens 16 for
+the `openai` package works unchanged. Which fields are taken, and the requests
+they become, is openai_fields.py's; the JSON that comes back, openai_replies.py's;
+chat messages and tool calls, tools.py's. Errors are OpenAI error bodies: 400 bad
+input or a field that is not implemented (naming it), 401 missing or wrong bearer
+token, 404 a model this server does not serve, 429 queue full, 503 loading or
+pipeline down. Defaults follow OpenAI: temperature 1; max_tokens 16 for
 completions, the rest of the context (up to the server's cap) for chat.
 """
 
@@ -17,140 +18,20 @@ import socket
 import ssl
 import threading
 import time
-import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .. import TrinityError
-from ..runtime.request import RequestError, TokenEvent
+from ..runtime.request import RequestError
 from ..runtime.scheduler import QueueFull, RingUnavailable
+from .openai_fields import ApiError, param_of, plan
+from .openai_replies import Reply
 from .options import ServeOptions, split_address
-from .requests import build_request, prompt_ids
 
 MAX_BODY = 16 * 2**20
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-
-
 def _down(reason: str) -> ApiError:
     return ApiError(503, f"the pipeline is down: {reason}", "service_unavailable")
-
-
-def _get(body: dict, name: str, kinds: tuple, default=None):
-    """body[name] if it is one of `kinds` (a bool is no number here); `default` if absent or null."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        names = " or ".join("number" if k is float else k.__name__ for k in kinds)
-        raise RequestError(name, f"expected {names}, got {json.dumps(value)[:40]}")
-    return value
-
-
-def _text_parts(m):
-    """Message content given as a list of text parts becomes one string."""
-    parts = m.get("content") if isinstance(m, dict) else None
-    if isinstance(parts, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
-        return {**m, "content": "".join(p["text"] for p in parts)}
-    return m
-
-
-def _prompt_ids(body: dict, chat: bool, tokenizer) -> list:
-    """Token ids of the prompt; empty ones are left for build_request to refuse."""
-    if chat:
-        messages = _get(body, "messages", (list,), [])
-        return prompt_ids(tokenizer, messages=[_text_parts(m) for m in messages]) if messages else []
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return prompt_ids(tokenizer, prompt=prompt) if prompt else []  # raw text: no chat template
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt_ids(tokenizer, token_ids=prompt) if prompt else []
-    raise RequestError("prompt", "expected a string or a list of token ids (one prompt per request)")
-
-
-def _sampling(body: dict, chat: bool, max_name: str, prompt_len: int, info) -> dict:
-    if _get(body, "n", (int,), 1) != 1:
-        raise RequestError("n", "only n=1 is supported")
-    stop = _get(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in stop):
-        raise RequestError("stop", "expected a string or a list of strings")
-    default_max = max(1, min(info.max_tokens_cap, info.max_context - prompt_len)) if chat else 16
-    return dict(
-        max_tokens=_get(body, max_name, (int,), default_max),
-        temperature=float(_get(body, "temperature", (int, float), 1.0)),
-        top_p=float(_get(body, "top_p", (int, float), 1.0)),
-        top_k=_get(body, "top_k", (int,), 0),
-        min_p=float(_get(body, "min_p", (int, float), 0.0)),
-        seed=_get(body, "seed", (int,), None),
-        stop=stop,
-    )
-
-
-class _Reply:
-    """One completion built from scheduler events, whole or as stream chunks."""
-
-    def __init__(self, chat: bool, model: str, tokenizer, logprobs: bool):
-        self.chat, self.model, self.tokenizer, self.logprobs = chat, model, tokenizer, logprobs
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.text, self.entries, self.offset = [], [], 0
-        self.finish = self.error = None
-        self.usage = {}
-
-    def add(self, event) -> list:
-        """Takes one event; returns its logprob entries."""
-        entries = []
-        if isinstance(event, TokenEvent):
-            if self.logprobs:
-                token = self.tokenizer.decode([event.token_id])
-                entries = [{"token": token, "logprob": event.logprob, "bytes": list(token.encode()),
-                            "top_logprobs": [], "offset": self.offset}]
-            self.offset += len(event.text)
-        else:
-            self.finish = "length" if event.finish_reason == "length" else "stop"  # "cancelled": nobody listens
-            self.error = event.error if event.finish_reason == "error" else None
-            self.usage = {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-                          "total_tokens": event.prompt_tokens + event.completion_tokens,
-                          "prompt_tokens_details": {"cached_tokens": event.cached_tokens}}
-        self.text.append(event.text)
-        self.entries += entries
-        return entries
-
-    def _logprobs(self, entries):
-        if not self.logprobs:
-            return None
-        if self.chat:
-            return {"content": [{k: e[k] for k in ("token", "logprob", "bytes", "top_logprobs")} for e in entries]}
-        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": None, "text_offset": [e["offset"] for e in entries]}
-
-    def _frame(self, kind: str, choice: dict, entries, finish) -> dict:
-        choice = {"index": 0, **choice, "logprobs": self._logprobs(entries), "finish_reason": finish}
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
-
-    def chunk(self, text: str, entries=(), finish=None, role: bool = False) -> dict:
-        if not self.chat:
-            return self._frame("text_completion", {"text": text}, entries, finish)
-        delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
-        return self._frame("chat.completion.chunk", {"delta": delta}, entries, finish)
-
-    def whole(self) -> dict:
-        text = "".join(self.text)
-        if self.chat:
-            reply = self._frame("chat.completion", {"message": {"role": "assistant", "content": text}},
-                                self.entries, self.finish)
-        else:
-            reply = self._frame("text_completion", {"text": text}, self.entries, self.finish)
-        return {**reply, "usage": self.usage}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -226,62 +107,59 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(200, {"object": "list", "data": [model]})
 
     def _generate(self, body: dict, chat: bool, scheduler, tokenizer, info):
-        max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        renamed = {"max_tokens": max_name, "token_ids": "prompt", **({"prompt": "messages", "token_ids": "messages"} if chat else {})}
         try:
-            ids = _prompt_ids(body, chat, tokenizer)
-            request = build_request(info, ids, **_sampling(body, chat, max_name, len(ids), info))
-            logprobs = _get(body, "logprobs", (bool,) if chat else (int,), False)
-            if logprobs is not False and logprobs < 0:
-                raise RequestError("logprobs", f"must be >= 0, got {logprobs}")
-            stream = _get(body, "stream", (bool,), False)
-            usage_chunk = bool(_get(body, "stream_options", (dict,), {}).get("include_usage"))
+            run = plan(body, chat, tokenizer, info)
         except RequestError as e:
-            param = renamed.get(e.field, e.field)
+            param = param_of(e, body, chat)
             raise ApiError(400, f"{param}: {str(e).split(': ', 1)[1]}", param=param) from None
+        handles = []
         try:
-            handle = scheduler.submit(request)
+            for request in run.requests:  # one per choice
+                handles.append(scheduler.submit(request))
+            reply = Reply(run, info.model_id, tokenizer)
+            self._stream(handles, reply) if run.stream else self._whole(handles, reply)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}", "rate_limit_exceeded") from None
         except RingUnavailable as e:
             raise _down(str(e)) from None
-        reply = _Reply(chat, info.model_id, tokenizer, logprobs is not False)
-        try:
-            self._stream(handle, reply, usage_chunk) if stream else self._whole(handle, reply)
-        except Exception:  # mostly the client hanging up: the scheduler stops within one decode step
-            handle.cancel()
-            raise
-
-    def _whole(self, handle, reply):
-        for event in handle.events():
-            if self._client_gone():
+        finally:  # finished ones ignore it; others (the client hung up, a choice failed) stop within a step
+            for handle in handles:
                 handle.cancel()
-                self.close_connection = True
-                return
-            reply.add(event)
+
+    def _whole(self, handles, reply):
+        for choice, handle in zip(reply.choices, handles):
+            choice.opening()
+            for event in handle.events():
+                if self._client_gone():
+                    self.close_connection = True
+                    return
+                choice.add(event)
         if reply.error:
             raise _down(reply.error)
         self._send_json(200, reply.whole())
 
-    def _stream(self, handle, reply, usage_chunk: bool):
+    def _stream(self, handles, reply):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         self._started = True
-        if reply.chat:
-            self._event(reply.chunk("", role=True))
-        for event in handle.events():
-            entries = reply.add(event)
-            if reply.error:
-                self._event(_down(reply.error).body())  # the `openai` package raises APIError on it
+        for choice, handle in zip(reply.choices, handles):  # choices one after the other, each with its index
+            for chunk in choice.opening():
+                self._event(chunk)
+            for event in handle.events():
+                chunks = choice.add(event)
+                if choice.error:
+                    self._event(_down(choice.error).body())  # the `openai` package raises APIError on it
+                    break
+                for chunk in chunks:
+                    self._event(chunk)
+            if choice.error:
                 break
-            if event.text or entries or reply.finish:
-                self._event(reply.chunk(event.text, entries, reply.finish))
         else:
-            if usage_chunk:
-                self._event({**reply.chunk(""), "choices": [], "usage": reply.usage})
+            if reply.plan.include_usage:
+                self._event(reply.usage_chunk())
             self._event("[DONE]")
         self.wfile.write(b"0\r\n\r\n")
 

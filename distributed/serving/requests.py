@@ -5,7 +5,11 @@ GenerationRequest, and the model facts they report."""
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from jinja2 import TemplateError
+
 from ..runtime.request import GenerationRequest, RequestError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")  # chat roles a request may use
 
 
 @dataclass
@@ -37,15 +41,28 @@ def prompt_ids(
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise RequestError("messages", f"message {i} needs string 'role' and 'content'")
-        return _chat(tokenizer, messages)
+            check_role(i, m["role"])
+        return chat_ids(tokenizer, messages)
     if chat_template and tokenizer.chat_template is not None:
-        return _chat(tokenizer, [{"role": "user", "content": prompt}])
+        return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     # As mlx-lm does for raw prompts: the tokenizer adds its BOS, if it has one.
     return list(tokenizer.encode(prompt))
 
 
-def _chat(tokenizer, messages) -> List[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def check_role(i: int, role: str) -> None:
+    if role not in ROLES:
+        raise RequestError(f"messages[{i}].role", f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+
+
+def chat_ids(tokenizer, messages: List[dict], tools: Optional[List[dict]] = None) -> List[int]:
+    """The chat template applied to `messages` (roles checked), with `tools` if given."""
+    # "developer" is OpenAI's newer name for "system"; chat templates know the latter.
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **({"tools": tools} if tools else {}))
+    except TemplateError as e:  # e.g. a template that raises on a role order it does not take
+        raise RequestError("messages", f"the chat template refused them: {e}") from None
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 

@@ -246,7 +246,7 @@ def chat_on_server(model, extra):
         messages = [{"role": "system", "content": "You are a terse assistant. " * 3}]
         for turn in range(3):
             messages.append({"role": "user", "content": f"Question {turn}: what is {turn} + {turn}?"})
-            r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, logprobs=True,
+            r = client.chat.completions.create(model=str(model), messages=messages, max_tokens=12, logprobs=True,
                                                temperature=0)
             text = r.choices[0].message.content
             http.append((text, [e.logprob for e in r.choices[0].logprobs.content],

@@ -17,7 +17,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import mlx.core as mx
 import pytest
+from mlx_lm.sample_utils import make_logits_processors
 from google.protobuf import descriptor_pool, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -26,7 +28,7 @@ from grpc_server import (CONFIGS, IDS, LONG, MAX_TOKENS, NOT_SERVING, SERVER_ARG
                          assert_matches, env, generate, openssl_cert, rpc_error)
 from distributed.serving.proto import generation_pb2 as pb
 from distributed.shard.kv_budget import MAX_BATCH
-from reference import PROMPT
+from reference import PROMPT, mlx_lm_greedy, mlx_lm_logprobs
 
 # ---------------------------------------------------------------- fixtures
 
@@ -136,6 +138,11 @@ BAD = [  # (request fields, field named in the message, words in the message)
     ({"token_ids": PROMPT, "min_p": -0.1}, "min_p", "[0, 1]"),
     ({"token_ids": PROMPT, "min_p": 1.5}, "min_p", "[0, 1]"),
     ({"token_ids": PROMPT, "stop": [""]}, "stop", "empty"),
+    ({"token_ids": PROMPT, "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+    ({"token_ids": PROMPT, "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"token_ids": PROMPT, "logit_bias": {300: 1.0}}, "logit_bias", "300"),
+    ({"token_ids": PROMPT, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+    ({"messages": [pb.ChatMessage(role="wizard", content="hi")]}, "messages[0].role", "unknown role"),
 ]
 
 
@@ -200,6 +207,32 @@ def test_client_command_line(server, reference):
     info = client("--target", server.address, "--info", "--json")
     assert info.returncode == 0, info.stderr
     assert [[r["layer_start"], r["layer_end"]] for r in json.loads(info.stdout)["ranks"]] == server.layers
+
+
+def test_prompt_logprobs_top_logprobs_and_penalties_equal_mlx_lm(server, hf_checkpoint):
+    """Scoring a prompt needs every position back from the last rank, across this split."""
+    out = generate(server.stub, token_ids=PROMPT, max_tokens=0, prompt_logprobs=True, top_logprobs=3)
+    ref, p = mlx_lm_logprobs(hf_checkpoint, PROMPT), out["prompt"]
+    assert list(p.prompt_token_ids) == PROMPT and math.isnan(p.prompt_logprobs[0]) and not p.prompt_top_logprobs[0].token_ids
+    assert max(abs(lp - ref[i - 1, t].item()) for i, (lp, t) in enumerate(zip(p.prompt_logprobs, PROMPT)) if i) < 1e-4
+    assert all(list(top.token_ids) == mx.argsort(-ref[i - 1])[:3].tolist() for i, top in enumerate(p.prompt_top_logprobs) if i)
+    assert out["token_ids"] == [] and out["finish_reason"] == "length"
+    fields = dict(presence_penalty=1.5, repetition_penalty=1.3, logit_bias={5: -100.0})
+    penalized = generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, top_logprobs=2, **fields)
+    expected, _ = mlx_lm_greedy(hf_checkpoint, PROMPT, MAX_TOKENS, 512,
+                                logits_processors=make_logits_processors({5: -100.0}, 1.3, 20, 1.5, 20))
+    assert penalized["token_ids"] == expected != mlx_lm_greedy(hf_checkpoint, PROMPT, MAX_TOKENS, 512)[0]
+    assert [len(t.token_ids) for t in penalized["top_logprobs"]] == [2] * len(expected)
+    proc = client("--target", server.address, "--token-ids", IDS, "--max-tokens", "0", "--prompt-logprobs",
+                  "--top-logprobs", "2", "--logit-bias", "5=-100", "--presence-penalty", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    scored = json.loads(proc.stdout)
+    assert scored["prompt_logprobs"][0] is None and close_to(scored["prompt_logprobs"][1:], p.prompt_logprobs[1:])
+    assert len(scored["prompt_top_logprobs"][1]) == 2 and scored["token_ids"] == []
+
+
+def close_to(a, b):
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5
 
 
 # ---------------------------------------------------------------- auth, TLS, queue

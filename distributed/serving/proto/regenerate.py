@@ -28,7 +28,10 @@ def main() -> None:
     text = stub.read_text()
     absolute = "from distributed.serving.proto import generation_pb2 as"
     assert absolute in text, "unexpected import in the generated stub"
-    stub.write_text(text.replace(absolute, "from . import generation_pb2 as"))
+    text = text.replace(absolute, "from . import generation_pb2 as")
+    if "warnings." not in text:  # an unused import (ruff F401) that grpcio-tools 1.85 writes
+        text = text.replace('"""\nimport grpc\nimport warnings\n', '"""\n\nimport grpc\n')
+    stub.write_text(text)
     print(f"regenerated {', '.join(p.name for p in sorted(HERE.glob('generation_pb2*')))}")
 
 

@@ -1,0 +1,124 @@
+"""What rank 0 does with a sequence's logits besides sampling: logits processors,
+top logprobs and the prompt's logprobs.
+
+- Logits processors are mlx-lm's (`make_logits_processors`: logit_bias, repetition,
+  presence and frequency penalties), one set per sequence with its own token
+  history (its prompt, then each generated token), as mlx-lm's generate_step and
+  BatchGenerator keep it. They shape what is sampled; the logprobs reported stay
+  the model's, before processors and temperature.
+- Top logprobs: the most likely tokens of the model's distribution at each step.
+- Prompt logprobs: a sequence that asks for them is prefilled in a batch of its
+  own whose chunk frames ask for every position's hidden state (Reply.ALL);
+  PromptScores turns those into each prompt token's logprob given the tokens
+  before it.
+"""
+
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import TokenBuffer
+from mlx_lm.sample_utils import make_logits_processors
+
+from .request import GenerationRequest, PromptEvent, TopLogprobs
+
+HEAD_BLOCK = 128  # prompt positions per lm_head call: bounds rank 0's memory (a vocabulary of logits each)
+
+
+def top_k_logprobs(logprobs: mx.array, k: int):
+    """(ids, values) of the k largest entries of each row of `logprobs`, largest first."""
+    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
+    values = mx.take_along_axis(logprobs, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+
+
+class PromptScores:
+    """A prompt's logprobs, filled from the last stage's output at its positions."""
+
+    def __init__(self, prompt: List[int], top: int):
+        self.prompt, self.top = list(prompt), top
+        self.logprobs: List[Optional[float]] = [None]  # the first token has no context
+        self.tops: List[Optional[TopLogprobs]] = [None]
+
+    def add(self, head: Callable[[mx.array], mx.array], h: mx.array) -> None:
+        """`h` (1, n, hidden): the next n prompt positions' final hidden states; each
+        gives the logprob of the prompt token after it."""
+        for a in range(0, h.shape[1], HEAD_BLOCK):
+            logits = head(h[:, a:a + HEAD_BLOCK])[0].astype(mx.float32)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            start = len(self.logprobs)
+            targets = mx.array(self.prompt[start:start + logprobs.shape[0]])
+            chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+            top = top_k_logprobs(logprobs, self.top) if self.top else None
+            mx.eval(chosen, *(top or ()))
+            self.logprobs += chosen.tolist()
+            if top is None:
+                self.tops += [[] for _ in range(logprobs.shape[0])]
+            else:
+                self.tops += [list(zip(i, v)) for i, v in zip(top[0].tolist(), top[1].tolist())]
+
+    def event(self) -> PromptEvent:
+        assert len(self.logprobs) == len(self.prompt), f"scored {len(self.logprobs)} of {len(self.prompt)} prompt tokens"
+        return PromptEvent(self.prompt, self.logprobs, self.tops)
+
+
+class SequenceLogits:
+    """One sequence's processors and token history, and what it reports."""
+
+    def __init__(self, request: GenerationRequest):
+        r = request
+        self.processors = make_logits_processors(
+            logit_bias=r.logit_bias or None,
+            repetition_penalty=r.repetition_penalty if r.repetition_penalty != 1 else None,
+            repetition_context_size=r.repetition_context_size,
+            presence_penalty=r.presence_penalty or None,
+            presence_context_size=r.presence_context_size,
+            frequency_penalty=r.frequency_penalty or None,
+            frequency_context_size=r.frequency_context_size,
+        )
+        self.top = r.top_logprobs
+        self.prompt = PromptScores(r.prompt_ids, r.top_logprobs) if r.prompt_logprobs else None
+        self._history = TokenBuffer(list(r.prompt_ids)) if self.processors else None
+        self._fed = 0  # generated tokens already in the history
+
+    def process(self, logits: mx.array, generated: List[int]) -> mx.array:
+        """Apply the processors to one row of logits (1, vocab), after the tokens
+        generated so far (each one fed back before this step) joined the history."""
+        new = generated[self._fed:]
+        self._fed = len(generated)
+        history = self._history.update_and_fetch(mx.array(new, dtype=mx.int32)) if new else self._history.tokens
+        for processor in self.processors:
+            logits = processor(history, logits)
+        return logits
+
+
+def shaped_logprobs(sequences, logits: mx.array, logprobs: mx.array) -> mx.array:
+    """What each row samples from: its logprobs, or (a sequence with processors)
+    its processed logits, normalised."""
+    if not any(s.logits.processors for s in sequences):
+        return logprobs
+    rows = []
+    for i, seq in enumerate(sequences):
+        if seq.logits.processors:
+            row = seq.logits.process(logits[i:i + 1], seq.generated)
+            rows.append(row - mx.logsumexp(row, axis=-1, keepdims=True))
+        else:
+            rows.append(logprobs[i:i + 1])
+    return mx.concatenate(rows)
+
+
+def top_candidates(sequences, logprobs: mx.array):
+    """(ids, values) of the most likely tokens of each row, lazily, as many as the
+    sequence asking for the most wants; None if none asks."""
+    k = max(s.logits.top for s in sequences)
+    return top_k_logprobs(logprobs, k) if k else None
+
+
+def top_logprobs(sequences, top) -> List[Optional[TopLogprobs]]:
+    """Each sequence's `top_logprobs` most likely tokens of its row (None where it
+    asked for none), from top_candidates' (evaluated) result."""
+    if top is None:
+        return [None] * len(sequences)
+    ids, values = top[0].tolist(), top[1].tolist()
+    return [list(zip(i[:s.logits.top], v[:s.logits.top])) if s.logits.top else None
+            for s, i, v in zip(sequences, ids, values)]

@@ -1,0 +1,228 @@
+"""Which OpenAI request fields the HTTP API takes, and turning a request body into
+the generation requests of its choices.
+
+Every field is implemented, accepted only with the value that changes nothing
+here (NEUTRAL), refused by name (REFUSED), or accepted as a hint with no effect
+(HINTS); any other name is refused as unknown. README.md's field table lists the
+same sets (a test compares them).
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from ..runtime.request import MAX_TOP_LOGPROBS, GenerationRequest, RequestError
+from .requests import ModelInfo, build_request, chat_ids, prompt_ids
+from .tools import chat_messages, request_tools
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# Extensions beyond OpenAI's fields (mlx-lm's server takes the same names).
+EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_context_size",
+              "frequency_context_size")
+SHARED = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+          "presence_penalty", "frequency_penalty", "logit_bias", "logprobs") + EXTENSIONS
+IMPLEMENTED = {
+    "completions": SHARED + ("prompt", "echo"),
+    "chat": SHARED + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"),
+}
+# Accepted with no effect on the output: identifiers and caching hints for OpenAI's own service.
+HINTS = {"completions": ("user",), "chat": ("user", "safety_identifier", "prompt_cache_key")}
+# Accepted only with these values (the ones that change nothing here), else refused.
+NEUTRAL = {
+    "best_of": ((1,), "only 1 (use n for several completions)"),
+    "suffix": (("",), "text after the completion (insertion) is not supported"),
+    "parallel_tool_calls": ((True,), "the model may always call several tools at once"),
+    "response_format": (({"type": "text"},), "only {\"type\": \"text\"}: structured output (json_object, "
+                                             "json_schema) needs constrained decoding, which is not supported"),
+    "service_tier": (("auto", "default"), "there is one service tier"),
+    "store": ((False,), "completions are not stored"),
+    "metadata": (({},), "metadata tags stored completions, which are not supported"),
+    "modalities": ((["text"],), "only text output"),
+}
+NEUTRAL_IN = {"completions": ("best_of", "suffix"), "chat": tuple(k for k in NEUTRAL if k not in ("best_of", "suffix"))}
+REFUSED = {
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "not supported (the chat template decides)",
+    "verbosity": "not supported",
+    "web_search_options": "web search is not supported",
+    "functions": "deprecated by OpenAI: use tools",
+    "function_call": "deprecated by OpenAI: use tool_choice",
+}
+REFUSED_IN = {"completions": (), "chat": tuple(REFUSED)}
+
+
+def fields(endpoint: str) -> dict:
+    """Every field name `endpoint` knows -> "implemented", "extension", "hint", "neutral only" or "refused"."""
+    out = {name: "extension" if name in EXTENSIONS else "implemented" for name in IMPLEMENTED[endpoint]}
+    out.update({name: "hint" for name in HINTS[endpoint]})
+    out.update({name: "neutral only" for name in NEUTRAL_IN[endpoint]})
+    out.update({name: "refused" for name in REFUSED_IN[endpoint]})
+    return out
+
+
+def get(body: dict, name: str, kinds: tuple, default=None):
+    """body[name] if it is one of `kinds` (a bool is no number here); `default` if absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join("number" if k is float else k.__name__ for k in kinds)
+        raise RequestError(name, f"expected {names}, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _same(value, allowed) -> bool:
+    return any(type(value) is type(a) and value == a for a in allowed)
+
+
+def check_fields(body: dict, endpoint: str, info: ModelInfo) -> None:
+    """Unknown, refused and non-neutral fields are errors naming them; a model we do not serve is 404."""
+    known = fields(endpoint)
+    for name, value in body.items():
+        if name not in known:
+            raise RequestError(name, "unknown field")
+        if value is None:
+            continue  # null: OpenAI's default
+        if known[name] == "refused":
+            raise RequestError(name, REFUSED[name])
+        if known[name] == "neutral only" and not _same(value, NEUTRAL[name][0]):
+            raise RequestError(name, f"{json.dumps(value)[:60]} is not supported: {NEUTRAL[name][1]}")
+        if known[name] == "hint":
+            get(body, name, (str,))
+    model = body.get("model")
+    if model is not None and model != info.model_id:
+        raise ApiError(404, f"The model `{str(model)[:200]}` does not exist (this server serves `{info.model_id}`)",
+                       param="model", code="model_not_found")
+
+
+@dataclass
+class Plan:
+    """What a request runs (one GenerationRequest per choice) and how its reply looks."""
+
+    chat: bool
+    requests: List[GenerationRequest]
+    prompts: List[int]  # each choice's prompt index (completions take several prompts)
+    echo: List[Optional[str]] = field(default_factory=list)  # completions: each choice's prompt text to echo
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: Optional[int] = None  # None: not asked; else top alternatives per token
+    tools: Optional[List[dict]] = None  # chat: tools whose calls the reply parses
+
+
+def _completion_prompts(body: dict, tokenizer) -> List[tuple]:
+    """(token ids, text) of each prompt: a string, token ids, or a list of either."""
+    prompt = body.get("prompt")
+    many = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    out = []
+    for p in prompt if many else [prompt]:
+        if isinstance(p, str):
+            out.append((prompt_ids(tokenizer, prompt=p) if p else [], p))  # raw text: no chat template
+        elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            out.append((prompt_ids(tokenizer, token_ids=p) if p else [], None))
+        else:
+            raise RequestError("prompt", "expected a string, a list of token ids, or a list of either")
+    return out
+
+
+def _logprobs(body: dict, chat: bool) -> Optional[int]:
+    """None if no logprobs are asked for, else how many alternatives per token."""
+    if chat:
+        top = get(body, "top_logprobs", (int,), None)
+        if not get(body, "logprobs", (bool,), False):
+            if top is not None:
+                raise RequestError("top_logprobs", "needs logprobs: true")
+            return None
+        name, top = "top_logprobs", top or 0
+    else:
+        name, top = "logprobs", get(body, "logprobs", (int,), None)
+        if top is None:
+            return None
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(name, f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    return top
+
+
+def _logit_bias(body: dict) -> dict:
+    bias = get(body, "logit_bias", (dict,), {})
+    try:
+        return {int(k): float(v) for k, v in bias.items() if not isinstance(v, bool)} if bias else {}
+    except (TypeError, ValueError):
+        raise RequestError("logit_bias", "expected an object mapping token ids to numbers") from None
+
+
+def _sampling(body: dict, chat: bool, max_name: str, prompt_len: int, info: ModelInfo) -> dict:
+    stop = get(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise RequestError("stop", "expected a string or a list of strings")
+    default_max = max(1, min(info.max_tokens_cap, info.max_context - prompt_len)) if chat else 16
+
+    def number(name, default):
+        return float(get(body, name, (int, float), default))
+
+    return dict(
+        max_tokens=get(body, max_name, (int,), default_max),
+        temperature=number("temperature", 1.0), top_p=number("top_p", 1.0), top_k=get(body, "top_k", (int,), 0),
+        min_p=number("min_p", 0.0), seed=get(body, "seed", (int,), None), stop=stop,
+        presence_penalty=number("presence_penalty", 0.0), frequency_penalty=number("frequency_penalty", 0.0),
+        repetition_penalty=number("repetition_penalty", 1.0), logit_bias=_logit_bias(body),
+        **{name: get(body, name, (int,), 20) for name in
+           ("presence_context_size", "frequency_context_size", "repetition_context_size")},
+    )
+
+
+def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
+    """The choices to run for `body`; RequestError names a bad field (HTTP 400)."""
+    check_fields(body, "chat" if chat else "completions", info)
+    n = get(body, "n", (int,), 1)
+    if not 1 <= n <= 128:
+        raise RequestError("n", f"must be in [1, 128], got {n}")
+    stream = get(body, "stream", (bool,), False)
+    options = get(body, "stream_options", (dict,), None)
+    if options is not None and not stream:
+        raise RequestError("stream_options", "only allowed with stream: true")
+    unknown = next((k for k in options or {} if k not in ("include_usage", "include_obfuscation")), None)
+    if unknown is not None or (options or {}).get("include_obfuscation"):
+        raise RequestError("stream_options", f"only include_usage is supported, got {json.dumps(options)[:60]}")
+    logprobs = _logprobs(body, chat)
+    tools = None
+    if chat:
+        messages = chat_messages(body.get("messages"))
+        tools = request_tools(body, tokenizer)
+        prompts = [(chat_ids(tokenizer, messages, tools), None)]
+        max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        echo = False
+    else:
+        prompts = _completion_prompts(body, tokenizer)
+        max_name, echo = "max_tokens", get(body, "echo", (bool,), False)
+    out = Plan(chat, [], [], stream=stream, include_usage=bool((options or {}).get("include_usage")),
+               logprobs=logprobs, tools=tools)
+    for k, (ids, text) in enumerate(prompts):
+        sampling = _sampling(body, chat, max_name, len(ids), info)
+        # echo with logprobs scores the prompt; echo alone with max_tokens 0 too (nothing else to run)
+        scored = echo and (logprobs is not None or sampling["max_tokens"] == 0)
+        for j in range(n):
+            seed = sampling["seed"]
+            choice = dict(sampling, seed=None if seed is None else seed + j)  # so that n choices differ
+            out.requests.append(build_request(info, ids, top_logprobs=logprobs or 0, prompt_logprobs=scored, **choice))
+            out.prompts.append(k)
+            out.echo.append((text if text is not None else tokenizer.decode(ids)) if echo else None)
+    return out
+
+
+def param_of(error: RequestError, body: dict, chat: bool) -> str:
+    """The request field a RequestError from shared validation is about, as the client named it."""
+    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    renamed = {"max_tokens": max_name, "token_ids": "messages" if chat else "prompt", "prompt": "messages" if chat else "prompt",
+               "top_logprobs": "top_logprobs" if chat else "logprobs"}
+    return renamed.get(error.field, error.field)

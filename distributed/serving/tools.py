@@ -1,0 +1,174 @@
+"""OpenAI chat messages and tool calling over the checkpoint's chat template.
+
+Requests: `messages` in OpenAI's form (text parts, assistant `tool_calls`, `tool`
+results) become what chat templates take (one string per content, tool-call
+arguments as objects, as mlx-lm's server passes them), and `tools` reach the
+template. Replies: the generated text is split as mlx-lm's server splits it (its
+TextStateMachine, between the tokenizer's tool_call_start and tool_call_end) and
+each call is parsed by the tool parser mlx-lm found for the tokenizer
+(mlx_lm.tokenizer_utils: from the chat template or `tool_parser_type`).
+"""
+
+import json
+import uuid
+from typing import List, Optional, Tuple
+
+from mlx_lm.generate import TextStateMachine
+
+from ..runtime.request import RequestError
+from .requests import check_role
+
+NO_TOOLS = "this model's chat template has no tool support"
+# Message keys that must be absent or empty: OpenAI sends them back with earlier replies.
+EMPTY_KEYS = ("refusal", "audio", "function_call", "annotations")
+
+
+def _text(content, where: str) -> str:
+    """A message's content: a string, or a list of text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        other = next((p.get("type") for p in content if p.get("type") != "text" or not isinstance(p.get("text"), str)), 0)
+        if other == 0:
+            return "".join(p["text"] for p in content)
+        raise RequestError(where, f"only text parts are supported, got a part of type {other!r}")
+    raise RequestError(where, "expected a string or a list of text parts")
+
+
+def _tool_calls(calls, where: str) -> List[dict]:
+    """An assistant message's tool_calls, arguments decoded from JSON for the template."""
+    out = []
+    for k, call in enumerate(calls if isinstance(calls, list) else [None]):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or call.get("type", "function") != "function":
+            raise RequestError(f"{where}[{k}]", "expected {\"type\": \"function\", \"function\": {\"name\": …, \"arguments\": …}}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError as e:
+                raise RequestError(f"{where}[{k}].function.arguments", f"not JSON: {e}") from None
+        out.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
+    return out
+
+
+def chat_messages(messages) -> List[dict]:
+    """OpenAI messages as chat templates take them; RequestError names what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "expected a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"{where}.role", "each message needs a string role")
+        check_role(i, m["role"])
+        known = {"role", "content", "name", "tool_calls", "tool_call_id", *EMPTY_KEYS}
+        extra = next((k for k in m if k not in known or (k in EMPTY_KEYS and m[k])), None)
+        if extra is not None:
+            raise RequestError(f"{where}.{extra}", "not supported in a message")
+        message = {"role": m["role"]}
+        if m.get("tool_calls"):
+            if m["role"] != "assistant":
+                raise RequestError(f"{where}.tool_calls", "only assistant messages carry tool calls")
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if m.get("content") is not None or "tool_calls" not in message:
+            message["content"] = _text(m.get("content"), f"{where}.content")
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise RequestError(f"{where}.{key}", "expected a string")
+                message[key] = m[key]
+        if m["role"] == "tool" and "tool_call_id" not in message:
+            raise RequestError(f"{where}.tool_call_id", "a tool message needs the id of the call it answers")
+        out.append(message)
+    return out
+
+
+def request_tools(body: dict, tokenizer) -> Optional[List[dict]]:
+    """The tools to give the chat template (None: none, or tool_choice "none")."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        # "required" or a named function would need constrained decoding.
+        raise RequestError("tool_choice", f"only \"auto\" and \"none\" are supported, got {json.dumps(choice)[:60]}")
+    if not tools:
+        if choice == "auto":
+            raise RequestError("tool_choice", "needs tools")
+        if tools is not None and not isinstance(tools, list):
+            raise RequestError("tools", "expected a list of tools")
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools", "expected a list of tools")
+    for k, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str):
+            raise RequestError(f"tools[{k}]", "expected {\"type\": \"function\", \"function\": {\"name\": …}}")
+        if function.get("strict"):
+            raise RequestError(f"tools[{k}].function.strict", "strict schema adherence (constrained decoding) is not supported")
+    if choice == "none":
+        return None  # the model answers in text: no tools in its prompt, nothing parsed
+    if not tokenizer.has_tool_calling:
+        raise RequestError("tools", NO_TOOLS)
+    return tools
+
+
+class ToolCallStream:
+    """Splits generated text into content and tool calls as it streams."""
+
+    def __init__(self, tokenizer, tools: Optional[List[dict]]):
+        self.tools, self.parser = tools, tokenizer.tool_parser if tools else None
+        self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        transitions = {"normal": [(self.start, "tool")], "tool": [(self.end, "normal")] if self.end else []}
+        self._sm = TextStateMachine(transitions) if tools else None
+        self._state = self._sm.make_state("normal") if tools else None
+        self._call = ""  # text of the call being generated
+        self.count = 0  # calls parsed so far
+
+    def feed(self, text: str) -> Tuple[str, List[dict]]:
+        """New generated text -> (content to show, calls completed)."""
+        if self._sm is None:
+            return text, []
+        self._state, segments = TextStateMachine.split(self._state, text)
+        return self._take(segments, final=False)
+
+    def finish(self) -> Tuple[str, List[dict]]:
+        """The end of the generation: what was held back, and a call left open."""
+        if self._sm is None:
+            return "", []
+        self._state, held, state = TextStateMachine.flush(self._state)
+        return self._take([(state, held)], final=True)
+
+    def _take(self, segments, final: bool):
+        content, calls = [], []
+        for i, (state, text) in enumerate(segments):
+            if state == "tool":
+                self._call += text
+                if not final:
+                    continue
+            closed = state != "tool" and i > 0 and segments[i - 1][0] == "tool"
+            if closed or (final and state == "tool"):  # a call ended, or the generation did inside one
+                parsed = self._parse(self._call) if self._call.strip() else None
+                if parsed is None:  # not a call after all (e.g. cut short): show it as text
+                    content.append(self.start + self._call + (self.end if closed else ""))
+                calls += parsed or []
+                self._call = ""
+            if state != "tool":
+                content.append(text)
+        return "".join(content), calls
+
+    def _parse(self, text: str) -> Optional[List[dict]]:
+        try:
+            parsed = self.parser(text, self.tools)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+        calls = []
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return None
+            arguments = call.get("arguments", {})
+            calls.append({"index": self.count, "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                          "type": "function", "function": {
+                              "name": call["name"],
+                              "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}})
+            self.count += 1
+        return calls

@@ -15,7 +15,6 @@ import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 from typing import List, Optional
 
 from distributed import TrinityError
@@ -24,21 +23,21 @@ from distributed.shard.memory_plan import DEFAULT_MARGIN, plan_layers
 from distributed.shard.sizes import quantize_config
 from distributed.startup.auto_split import PLAN_ENV, plan_spec
 
-from . import hostfile, mlx_launch_ring, runner
+from . import bundled, hostfile, mlx_launch_ring, runner
 from .ssh_ring import SSH_ENV, SSH_OPTIONS, ssh_command
 
-PRESETS = Path(__file__).resolve().parent.parent / "configs" / "presets"
 SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
 
 
 def _hosts_args(p: argparse.ArgumentParser, plan: bool) -> None:
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--hostfile", help="mlx.launch hostfile (JSON); per host optional memory_gb and speed")
+    g.add_argument("--hostfile", help="mlx.launch hostfile (JSON; per host optional memory_gb and speed), or the "
+                   f"name of a bundled example ({', '.join(bundled.names('hostfile'))})")
     g.add_argument("--single-host", type=int, metavar="N", help="N ranks on this machine")
     if plan:
         g.add_argument("--memory-gb", help="memory per host in GiB, e.g. 64,16 (no hostfile needed)")
     p.add_argument("--backend", help="override the hostfile's backend (ring, mpi, nccl, jaccl, jaccl-ring)")
-    p.add_argument("--preset", help="a name in configs/presets (trinity-mini, trinity-nano) or a preset file")
+    p.add_argument("--preset", help=f"a bundled preset ({', '.join(bundled.names('preset'))}) or a preset file")
     p.add_argument("--context", type=int, help="target tokens per request, prompt + generation "
                    "(default: run_trinity's --max-context, else the preset's, else max_position_embeddings)")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="share of each host's memory kept free")
@@ -94,16 +93,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def load_preset(name: Optional[str]) -> dict:
     if not name:
         return {}
-    path = Path(name) if Path(name).exists() else PRESETS / f"{name}.json"
-    if not path.exists():
-        known = ", ".join(sorted(f.stem for f in PRESETS.glob("*.json")))
-        raise TrinityError(f"no preset {name!r} (known: {known}, or give a file path)")
-    return json.loads(path.read_text())
+    return json.loads(bundled.resolve("preset", name).read_text())
 
 
 def load_hosts(args) -> hostfile.Hostfile:
     if args.hostfile:
-        return hostfile.load(args.hostfile, args.backend)
+        return hostfile.load(bundled.resolve("hostfile", args.hostfile), args.backend)
     if getattr(args, "memory_gb", None):
         try:
             gbs = [float(x) for x in args.memory_gb.split(",")]

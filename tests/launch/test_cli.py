@@ -42,7 +42,7 @@ def test_plan_json_from_a_checkpoint(capsys, hf_checkpoint):
 
 def test_plan_preset_text_and_hostfile(capsys):
     code, out, _ = cli(capsys, "plan", "--preset", "trinity-mini", "--hostfile",
-                       str(ROOT / "configs/hosts/thunderbolt-ring-2macs.json"), "--quantize", "4")
+                       "thunderbolt-ring-2macs", "--quantize", "4")
     assert code == 0
     assert "studio.local" in out and "mini.local" in out and "context 32768 tokens" in out and "fits" in out
 

@@ -202,7 +202,7 @@ def test_client_command_line(server, reference):
     info = json.loads(info.stdout)
     assert [[r["layer_start"], r["layer_end"]] for r in info["ranks"]] == server.layers
     # uint64 fields as JSON numbers, not protobuf's strings
-    assert type(info["max_context"]) is int and all(type(r["peak_memory_bytes"]) is int > 0 for r in info["ranks"])
+    assert type(info["max_context"]) is int and all(type(r["peak_memory_bytes"]) is int for r in info["ranks"])
 
 
 # ---------------------------------------------------------------- auth, TLS, queue

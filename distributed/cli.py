@@ -1,4 +1,4 @@
-"""run_trinity.py (run-trinity), the script every rank runs: one generation, a chat (--chat) or serving (--serve), across 1..N ranks.
+"""run_trinity.py (run-trinity), the script every rank runs: one generation, a chat or serving, across 1..N ranks.
 
     run-trinity --prompt "Hi"                      # 1 rank (in a checkout: python run_trinity.py)
     run-trinity --stages 2 --chat                  # 2 stages, one process, chat on stdin
@@ -14,10 +14,10 @@ import threading
 from typing import List, Optional
 
 from . import TrinityError
+from .help_format import HelpFormatter
 from .runtime.prefix_cache import default_budget
 from .runtime.request import GenerationRequest, RequestError, TokenEvent
 from .runtime.scheduler import Scheduler
-from .help_format import HelpFormatter
 from .serving.front_ends import start_front_ends
 from .serving.options import AUTH_TOKEN_ENV, ServeOptions, check_options
 from .serving.requests import prompt_ids

@@ -29,8 +29,9 @@ def installed(tmp_path_factory):
     copy of the checkout (pip builds in the source tree); --no-index: nothing is downloaded."""
     base = tmp_path_factory.mktemp("installed")
     source, target = base / "source", base / "target"
-    shutil.copytree(ROOT, source, ignore=lambda _, names: [n for n in names if n.startswith(".") or n in (
-        "build", "__pycache__") or n.endswith(".egg-info")])
+    shutil.copytree(ROOT, source, ignore=lambda folder, names: [
+        n for n in names if n.startswith(".") or n in ("build", "__pycache__") or n.endswith(".egg-info")
+        or (n == "results" and Path(folder).name == "bench")])  # what git ignores: not part of a checkout
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                     "--target", str(target), str(source)], check=True, capture_output=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

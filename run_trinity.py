@@ -1,4 +1,6 @@
-"""The script mlx.launch runs on every rank. See distributed/cli.py."""
+"""The script every rank runs (see distributed/cli.py): `python run_trinity.py` in a checkout;
+pip installs it as the module `run_trinity`, so `run-trinity` (its console script) and
+`python -m run_trinity` run it from any directory."""
 
 from distributed.startup.lifecycle import block_stop_signals
 

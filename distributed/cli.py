@@ -1,8 +1,8 @@
-"""run_trinity.py, the script every rank runs: one generation, or serving (--serve), across 1..N ranks.
+"""run_trinity.py (run-trinity), the script every rank runs: one generation, a chat or serving, across 1..N ranks.
 
-    python run_trinity.py --prompt "Hi"                      # 1 rank
-    python run_trinity.py --stages 2 --prompt "Hi"           # 2 stages, one process
-    mlx.launch -n 2 python run_trinity.py --prompt "Hi"      # 2 processes (ring)
+    run-trinity --prompt "Hi"                      # 1 rank (in a checkout: python run_trinity.py)
+    run-trinity --stages 2 --chat                  # 2 stages, one process, chat on stdin
+    mlx.launch -n 2 run-trinity --prompt "Hi"      # 2 processes (ring)
 
 Rank 0 prints; other ranks print nothing on stdout.
 """
@@ -14,6 +14,7 @@ import threading
 from typing import List, Optional
 
 from . import TrinityError
+from .help_format import HelpFormatter
 from .runtime.prefill import PREFILL_STEP_SIZE
 from .runtime.prefix_cache import default_budget
 from .runtime.request import GenerationRequest, RequestError, TokenEvent
@@ -30,36 +31,38 @@ from .startup.watchdog import Watchdog
 
 DEFAULT_PROMPT = "Explain pipeline parallelism in one sentence."
 EPILOG = """\
-examples:
-  python run_trinity.py --prompt "Hi"                          1 rank
-  mlx.launch -n 2 python run_trinity.py --prompt "Hi"          2 local ranks (ring)
-  mlx.launch --hostfile hosts.json python run_trinity.py --model REPO --serve 127.0.0.1:50051
-  python -m launch run --hostfile hosts.json -- run_trinity.py --model REPO --serve 127.0.0.1:50051
+examples (run-trinity is installed by pip; in a checkout `python run_trinity.py` is the same):
+  run-trinity --prompt "Hi"                                 1 rank
+  run-trinity --stages 2 --chat                             a chat on stdin, 2 stages in one process
+  mlx.launch -n 2 run-trinity --prompt "Hi"                 2 local ranks (ring)
+  mlx.launch --hostfile hosts.json -- "$(which run-trinity)" --model REPO --serve 127.0.0.1:50051
+  trinity-launch run --hostfile hosts.json -- run-trinity --model REPO --serve 127.0.0.1:50051
 
-where things are (README.md, "How it is built"): distributed/shard (what a rank holds),
-distributed/transport (how frames move), distributed/runtime (the ring: pipeline, scheduler),
-distributed/startup (joining, watchdog, stopping), distributed/serving (gRPC, HTTP, client),
-launch/ (planning a split, starting and supervising rings)."""
+more in README.md, sections "Running" (every flag), "Chatting", "Serving", "Unequal Macs: planning
+the split", "Stopping" and "How it is built" (where things are in the code)."""
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="run_trinity.py", description=__doc__.split("\n")[0], epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--model", help="local checkpoint directory or Hugging Face repo id "
                    "(default: an embedded tiny AFMoE checkpoint, made locally)")
     prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", help="text; the chat template is applied unless --no-chat-template")
+    prompt.add_argument("--prompt", help="text; the chat template is applied unless --no-chat-template "
+                        f"(default: {DEFAULT_PROMPT!r})")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, fed as they are")
-    p.add_argument("--no-chat-template", action="store_true")
-    p.add_argument("--max-tokens", type=int, default=100)
-    p.add_argument("--temp", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    prompt.add_argument("--chat", action="store_true", help="an interactive chat on rank 0's stdin: streamed replies, "
+                        "the conversation kept (its KV caches reused through the prefix cache); /reset, /exit")
+    p.add_argument("--no-chat-template", action="store_true", help="feed --prompt as raw text")
+    p.add_argument("--max-tokens", type=int, default=100, help="tokens to generate (per turn with --chat)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 disables")
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=0.0, help="0 disables")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--stages", type=int, default=1, help="run N stages inside this one process")
-    p.add_argument("--split", help="layers per rank, e.g. 10,12,10; `auto` plans from each rank's memory")
+    p.add_argument("--split", help="layers per rank, e.g. 10,12,10; `auto` plans from each rank's memory "
+                   "(default: an even split, rank 0 taking the fewest)")
     p.add_argument("--transport", choices=["auto", "p2p", "collective"], default="auto",
                    help="how hidden states move between ranks: point-to-point send/recv, or collectives "
                    "(for backends without send/recv, such as NCCL); auto picks collective under NCCL")
@@ -89,10 +92,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get RESOURCE_EXHAUSTED")
     serve.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a client may ask for")
     serve.add_argument("--prefix-cache-bytes", type=int, default=None, metavar="N",
-                       help="KV caches kept across requests, so a prompt that extends an earlier one (a chat's "
-                       "next turn) prefills only the rest: at most N bytes on any rank; 0 disables; default: a "
-                       "quarter of what the tightest rank has beside its weights (its usable memory measured "
-                       "before loading, less 10%%), set aside before the default --max-batch")
+                       help="with --serve or --chat: KV caches kept across requests, so a prompt that extends an "
+                       "earlier one (a chat's next turn) prefills only the rest: at most N bytes on any rank; 0 "
+                       "disables; default: a quarter of what the tightest rank has beside its weights (its usable "
+                       "memory measured before loading, less 10%%), set aside before the default --max-batch")
     return p.parse_args(argv)
 
 
@@ -111,6 +114,10 @@ def validate(args: argparse.Namespace) -> None:
         raise TrinityError(f"--prefill-batch-tokens must be at least 1, got {args.prefill_batch_tokens}")
     if args.prefix_cache_bytes is not None and args.prefix_cache_bytes < 0:
         raise TrinityError(f"--prefix-cache-bytes must be >= 0, got {args.prefix_cache_bytes}")
+    if args.chat:
+        clash = next((f for f in ("serve", "http", "json", "no_chat_template") if getattr(args, f)), None)
+        if clash:
+            raise TrinityError(f"--chat cannot be combined with --{clash.replace('_', '-')}")
     try:
         _request(args, []).validate_sampling()
     except RequestError as e:
@@ -135,13 +142,30 @@ def _flag_error(e: RequestError) -> TrinityError:
 
 
 def build_request(args, tokenizer, config) -> GenerationRequest:
-    request = _request(args, prompt_tokens(args, tokenizer))
-    max_context = args.max_context or config.get("max_position_embeddings") or 2**31
     try:
-        request.validate(model_args(config).vocab_size, max_context)
+        return validated_request(args, prompt_tokens(args, tokenizer), config)
     except RequestError as e:
         raise _flag_error(e) from None
+
+
+def validated_request(args, prompt_ids: List[int], config) -> GenerationRequest:
+    """The flags' request for `prompt_ids`; raises RequestError."""
+    request = _request(args, prompt_ids)
+    request.validate(model_args(config).vocab_size, context_limit(args, config))
     return request
+
+
+def context_limit(args, config) -> int:
+    """Prompt + max tokens limit: --max-context, else the model's."""
+    return args.max_context or config.get("max_position_embeddings") or 2**31
+
+
+def prefix_cache_budget(args, config, ranks, memory_bytes: List[int]) -> int:
+    """--prefix-cache-bytes, else a share of the tightest rank's memory beside its weights."""
+    if args.prefix_cache_bytes is not None:
+        return args.prefix_cache_bytes
+    context = min(context_limit(args, config), args.max_context or DEFAULT_CONTEXT)
+    return default_budget(kv_budget(config, ranks, memory_bytes, context).free_bytes)
 
 
 def prompt_tokens(args, tokenizer) -> List[int]:
@@ -238,11 +262,9 @@ def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Wat
 
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     ranks = pipeline.rank_info()
-    max_context = args.max_context or config.get("max_position_embeddings") or 2**31
+    max_context = context_limit(args, config)
     context = min(max_context, args.max_context or DEFAULT_CONTEXT)
-    prefix_cache_bytes = args.prefix_cache_bytes
-    if prefix_cache_bytes is None:  # a share of the tightest rank's memory beside its weights
-        prefix_cache_bytes = default_budget(kv_budget(config, ranks, built.memory_bytes, context).free_bytes)
+    prefix_cache_bytes = prefix_cache_budget(args, config, ranks, built.memory_bytes)
     # The prefix cache's bytes come out of every rank's share before the default batch size.
     budget = kv_budget(config, ranks, built.memory_bytes, context, set_aside_bytes=prefix_cache_bytes)
     max_batch = args.max_batch or budget.max_batch
@@ -309,11 +331,16 @@ def run(args, stop: RankStop) -> None:
     pipeline, path, config = built.pipeline, built.path, built.config
     from mlx_lm.utils import load_tokenizer
 
+    cache_bytes = prefix_cache_budget(args, config, pipeline.rank_info(), built.memory_bytes) if args.chat else 0
     scheduler = Scheduler(pipeline, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")),
-                          prefill_step_size=args.prefill_step_size)
+                          prefill_step_size=args.prefill_step_size, prefix_cache_bytes=cache_bytes)
     if _watchdog is not None:
         _watchdog.on_failure = scheduler.abort
     try:
+        if args.chat:
+            from .serving.chat import chat
+
+            return chat(scheduler, lambda ids: validated_request(args, ids, config), stop.running)
         request = build_request(args, scheduler.tokenizer, config)
         result = generate_once(scheduler, request, stream=not args.json, stop=stop)
         result["ranks"] = pipeline.rank_info()

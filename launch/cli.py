@@ -1,8 +1,9 @@
-"""python -m launch plan|run: plan a split over unequal hosts, start the ranks.
+"""trinity-launch (python -m launch) plan|run: plan a split over unequal hosts, start the ranks.
 
-    python -m launch plan --model PATH_OR_REPO --hostfile hosts.json [--context N] [--json]
-    python -m launch run --hostfile hosts.json [--dry-run] -- run_trinity.py --model … --prompt …
-    python -m launch run --single-host 2 [--restart N] -- run_trinity.py --serve 127.0.0.1:50051
+    trinity-launch plan --preset trinity-mini --memory-gb 48,10.5 [--context N] [--json]
+    trinity-launch plan --model PATH_OR_REPO --hostfile hosts.json [--context N] [--json]
+    trinity-launch run --hostfile hosts.json [--dry-run] -- run-trinity --model … --prompt …
+    trinity-launch run --single-host 2 [--restart N] -- run-trinity --serve 127.0.0.1:50051
 
 Ring-backend rings are started by us, without mlx.launch (whose output loop keeps
 a core busy): local ranks (127.0.0.1) directly, remote hosts over ssh (--ssh, or
@@ -15,39 +16,50 @@ import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 from typing import List, Optional
 
 from distributed import TrinityError
+from distributed.help_format import HelpFormatter
 from distributed.shard.memory import usable_memory_bytes
 from distributed.shard.memory_plan import DEFAULT_MARGIN, plan_layers
 from distributed.shard.sizes import quantize_config
 from distributed.startup.auto_split import PLAN_ENV, plan_spec
 
-from . import hostfile, mlx_launch_ring, runner
+from . import bundled, hostfile, mlx_launch_ring, runner
 from .ssh_ring import SSH_ENV, SSH_OPTIONS, ssh_command
 
-PRESETS = Path(__file__).resolve().parent.parent / "configs" / "presets"
+RUN_SCRIPT = "run-trinity"  # the console script of run_trinity.py
+EPILOG = """\
+examples:
+  trinity-launch plan --preset trinity-mini --quantize 4 --hostfile thunderbolt-ring-2macs
+  trinity-launch run --single-host 2 -- run-trinity --prompt "Hi"
+  trinity-launch run --hostfile hosts.json --restart 3 -- run-trinity --model REPO --serve 127.0.0.1:50051
+
+presets and example hostfiles are bundled (`--preset NAME`, `--hostfile NAME`; launch/configs/README.md);
+more in README.md, section "Unequal Macs: planning the split"."""
 SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
 
 
 def _hosts_args(p: argparse.ArgumentParser, plan: bool) -> None:
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--hostfile", help="mlx.launch hostfile (JSON); per host optional memory_gb and speed")
+    g.add_argument("--hostfile", help="mlx.launch hostfile (JSON; per host optional memory_gb and speed), or the "
+                   f"name of a bundled example ({', '.join(bundled.names('hostfile'))})")
     g.add_argument("--single-host", type=int, metavar="N", help="N ranks on this machine")
     if plan:
         g.add_argument("--memory-gb", help="memory per host in GiB, e.g. 64,16 (no hostfile needed)")
     p.add_argument("--backend", help="override the hostfile's backend (ring, mpi, nccl, jaccl, jaccl-ring)")
-    p.add_argument("--preset", help="a name in configs/presets (trinity-mini, trinity-nano) or a preset file")
+    p.add_argument("--preset", help=f"a bundled preset ({', '.join(bundled.names('preset'))}) or a preset file")
     p.add_argument("--context", type=int, help="target tokens per request, prompt + generation "
                    "(default: run_trinity's --max-context, else the preset's, else max_position_embeddings)")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="share of each host's memory kept free")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m launch", description=__doc__.split("\n")[0])
+    prog = "python -m launch" if sys.argv[0].endswith("__main__.py") else None  # else trinity-launch's name
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0], epilog=EPILOG,
+                                formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="verb", required=True)
-    plan = sub.add_parser("plan", help="print the layer split per host")
+    plan = sub.add_parser("plan", help="print the layer split per host", formatter_class=HelpFormatter)
     _hosts_args(plan, plan=True)
     plan.add_argument("--model", help="checkpoint folder or Hugging Face repo id (only config.json and "
                       "safetensors headers are read); default: the preset's config, else the embedded tiny model")
@@ -55,12 +67,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                       "(group 64, routers at 8 bits), for a config that is not quantized")
     plan.add_argument("--json", action="store_true", help='print {"fits", "hosts": [...]} as JSON')
     run = sub.add_parser("run", help="plan, then start the ranks (ring backend: ourselves, locally or over "
-                         "ssh; others through mlx.launch)")
+                         "ssh; others through mlx.launch)", formatter_class=HelpFormatter)
     _hosts_args(run, plan=False)
     run.add_argument("--dry-run", action="store_true", help="print the plan and the exact command, start nothing")
     run.add_argument("--no-plan", action="store_true", help="start the command as it is (no --split added)")
     run.add_argument("--starting-port", type=int, help="ring backend: first port (mlx.launch's --starting-port)")
-    run.add_argument("--python", help="interpreter for a .py command (default: this one)")
+    run.add_argument("--python", help=f"interpreter for a .py or {RUN_SCRIPT} command (default: this one)")
     run.add_argument("--restart", type=int, default=0, metavar="N",
                      help="after a rank fails, stop what is left of the ring and start the whole ring "
                           "again, up to N times (then exit with the last failure's status)")
@@ -78,12 +90,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                      f"{' '.join(SSH_OPTIONS)} are added after it")
     run.add_argument("--cwd", help="working directory of every rank (default: ours, on each host that has it, "
                      "as mlx.launch does); a host without it fails")
-    run.add_argument("command", nargs=argparse.REMAINDER, help="-- run_trinity.py …")
+    run.add_argument("command", nargs=argparse.REMAINDER, help=f"-- {RUN_SCRIPT} … (or run_trinity.py …)")
     args = p.parse_args(argv)
     if args.verb == "run":
         args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
         if not args.command:
-            p.error("run needs a command after --, e.g. -- run_trinity.py --prompt Hi")
+            p.error("run needs a command after --, e.g. -- run-trinity --prompt Hi")
         if args.restart < 0:
             p.error(f"--restart must be >= 0, got {args.restart}")
         if args.grace < 0 or args.restart_delay < 0:
@@ -94,16 +106,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def load_preset(name: Optional[str]) -> dict:
     if not name:
         return {}
-    path = Path(name) if Path(name).exists() else PRESETS / f"{name}.json"
-    if not path.exists():
-        known = ", ".join(sorted(f.stem for f in PRESETS.glob("*.json")))
-        raise TrinityError(f"no preset {name!r} (known: {known}, or give a file path)")
-    return json.loads(path.read_text())
+    return json.loads(bundled.resolve("preset", name).read_text())
 
 
 def load_hosts(args) -> hostfile.Hostfile:
     if args.hostfile:
-        return hostfile.load(args.hostfile, args.backend)
+        return hostfile.load(bundled.resolve("hostfile", args.hostfile), args.backend)
     if getattr(args, "memory_gb", None):
         try:
             gbs = [float(x) for x in args.memory_gb.split(",")]
@@ -183,6 +191,8 @@ def cmd_run(args) -> int:
     cmd = list(args.command)
     if cmd[0].endswith(".py"):  # mlx.launch runs the command as it is
         cmd.insert(0, args.python or sys.executable)
+    elif cmd[0] == RUN_SCRIPT:  # its module, as remote hosts' PATH lacks this environment's bin
+        cmd[:1] = [args.python or sys.executable, "-m", "run_trinity"]
     if preset.get("model") and flag_value(cmd, "--model") is None:
         cmd += ["--model", preset["model"]]
     for key, flag in SAMPLING_FLAGS.items():

@@ -114,6 +114,11 @@ class Ring:
 
         threading.Thread(target=wait, name=f"wait-{key}", daemon=True).start()
 
+    @staticmethod
+    def stdin_for(rank: int):
+        """A rank started here: rank 0 reads our stdin (run-trinity --chat), the others nothing."""
+        return None if rank == 0 else subprocess.DEVNULL
+
     def popen(self, key: int, cmd: List[str], env: dict, **kwargs) -> subprocess.Popen:
         kwargs.setdefault("stdin", subprocess.DEVNULL)
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, **kwargs)
@@ -194,7 +199,7 @@ class DirectRing(Ring):
         if self.size > 1:
             self.write_hostfile()
         for rank in range(self.size):
-            proc = self.popen(rank, self.command, self.rank_env(rank), cwd=self.cwd)
+            proc = self.popen(rank, self.command, self.rank_env(rank), cwd=self.cwd, stdin=self.stdin_for(rank))
             log(f"started rank {rank} (pid {proc.pid}) on {self.ips[rank]}")
         if self.size > 1:
             log("ring " + " -> ".join(a[0] for a in self.ring) + f"; control {self.control}")

@@ -155,7 +155,7 @@ class SshRing(DirectRing):
                 self.channels[rank] = proc.stdin
                 log(f"started rank {rank} on {self.host(rank)} over ssh (ssh client pid {proc.pid})")
             else:
-                proc = self.popen(rank, self.command, self.rank_env(rank), cwd=self.cwd)
+                proc = self.popen(rank, self.command, self.rank_env(rank), cwd=self.cwd, stdin=self.stdin_for(rank))
                 log(f"started rank {rank} (pid {proc.pid}) on {self.ips[rank]}")
         log("ring " + " -> ".join(a[0] for a in self.ring) + f"; control {self.control}")
 

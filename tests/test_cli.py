@@ -1,11 +1,13 @@
 """run_trinity.py as real processes: 1 rank, --stages N, mlx.launch ring, OpenMPI."""
 
 import json
+import re
 import shutil
 
 import pytest
 
-from conftest import run_cli, run_json
+from conftest import ROOT, run_cli, run_json
+from distributed.cli import parse_args
 from reference import PROMPT, mlx_lm_greedy
 from shard.test_loader import checkpoint_bytes
 
@@ -160,3 +162,28 @@ def test_split_auto_plans_from_exchanged_memory(hf_checkpoint):
     assert out["token_ids"] == ref_tokens
     layers = [r["layers"] for r in out["ranks"]]
     assert layers[0][0] == 0 and layers[0][1] == layers[1][0] and layers[1][1] == 8
+
+
+def test_chat_refuses_what_it_cannot_do(hf_checkpoint):
+    for extra, message in ((["--serve", "127.0.0.1:0"], "error: --chat cannot be combined with --serve"),
+                           (["--json"], "error: --chat cannot be combined with --json"),
+                           (["--prompt", "hi"], "argument --prompt: not allowed with argument --chat")):
+        proc = run_cli(["--model", str(hf_checkpoint), "--chat", *extra])
+        assert proc.returncode == 2 and message in proc.stderr and proc.stdout == "", proc.stderr
+
+
+def test_help_shows_defaults_and_names_readme_sections_that_exist(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "DESIGN.md" not in out
+    flat = " ".join(out.split())
+    for default in ("--max-tokens MAX_TOKENS tokens to generate (per turn with --chat) (default: 100)",
+                    "--prefill-step-size PREFILL_STEP_SIZE prompt tokens per prefill frame",
+                    "(default: 2048)", "(default: 5.0)", "(default: 64)", "(default: auto)",
+                    "--seed SEED sampling seed (default: random)"):
+        assert default in flat, default
+    assert "(default: None)" not in flat and "(default: False)" not in flat
+    sections = re.findall(r'"([^"]+)"', flat[flat.index("more in README.md"):])
+    headings = set(re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), re.M))
+    assert len(sections) >= 4 and set(sections) <= headings, (sections, headings)

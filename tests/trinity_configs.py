@@ -1,6 +1,6 @@
 """Trinity-Mini and Trinity-Nano config.json shapes, as the launch tests assume them.
 
-Mini: DESIGN.md's figures. Nano: "56 layers, hidden 1024, 8/2 heads, moe_intermediate 256,
+Mini: the model card's figures (as launch/configs/presets/trinity-mini.json). Nano: "56 layers, hidden 1024, 8/2 heads, moe_intermediate 256,
 otherwise alike"; assumed here: head_dim 128 (as Mini), intermediate_size 3072 (3 x hidden, as
 Mini's 6144 = 3 x 2048), 2 dense layers, 128 experts top-8, 1 shared expert, vocab 200192,
 window 2048, untied embeddings; this comes to about 6.1B parameters, the published "6B".

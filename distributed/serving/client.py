@@ -20,6 +20,7 @@ import time
 from typing import List, Optional
 
 import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from .options import AUTH_TOKEN_ENV
@@ -132,6 +133,32 @@ def generate(stub, request: pb.GenerateRequest, metadata, timeout: Optional[floa
     return result
 
 
+INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+         FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+
+
+def message_json(message) -> dict:
+    """A message as JSON with proto field names and every field present; 64-bit
+    integers as numbers (protobuf's JSON mapping makes them strings)."""
+    fields = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return _int64_as_numbers(message.DESCRIPTOR, fields)
+
+
+def _int64_as_numbers(descriptor: Descriptor, fields: dict) -> dict:
+    for field in descriptor.fields:
+        if field.name not in fields:
+            continue
+        values = fields[field.name] if field.is_repeated else [fields[field.name]]
+        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            values = [_int64_as_numbers(field.message_type, v) for v in values]
+        elif field.type in INT64:
+            values = [int(v) for v in values]
+        else:
+            continue
+        fields[field.name] = values if field.is_repeated else values[0]
+    return fields
+
+
 def print_info(info: pb.ModelInfo) -> None:
     print(f"model {info.model_id}: vocab {info.vocab_size}, context {info.max_context}, "
           f"max_tokens cap {info.max_tokens_cap}")
@@ -150,8 +177,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             if args.info:
                 info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=args.timeout)
                 if args.json:
-                    print(json.dumps(MessageToDict(info, preserving_proto_field_name=True,
-                                                   always_print_fields_with_no_presence=True)))
+                    print(json.dumps(message_json(info)))
                 else:
                     print_info(info)
                 return

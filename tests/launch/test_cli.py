@@ -1,6 +1,7 @@
 """python -m launch plan|run: output, exact commands, refusals (in-process, nothing started)."""
 
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ def test_plan_json_from_a_checkpoint(capsys, hf_checkpoint):
 
 def test_plan_preset_text_and_hostfile(capsys):
     code, out, _ = cli(capsys, "plan", "--preset", "trinity-mini", "--hostfile",
-                       str(ROOT / "configs/hosts/thunderbolt-ring-2macs.json"), "--quantize", "4")
+                       "thunderbolt-ring-2macs", "--quantize", "4")
     assert code == 0
     assert "studio.local" in out and "mini.local" in out and "context 32768 tokens" in out and "fits" in out
 
@@ -173,3 +174,35 @@ def test_failed_ranks_from_launcher_output():
     mpi = "prterun detected that one or more processes exited with non-zero status,\n   Exit code:    4\n"
     assert failed_ranks(mpi) == {-1: 4}
     assert failed_ranks("all good\n[INFO] Node with rank 0 completed") == {} and exit_status({}, 0) == 0
+
+
+def test_run_trinity_command_runs_as_a_module_of_the_ranks_interpreter(capsys):
+    """The console script is on this environment's PATH only: remote hosts get `PYTHON -m run_trinity`."""
+    code, out, _ = cli(capsys, "run", "--single-host", "2", "--no-plan", "--via", "mlx.launch", "--python",
+                       "/opt/env/bin/python", "--dry-run", "--", "run-trinity", "--prompt", "Hi")
+    assert code == 0
+    assert shlex.split(out)[-5:] == ["/opt/env/bin/python", "-m", "run_trinity", "--prompt", "Hi"]
+
+
+def test_bundled_names_and_a_missing_one(capsys):
+    code, out, _ = cli(capsys, "plan", "--preset", "trinity-nano.json", "--hostfile", "localhost-2", "--json")
+    assert code == 0 and [h["host"] for h in json.loads(out)["hosts"]] == ["127.0.0.1", "127.0.0.1"]
+    code, _, err = cli(capsys, "plan", "--preset", "trinity-huge", "--memory-gb", "8")
+    assert code == 2 and err.strip() == ("launch: error: preset trinity-huge does not exist, and no bundled preset "
+                                         "has that name (bundled: trinity-mini, trinity-nano)")
+    code, _, err = cli(capsys, "run", "--hostfile", "nowhere/hosts.json", "--dry-run", "--", "run-trinity")
+    assert code == 2 and "hostfile nowhere/hosts.json does not exist" in err and "localhost-2" in err
+
+
+def test_help_shows_defaults_and_names_readme_sections_that_exist(capsys):
+    outs = []
+    for verb in ([], ["plan"], ["run"]):
+        with pytest.raises(SystemExit):
+            main([*verb, "--help"])
+        outs.append(" ".join(capsys.readouterr().out.split()))
+    top, plan, run = outs
+    assert "(default: 0.1)" in plan and "--restart N" in run and "(default: 0)" in run and "(default: auto)" in run
+    assert "(default: None)" not in plan + run
+    sections = re.findall(r'"([^"]+)"', top[top.index("more in README.md"):])
+    headings = set(re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), re.M))
+    assert sections and set(sections) <= headings, sections

@@ -11,7 +11,7 @@ from launch.hostfile import GIB, HostfileError
 from trinity_configs import mini, nano
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "configs"
+CONFIGS = ROOT / "launch" / "configs"
 
 
 def write(tmp_path, data, name="hosts.json"):

@@ -84,3 +84,14 @@ def test_memory_helpers_in_one_process():
     assert share_by_host([8, 6, 4], ["a", "a", "b"]) == [3, 3, 4]
     group = mx.distributed.init()  # a single rank
     assert gather_memory(group, nbytes=5 * GIB + 7, host="h") == [5 * GIB + 7]
+
+
+def test_rank_0_reads_our_stdin(hf_checkpoint):
+    """run_trinity.py --chat under launch run: rank 0 has the launcher's stdin; its end ends the chat."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "launch", "run", "--single-host", "2", "--starting-port",
+                           str(free_port_range(2)), "--", "run_trinity.py", "--model", str(hf_checkpoint), "--chat",
+                           "--max-tokens", "3"], input="hello\n", capture_output=True, text=True, timeout=240,
+                          env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(">>> ") == 2 and "prompt tokens (0 cached), 3 generated" in proc.stderr, proc.stderr

@@ -206,7 +206,10 @@ def test_client_command_line(server, reference):
     assert out["finish_reason"] == "length" and out["usage"] == {"prompt_tokens": 40, "completion_tokens": MAX_TOKENS}
     info = client("--target", server.address, "--info", "--json")
     assert info.returncode == 0, info.stderr
-    assert [[r["layer_start"], r["layer_end"]] for r in json.loads(info.stdout)["ranks"]] == server.layers
+    info = json.loads(info.stdout)
+    assert [[r["layer_start"], r["layer_end"]] for r in info["ranks"]] == server.layers
+    # uint64 fields as JSON numbers, not protobuf's strings
+    assert type(info["max_context"]) is int and all(type(r["peak_memory_bytes"]) is int for r in info["ranks"])
 
 
 def test_prompt_logprobs_top_logprobs_and_penalties_equal_mlx_lm(server, hf_checkpoint):

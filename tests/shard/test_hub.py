@@ -6,12 +6,14 @@ Hugging Face cache as on separate machines; and every way it fails is one line."
 import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from local_hub import LocalHub
 
-from conftest import free_port_range, mlx_launch, one_error_line, run_json, run_trinity
+from conftest import ROOT, free_port_range, mlx_launch, one_error_line, run_json, run_trinity
 from distributed.shard.loader import INDEX_FILE, local_files, weight_map
 from distributed.shard.tiny_checkpoint import make_checkpoint
 
@@ -92,8 +94,8 @@ def parse(status, out, err) -> dict:
     return json.loads(out)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_rank_downloads_only_its_files_then_uses_its_cache(layout, hub, sources, tmp_path):
+@pytest.mark.parametrize("layout, second_start", [("hf", "hub up"), ("mlx", "hub unreachable")])
+def test_each_rank_downloads_only_its_files_then_uses_its_cache(layout, second_start, hub, sources, tmp_path):
     repo_id, source = f"tiny/afmoe-{layout}", sources[f"tiny/afmoe-{layout}"]
     metadata = {f.name for f in source.iterdir() if not f.name.endswith(".safetensors")}
     assert INDEX_FILE in metadata and "config.json" in metadata
@@ -120,13 +122,29 @@ def test_each_rank_downloads_only_its_files_then_uses_its_cache(layout, hub, sou
     assert first["token_ids"] == local["token_ids"]
     assert max(abs(a - b) for a, b in zip(first["logprobs"], local["logprobs"])) < 1e-4
 
-    # A second start reads each rank's cache: the hub serves no file, the cache is untouched.
+    # A second start reads each rank's cache: the hub serves no file (or cannot be
+    # reached at all), and the cache is untouched.
     mark = hub.log_lines()
-    second = parse(*launch_2_ranks(tmp_path, ["--model", repo_id, *GEN], hub.endpoint))
+    endpoint = hub.endpoint if second_start == "hub up" else f"http://127.0.0.1:{free_port_range(1)}"
+    second = parse(*launch_2_ranks(tmp_path, ["--model", repo_id, *GEN], endpoint))
     assert second["token_ids"] == first["token_ids"]
     assert hub.downloads(mark) == []
     for rank in range(2):
         assert cached(tmp_path / "cache" / f"rank{rank}", repo_id)[1] == before[rank]
+
+
+def test_launcher_plans_from_the_hubs_tensor_headers(hub, sources, tmp_path):
+    """`python -m launch plan --model ORG/NAME` sizes every tensor from the hub's
+    safetensors headers: the same plan as from the checkpoint folder itself."""
+    env = hub_env(tmp_path, HF_ENDPOINT=hub.endpoint)
+    plans = []
+    for model in ("tiny/afmoe-mlx", str(sources["tiny/afmoe-mlx"])):
+        proc = subprocess.run([sys.executable, "-m", "launch", "plan", "--model", model, "--memory-gb", "1,1", "--json"],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              env={k: v for k, v in dict(os.environ, PYTHONPATH=str(ROOT), **env).items() if v is not None})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        plans.append(json.loads(proc.stdout))
+    assert plans[0]["source"] == "tensors" and plans[0] == plans[1], plans
 
 
 def test_missing_repo(hub, tmp_path):

@@ -17,7 +17,7 @@ def where() -> str:
     """The hub that downloads go to, as a message names it."""
     from huggingface_hub import constants
 
-    if constants.ENDPOINT == constants._HF_DEFAULT_ENDPOINT:
+    if constants.ENDPOINT == "https://huggingface.co":
         return "huggingface.co"
     return f"{constants.ENDPOINT} (HF_ENDPOINT)"
 

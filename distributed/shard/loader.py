@@ -20,7 +20,7 @@ from mlx_lm.utils import infer_quant_config
 
 from .. import TrinityError
 from .config import model_args, read_config
-from .hub import snapshot
+from .hub import snapshot, where
 from .stage import Stage
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -89,19 +89,29 @@ def model_dir(model: str) -> Path:
         if not path.is_dir():
             raise TrinityError(f"--model {model}: no such folder (nor a Hugging Face repo id, which reads owner/name)")
         return path
-    return snapshot(model, METADATA_PATTERNS)
+    path = snapshot(model, METADATA_PATTERNS)
+    if not (path / "config.json").exists():
+        raise TrinityError(f"--model {model}: the repo on {where()} has no config.json")
+    return path
 
 
-def fetch_stage_files(model: str, start: int, end: int, first: bool) -> Path:
-    """Download only the weight files holding this stage's tensors (progress bars on)."""
-    path = model_dir(model)
+def fetch_stage_files(model: str, start: int, end: int, first: bool, path: Optional[Path] = None) -> Path:
+    """Download only the weight files holding this stage's tensors (progress bars on).
+    `path`: model_dir(model), when the caller has it already."""
+    path = path or model_dir(model)
     if _is_local(model):
         return path
-    if (path / INDEX_FILE).exists():
-        files = sorted(local_files(weight_map(path), start, end, first))
-    else:
-        files = ["model*.safetensors"]
-    return snapshot(model, METADATA_PATTERNS + files)
+    if not (path / INDEX_FILE).exists():
+        return snapshot(model, METADATA_PATTERNS + ["model*.safetensors"], revision=path.name)
+    files = sorted(local_files(weight_map(path), start, end, first))
+    # A hub snapshot's folder is named after its commit: the weights come from
+    # the commit that config.json and the index came from, even if the repo moved on.
+    fetched = snapshot(model, METADATA_PATTERNS + files, revision=path.name)
+    missing = [f for f in files if not (fetched / f).exists()]
+    if missing:
+        raise TrinityError(f"--model {model}: its {INDEX_FILE} names {missing[0]}, which layers [{start}, {end}) "
+                           f"need, but the repo on {where()} has no such file")
+    return fetched
 
 
 def _load_tensors(model_path: Path, wmap: Dict[str, str], start: int, end: int, first: bool):

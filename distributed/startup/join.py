@@ -146,7 +146,7 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None,
 
     if world == 1:
         memory = share_by_host([usable_memory_bytes()] * len(ranges), ["here"] * len(ranges))
-        path = fetch_stage_files(model, 0, num_layers, True)
+        path = fetch_stage_files(model, 0, num_layers, True, config_dir)
         stages = [load_stage(path, s, e, i == 0, config) for i, (s, e) in enumerate(ranges)]
         return Loaded(in_process_pipeline(stages), path, config, memory)
 
@@ -161,7 +161,7 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None,
         raise
     stage, path, error = None, None, None
     try:
-        path = fetch_stage_files(model, start, end, rank == 0)
+        path = fetch_stage_files(model, start, end, rank == 0, config_dir)
         stage = load_stage(path, start, end, rank == 0, config)
     except Exception as e:  # reported to every rank before anyone waits on a peer
         error = e

@@ -61,7 +61,10 @@ def mlx_lm_row(model, eos, prompts, max_tokens):
     return summarize([first[u] for u in uids], [done[u] for u in uids], stamps, start)
 
 
-def runner_row(pipeline, tokenizer, prompts, max_tokens, prefill_step_size, profile=False):
+def runner_row(pipeline, tokenizer, prompts, max_tokens, prefill_step_size, profile=False, consumers="threads"):
+    """consumers: "threads", a thread per stream reading its events, as the gRPC and HTTP
+    servers have; "inline", events recorded as they are emitted, on the scheduler's thread
+    (what the runner costs without front-end threads contending for the GIL)."""
     from distributed.runtime.request import GenerationRequest, TokenEvent
     from distributed.runtime.scheduler import Scheduler
 
@@ -85,11 +88,28 @@ def runner_row(pipeline, tokenizer, prompts, max_tokens, prefill_step_size, prof
                 stamps[i].append(now)
         done[i] = time.perf_counter()
 
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(n)]
+    if consumers == "inline":
+        for i, handle in enumerate(handles):
+            handle.emit = lambda e, i=i: record(i, e)
+    left = [n]
+
+    def record(i, e):
+        now = time.perf_counter()
+        if isinstance(e, TokenEvent):
+            first[i] = first[i] or now
+            stamps[i].append(now)
+        elif hasattr(e, "finish_reason"):
+            done[i] = now
+            left[0] -= 1
+            if not left[0]:
+                sched.stop()
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(n)] if consumers == "threads" else []
     for t in threads:
         t.start()
     # The scheduler on this thread (a thread that used MLX must not end before the process).
-    threading.Thread(target=lambda: ([t.join() for t in threads], sched.stop())).start()
+    if threads:
+        threading.Thread(target=lambda: ([t.join() for t in threads], sched.stop())).start()
     sched.serve_forever()
     row = summarize(first, done, [t for s in stamps for t in s], start)
     if profiler:
@@ -137,6 +157,7 @@ def main():
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prefill-step-sizes", default="512,2048")
+    p.add_argument("--consumers", default="threads", help="threads and/or inline (see runner_row)")
     p.add_argument("--skip-mlx-lm", action="store_true")
     p.add_argument("--profile", action="store_true", help="time the runner's parts per frame (step_profile.py)")
     p.add_argument("--tight", action="store_true", help="also: decode steps in a bare loop, model vs stages")
@@ -168,9 +189,9 @@ def main():
         for step in steps:
             runner_row(pipeline, tokenizer, prompts, 8, step)
         runs = [] if args.skip_mlx_lm else [("mlx-lm", lambda: mlx_lm_row(model, eos, prompts, args.max_tokens))]
-        runs += [(f"runner prefill step {k}", lambda k=k: runner_row(pipeline, tokenizer, prompts, args.max_tokens, k,
-                                                                        args.profile))
-                 for k in steps]
+        runs += [(f"runner prefill step {k} {c}",
+                  lambda k=k, c=c: runner_row(pipeline, tokenizer, prompts, args.max_tokens, k, args.profile, c))
+                 for k in steps for c in args.consumers.split(",")]
         for name, fn in runs:
             row = dict(streams=n, what=name, **fn())
             rows.append(row)

@@ -47,7 +47,11 @@ def assert_all_gone(launch: Launch, how: str, ports=()) -> float:
         launch.kill()
         took = launch.wait_gone(GONE_WITHIN_S)
     assert took is not None, f"{describe(tagged(launch.tag))} still running {GONE_WITHIN_S} s after {how}:\n{launch.output[-3000:]}"
-    busy = ports_in_use(list(ports))
+    # A process that is exiting loses its memory (and so its command line, which the tag
+    # check reads) before its files: its sockets close a moment after it looks gone.
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while (busy := ports_in_use(list(ports))) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not busy, f"ports {busy} still taken after {how}:\n{who_holds(busy)}\n{launch.output[-3000:]}"
     assert not OUR_TRACEBACK.search(launch.output), launch.output[-4000:]
     print(f"{how}: every process gone after {took:.2f} s")

@@ -26,6 +26,7 @@ from distributed.startup.watchdog import EXIT_PEER_FAILED
 from reference import PROMPT
 
 SHORT = [1, 2, 3, 4, 5, 6]  # within the sliding window: asked twice, the second one hits the prefix cache
+CHOICES = {5: 2}  # served's 6th request asks for n=2 choices (each its own sequence; the others have one)
 ACCESS = re.compile(r"^trinity: request (.*)$", re.M)
 
 
@@ -97,7 +98,8 @@ def served(ring):
     seen.append(("grpc", "INVALID_ARGUMENT", "invalid", 0, 0, 0))
 
     model = ring.client.models.list().data[0].id
-    c = ring.client.completions.create(model=model, prompt="Once upon", max_tokens=6, temperature=0)
+    c = ring.client.completions.create(model=model, prompt="Once upon", max_tokens=6, temperature=0, n=CHOICES[5])
+    assert len(c.choices) == CHOICES[5]
     seen.append(("http", "200", c.choices[0].finish_reason, c.usage.prompt_tokens,
                  c.usage.prompt_tokens_details.cached_tokens, c.usage.completion_tokens))
     chunks = list(ring.client.chat.completions.create(
@@ -117,16 +119,16 @@ def test_a_scrape_counts_what_the_clients_saw(ring, served):
     samples = scrape_until(ring.http, lambda s: total(s, "trinity_requests_total") == len(served), "requests")
     for front_end in ("grpc", "http"):
         mine = [r for r in served if r[0] == front_end]
+        gaps = sum(r[5] - CHOICES.get(i, 1) for i, r in enumerate(served) if r[0] == front_end and r[5] > 0)
         for outcome in {r[2] for r in mine}:
             assert total(samples, "trinity_requests_total", front_end=front_end, outcome=outcome) == \
                 sum(r[2] == outcome for r in mine), (front_end, outcome)
         for i, name in ((3, "prompt_tokens"), (4, "prompt_tokens_cached"), (5, "generated_tokens")):
             assert total(samples, f"trinity_{name}_total", front_end=front_end) == sum(r[i] for r in mine), name
-        # Every token was timed: the first of each request, then the gaps between the others.
+        # Every token was timed: the first of each request, then the gaps between a choice's tokens.
         ran = [r for r in mine if r[5] > 0]
         assert total(samples, "trinity_time_to_first_token_seconds_count", front_end=front_end) == len(ran)
-        assert total(samples, "trinity_inter_token_latency_seconds_count", front_end=front_end) == \
-            sum(r[5] - 1 for r in ran)
+        assert total(samples, "trinity_inter_token_latency_seconds_count", front_end=front_end) == gaps
         assert total(samples, "trinity_request_duration_seconds_count", front_end=front_end) == len(mine)
         assert total(samples, "trinity_time_to_first_token_seconds_sum", front_end=front_end) > 0
     assert total(samples, "trinity_prefix_cache_hits_total") >= 1

@@ -20,12 +20,14 @@ from .runtime.prefix_cache import default_budget
 from .runtime.request import GenerationRequest, RequestError, TokenEvent
 from .runtime.scheduler import Scheduler
 from .serving.front_ends import start_front_ends
+from .serving.metrics import Metrics
 from .serving.options import AUTH_TOKEN_ENV, ServeOptions, check_options
+from .serving.request_log import RequestLog
 from .serving.requests import prompt_ids
 from .shard.config import model_args
 from .shard.kv_budget import DEFAULT_CONTEXT, MAX_BATCH, kv_budget
 from .startup.join import build_pipeline, join_ranks
-from .startup.lifecycle import Lifecycle, RankStop, launched_by_launcher
+from .startup.lifecycle import Lifecycle, RankStop, launched_by_launcher, launcher_restarts
 from .startup.preflight import check_launch
 from .startup.watchdog import Watchdog
 
@@ -84,7 +86,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="at start-up, how long rank 0 waits for every rank to connect")
     serve = p.add_argument_group("serving (rank 0)")
     serve.add_argument("--serve", metavar="HOST:PORT", help="serve gRPC (trinity.v1.Generation) instead of one generation")
-    serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API "
+                       "(with GET /health and GET /metrics, Prometheus)")
+    serve.add_argument("--metrics", metavar="HOST:PORT", help="serve GET /metrics (Prometheus) and GET /health on "
+                       "a port of their own (e.g. when only gRPC is served)")
     serve.add_argument("--auth-token", help=f"require `authorization: Bearer TOKEN` (or set {AUTH_TOKEN_ENV})")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
     serve.add_argument("--tls-cert", help="PEM certificate chain for TLS")
@@ -229,10 +234,12 @@ def print_summary(result: dict) -> None:
 
 
 def serve_options(args) -> ServeOptions:
-    if args.http and not args.serve:
-        raise TrinityError("--http needs --serve")
+    for flag in ("http", "metrics"):
+        if getattr(args, flag) and not args.serve:
+            raise TrinityError(f"--{flag} needs --serve")
     return check_options(ServeOptions(
-        grpc_address=args.serve, http_address=args.http, auth_token=args.auth_token, insecure=args.insecure,
+        grpc_address=args.serve, http_address=args.http, metrics_address=args.metrics,
+        auth_token=args.auth_token, insecure=args.insecure,
         tls_cert=args.tls_cert, tls_key=args.tls_key, max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap,
     ))
 
@@ -241,13 +248,15 @@ GRACE_S = 1.0  # after a peer failed: for gRPC / HTTP threads to send their erro
 _watchdog: Optional[Watchdog] = None  # main() tells the other ranks how this one ends
 
 
-def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Watchdog], stop: RankStop) -> None:
+def serve(args, options: ServeOptions, front_ends, requests: RequestLog, group, watchdog: Optional[Watchdog],
+          stop: RankStop) -> None:
     """Rank 0 with --serve: load, attach the scheduler to the front ends, serve until a signal."""
     from .serving.requests import ModelInfo
 
     def on_failure(reason: str) -> None:
         for front_end in front_ends:
             front_end.set_not_serving(reason)
+        requests.ring_failed(reason)
 
     if watchdog is not None:  # a rank failing while we load: health says why, then we exit
         watchdog.on_failure, watchdog.grace = on_failure, GRACE_S
@@ -286,6 +295,7 @@ def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Wat
         ranks=ranks,
         max_batch=max_batch,
     )
+    requests.metrics.attach(scheduler, info)
     for front_end in front_ends:
         front_end.attach(scheduler, tokenizer, info)
     print(f"serving {info.model_id} on " + " and ".join(f.describe() for f in front_ends), flush=True)
@@ -298,6 +308,7 @@ def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Wat
             front_end.stop()
         scheduler.close()
         print(scheduler.prefix_cache.summary(), file=sys.stderr, flush=True)
+        requests.stopped(stop.lifecycle.reason or "stopped")
     if scheduler.failure is not None:
         raise TrinityError(f"the pipeline is down: {scheduler.failure}")
 
@@ -305,16 +316,17 @@ def serve(args, options: ServeOptions, front_ends, group, watchdog: Optional[Wat
 def run(args, stop: RankStop) -> None:
     global _watchdog
     validate(args)
-    options = serve_options(args) if args.serve or args.http else None
+    options = serve_options(args) if args.serve or args.http or args.metrics else None
     control = check_launch()  # None: one process, or a backend that needs init first (MPI)
     front_ends = []
+    requests = RequestLog(Metrics(restarts=launcher_restarts())) if options is not None else None
     try:
         if options is not None and control is not None and control.rank == 0:
-            front_ends = start_front_ends(options)  # NOT_SERVING while the ranks connect and load
+            front_ends = start_front_ends(options, requests)  # NOT_SERVING while the ranks connect and load
         group, _watchdog = join_ranks(args, control, on_stop=lambda why: stop.lifecycle.request_stop(why, from_peer=True))
         stop.watchdog = _watchdog
         if options is not None and group.rank() == 0 and not front_ends:
-            front_ends = start_front_ends(options)
+            front_ends = start_front_ends(options, requests)
     except BaseException:
         for front_end in front_ends:
             front_end.stop()
@@ -323,7 +335,7 @@ def run(args, stop: RankStop) -> None:
         if group.rank() != 0:
             build_pipeline(args, group, _watchdog, on_ready=stop.running)  # serves until rank 0 stops the ring
             return
-        serve(args, options, front_ends, group, _watchdog, stop)
+        serve(args, options, front_ends, requests, group, _watchdog, stop)
         return
     built = build_pipeline(args, group, _watchdog, on_ready=stop.running)
     if built is None:

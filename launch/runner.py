@@ -1,10 +1,13 @@
 """Starting the ranks under a supervisor: ourselves for the ring backend (locally,
 or over ssh for remote hosts), through mlx.launch otherwise (mlx_launch_ring.py)."""
 
+import itertools
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
+
+from distributed.startup.lifecycle import RESTARTS_ENV
 
 from .hostfile import Hostfile
 from .mlx_launch_ring import MlxLaunchRing
@@ -21,10 +24,19 @@ def launch_env() -> dict:
     return env
 
 
+def counting(make_ring: Callable[[int], object]) -> Callable[[], object]:
+    """The supervisor's make_ring: make_ring(restarts so far), so that each attempt's ranks
+    get RESTARTS_ENV (their metrics count the restarts)."""
+    attempts = itertools.count()
+    return lambda: make_ring(next(attempts))
+
+
 def run(cmd: List[str], restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0) -> int:
     """Run mlx.launch (restarted up to `restarts` times after a failure); our exit status."""
     env = launch_env()
-    return Supervisor(restarts, grace, restart_delay).run(lambda: MlxLaunchRing(cmd, env))
+    # mlx.launch passes its environment on to the ranks it starts here (remote ones get --env only).
+    return Supervisor(restarts, grace, restart_delay).run(
+        counting(lambda n: MlxLaunchRing(cmd, {**env, RESTARTS_ENV: str(n)})))
 
 
 def own_ring(command: List[str], hostfile: Hostfile, env: dict, envs: Optional[List[str]] = None,
@@ -44,7 +56,8 @@ def run_direct(command: List[str], hostfile: Hostfile, envs: Optional[List[str]]
     without mlx.launch; our exit status."""
     env = launch_env()
     return Supervisor(restarts, grace, restart_delay).run(
-        lambda: own_ring(command, hostfile, env, envs, starting_port, ssh, cwd))
+        counting(lambda n: own_ring(command, hostfile, env, [*(envs or []), f"{RESTARTS_ENV}={n}"],
+                                    starting_port, ssh, cwd)))
 
 
 def can_start_directly(hostfile: Hostfile, backend: Optional[str] = None) -> bool:

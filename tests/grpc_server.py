@@ -129,6 +129,16 @@ class Server:
             time.sleep(0.005)
         raise AssertionError(f"no port after {timeout}s:\n{self.output()}")
 
+    def http_address(self, timeout=60):
+        """(host, port) of --http, from rank 0's "serving ..." line, printed just after health
+        turns SERVING (so wait for it, not only for SERVING)."""
+        end = time.monotonic() + timeout
+        while not (found := re.search(r"and (\S+):(\d+) \(HTTP\)", self.output(0))):
+            assert time.monotonic() < end, f"no HTTP address after {timeout}s:\n{self.output()}"
+            self.alive()
+            time.sleep(0.01)
+        return found.group(1), int(found.group(2))
+
     def wait_serving(self, timeout=300):
         """Poll health until SERVING; returns the distinct states seen, in order."""
         if self.channel is None:

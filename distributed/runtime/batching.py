@@ -225,7 +225,8 @@ class Batcher:
             self._send_step(group, tokens if len(rows) == len(frame.sequences) else tokens[mx.array(rows)])
         else:
             group = None
-        mx.eval(tokens, chosen, *(top or ()))
+        with self.pipeline.stats.computing():  # rank 0 waits for its own computation (RankStats)
+            mx.eval(tokens, chosen, *(top or ()))
         tops = top_logprobs(frame.sequences, top)
         tokens, chosen = tokens.tolist(), chosen.reshape(-1).tolist()
         keep = []

@@ -9,7 +9,7 @@ everything runs here.
 """
 
 from collections import deque
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -18,6 +18,7 @@ from ..shard.stage import Stage
 from ..transport import Header, Op, Reply, Transport
 from . import rank_info
 from .caches import SlotCaches
+from .rank_stats import RankStats
 
 
 class Pipeline:
@@ -31,6 +32,12 @@ class Pipeline:
         self.waker: Optional[Callable[[int], None]] = None
         self._parked = 0  # number of the PARK frame the ring is parked at; 0: awake
         self._parks = 0
+        self.stats = RankStats(self.caches)
+        # The other ranks' RankStats reports by rank, as last heard (the watchdog's, or in-process workers').
+        self.peer_reports: Callable[[], Dict[int, dict]] = dict
+        # The last hidden state sent, whose computation may still run (timed before the next reply).
+        self._computing: Optional[mx.array] = None
+        self.time_sends = True  # False in-process (--stages): the stages' layers are one lazy graph
 
     @property
     def num_ranks(self) -> int:
@@ -115,10 +122,15 @@ class Pipeline:
         """Start tokens (batch, length) through all stages; unless `reply` is
         NONE, recv() later returns the reply."""
         h = self.stage(self.stage.embed(tokens), self.caches.get(slot))
+        self.stats.forward_frames += 1
         if self.transport is not None:
             self._send(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot), h)
+            if self.time_sends:
+                self._computing = h
+                self.stats.dispatched()
         elif reply in (Reply.NONE, Reply.ACK):
-            self.caches.evaluate(slot)
+            with self.stats.computing():
+                self.caches.evaluate(slot)
             if reply == Reply.ACK:
                 self._local.append((Header(Op.FORWARD, Reply.ACK, slot), None))
         else:
@@ -129,6 +141,12 @@ class Pipeline:
         states (Reply.LAST / ALL), or no payload (Reply.ACK)."""
         if self.transport is None:
             return self._local.popleft()
+        if self._computing is not None:
+            # The reply waits for it anyway (it comes first on the stream, after everything
+            # rank 0 sent before it): here that wait is rank 0's own.
+            with self.stats.computing(drains=True):
+                mx.eval(self._computing)
+            self._computing = None
         return self.transport.recv()
 
     def take_local_reply(self) -> mx.array:
@@ -157,6 +175,11 @@ class Pipeline:
             _, table = self.transport.recv()
         return rank_info.decode_rows(table)
 
+    def rank_reports(self) -> Dict[int, dict]:
+        """Each rank's RankStats report: this one's now, the others' as last heard
+        (safe from any thread; a rank not heard from yet is missing)."""
+        return {**self.peer_reports(), 0: self.stats.report()}
+
     def close(self) -> None:
         """Stop the other ranks; returns once the STOP frame has gone round."""
         if self.transport is not None:
@@ -171,5 +194,8 @@ def in_process_pipeline(stages: List[Stage]) -> "Pipeline":
     from ..transport.local import LocalRing
     from .worker import StageWorker
 
-    workers = [StageWorker(stage, i + 1, len(stages)).handle for i, stage in enumerate(stages[1:])]
-    return Pipeline(stages[0], LocalRing(workers) if workers else None)
+    workers = [StageWorker(stage, i + 1, len(stages)) for i, stage in enumerate(stages[1:])]
+    pipeline = Pipeline(stages[0], LocalRing([w.handle for w in workers]) if workers else None)
+    pipeline.peer_reports = lambda: {w.rank: w.stats.report() for w in workers}
+    pipeline.time_sends = False
+    return pipeline

@@ -97,6 +97,16 @@ class Scheduler:
         error (safe from a signal handler)."""
         self._stopping.set()
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued and not admitted yet (read from any thread)."""
+        return self._waiting.qsize()
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not finished (read from any thread)."""
+        return self.batcher.sequences
+
     def submit(self, request: GenerationRequest) -> RequestHandle:
         if self.failure is not None:
             raise RingUnavailable(self.failure)
@@ -126,14 +136,14 @@ class Scheduler:
                 return
             self.failure = reason
             doomed = list(self._active)
+        if self.on_failure is not None:  # first, so that a client told of the failure finds health down
+            self.on_failure(reason)
         while not self._waiting.empty():
             self._fail_waiting(block=False)
         while not self._calls.empty():
             self._calls.get_nowait()[1].set_exception(RingUnavailable(reason))
         for handle in doomed:
             handle.emit(FinishEvent("error", len(handle.request.prompt_ids), 0, error=reason))
-        if self.on_failure is not None:
-            self.on_failure(reason)
 
     def close(self) -> None:
         """Stop the loop, then stop the other ranks."""

@@ -9,6 +9,7 @@ from ..shard.stage import Stage
 from ..transport import Header, Op, Reply, Transport
 from . import rank_info
 from .caches import CACHE_OPS, SlotCaches
+from .rank_stats import RankStats
 
 Frame = Tuple[Header, Optional[mx.array]]
 
@@ -19,6 +20,7 @@ class StageWorker:
         self.rank, self.is_last = rank, rank == size - 1
         self.wait_wake = wait_wake  # parks this rank off the transport (the watchdog's); None: no parking
         self.caches = SlotCaches(stage)
+        self.stats = RankStats(self.caches)  # rank 0 hears it with the watchdog's heartbeats
         self.parameter_bytes = parameter_bytes(stage)
 
     def handle(self, header: Header, payload: Optional[mx.array]) -> Optional[Frame]:
@@ -41,6 +43,7 @@ class StageWorker:
         raise ValueError(f"rank {self.rank} received unknown op {header.op}")
 
     def _forward(self, header: Header, h: mx.array) -> Optional[Frame]:
+        self.stats.forward_frames += 1
         h = self.stage(h, self.caches.get(header.slot))
         if self.is_last:
             if header.reply in (Reply.NONE, Reply.ACK):
@@ -54,7 +57,15 @@ class StageWorker:
         """Loop until rank 0 sends STOP."""
         while True:
             header, payload = transport.recv()
-            out = self.handle(header, payload)
+            if header.op == Op.FORWARD:
+                # Evaluated here, not in the send (which may wait for the next rank): the time is
+                # this rank's computation alone.
+                with self.stats.computing():
+                    out = self.handle(header, payload)
+                    if out is not None and out[1] is not None:
+                        mx.eval(out[1])
+            else:
+                out = self.handle(header, payload)
             if out is not None:
                 transport.send(*out)
             if header.op == Op.STOP:

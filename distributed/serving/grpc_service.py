@@ -15,6 +15,9 @@ Auth: with a token, every call needs the metadata `authorization: Bearer TOKEN`
 (else UNAUTHENTICATED): Generation and server reflection alike. Health stays
 open, so probes (load balancers, orchestrators, grpc_health_probe) need no
 secret; it tells only SERVING or NOT_SERVING.
+
+Each Generate call is logged and counted as it ends (request_log.py), calls the
+token check refuses excepted (they never reach it).
 """
 
 import hmac
@@ -35,6 +38,7 @@ from ..runtime.scheduler import QueueFull, RingUnavailable
 from .options import ServeOptions, split_address
 from .proto import generation_pb2 as pb
 from .proto import generation_pb2_grpc as pb_grpc
+from .request_log import RequestLog, Trace
 from .requests import ModelInfo, build_request, prompt_ids
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "trinity.v1.Generation"
@@ -44,7 +48,8 @@ STOP_GRACE_S = 2.0  # in-flight streams get this long to finish at shutdown, the
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self):
+    def __init__(self, requests: Optional[RequestLog] = None):
+        self.requests = requests or RequestLog()  # the access log and request metrics
         self.state = None  # (scheduler, tokenizer, ModelInfo) once attached
         self.unavailable: Optional[str] = "model is loading"
         self._tokenize = threading.Lock()  # one tokenizer, many request threads
@@ -56,6 +61,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return state
 
     def Generate(self, request, context):
+        trace = self.requests.begin("grpc", "Generate", context.peer())
+        status = "CANCELLED"  # the client went away (the stream was closed early)
+        try:
+            yield from self._generate(request, context, trace)
+            status = "OK"
+        except GeneratorExit:
+            raise
+        except BaseException:
+            status = context.code().name if context.code() is not None else "UNKNOWN"
+            raise
+        finally:
+            details = context.details() if status != "OK" else None
+            trace.end(status, details.decode(errors="replace") if details else None)
+
+    def _generate(self, request, context, trace: Trace):
         scheduler, tokenizer, info = self._ready(context)
         try:
             req = self._request(request, tokenizer, info, context.time_remaining())
@@ -70,7 +90,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if not context.add_callback(handle.cancel):  # client cancelled, deadline passed or server stopping
             handle.cancel()  # the RPC had already ended
         try:
-            for event in handle.events():
+            for event in trace.events(handle):
                 if isinstance(event, FinishEvent):
                     break
                 if isinstance(event, PromptEvent):
@@ -183,8 +203,8 @@ class BearerAuth(grpc.ServerInterceptor):
 
 
 class GrpcFrontEnd:
-    def __init__(self, options: ServeOptions):
-        self.servicer = GenerationServicer()
+    def __init__(self, options: ServeOptions, requests: Optional[RequestLog] = None):
+        self.servicer = GenerationServicer(requests)
         self.health = health.HealthServicer()
         # Each open stream holds a worker thread, queued ones included: room for
         # a full queue, the running request and health / info calls besides.
@@ -242,6 +262,6 @@ class GrpcFrontEnd:
         self.server.stop(STOP_GRACE_S).wait()
 
 
-def start_grpc_server(options: ServeOptions) -> GrpcFrontEnd:
+def start_grpc_server(options: ServeOptions, requests: Optional[RequestLog] = None) -> GrpcFrontEnd:
     """Listen on options.grpc_address now; NOT_SERVING until attach()."""
-    return GrpcFrontEnd(options)
+    return GrpcFrontEnd(options, requests)

@@ -9,6 +9,10 @@ input or a field that is not implemented (naming it), 401 missing or wrong beare
 token, 404 a model this server does not serve, 429 queue full, 503 loading or
 pipeline down. Defaults follow OpenAI: temperature 1; max_tokens 16 for
 completions, the rest of the context (up to the server's cap) for chat.
+
+Monitoring: GET /health (health.py; open without a token, as gRPC's health) and
+GET /metrics (metrics.py), which alone are served on --metrics HOST:PORT. Each
+generation request is logged and counted (request_log.py).
 """
 
 import hmac
@@ -16,18 +20,21 @@ import json
 import select
 import socket
 import ssl
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+from typing import Optional
 
-from .. import TrinityError
 from ..runtime.request import RequestError
 from ..runtime.scheduler import QueueFull, RingUnavailable
+from .health import Health
+from .http_server import serve_http
 from .openai_fields import ApiError, param_of, plan
 from .openai_replies import Reply
-from .options import ServeOptions, split_address
+from .options import ServeOptions
+from .request_log import RequestLog
 
 MAX_BODY = 16 * 2**20
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 def _down(reason: str) -> ApiError:
@@ -40,7 +47,10 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = 300  # seconds a connection may sit idle, or a client may leave a write unread
 
     def log_message(self, format, *args):
-        pass
+        pass  # request_log.py writes one line per generation request instead
+
+    def log_request(self, code="-", size="-"):
+        self._status = int(code)  # send_response's status, for the access log
 
     def setup(self):
         super().setup()
@@ -54,26 +64,47 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self):
         front = self.server.front_end
-        self._body_read, self._started = self.command == "GET", False
+        self._body_read, self._started, self._status, error = self.command == "GET", False, None, None
+        path = self.path.split("?")[0].rstrip("/")
+        if self.command == "GET" and path in ("/health", "/metrics"):
+            return self._monitor(path)
         routes = {("GET", "/v1/models"): self._models,
                   ("POST", "/v1/completions"): lambda body, *state: self._generate(body, False, *state),
                   ("POST", "/v1/chat/completions"): lambda body, *state: self._generate(body, True, *state)}
+        generation = front.api and self.command == "POST" and path in GENERATION_ROUTES
+        self._trace = front.requests.begin("http", path, self.client_address[0]) if generation else None
         try:
             front.check_auth(self.headers.get("Authorization"))
-            route = routes.get((self.command, self.path.split("?")[0].rstrip("/")))
+            route = routes.get((self.command, path)) if front.api else None
             if route is None:
                 raise ApiError(404, f"no such endpoint: {self.command} {self.path}", code="unknown_url")
             body = self._read_body() if self.command == "POST" else None
             route(body, *front.attached())
         except ApiError as e:
             self._send_json(e.status, e.body())
+            error = str(e)
         except OSError:
             self.close_connection = True  # the client went away
         except Exception as e:
+            error = f"{type(e).__name__}: {e}"
             if self._started:
                 self.close_connection = True
             else:
-                self._send_json(500, ApiError(500, f"{type(e).__name__}: {e}", "server_error").body())
+                self._send_json(500, ApiError(500, error, "server_error").body())
+        finally:
+            if self._trace is not None:
+                self._trace.end(self._status, error)
+
+    def _monitor(self, path: str):
+        """GET /health (open to probes, like gRPC's health) or /metrics."""
+        front = self.server.front_end
+        try:
+            if path == "/health":
+                return self._send_json(*front.health.answer())
+            front.check_auth(self.headers.get("Authorization"))
+            self._send(200, *front.requests.metrics.exposition())
+        except ApiError as e:
+            self._send_json(e.status, e.body())
 
     def _read_body(self) -> dict:
         length = self.headers.get("Content-Length", "")
@@ -92,9 +123,11 @@ class _Handler(BaseHTTPRequestHandler):
         return body
 
     def _send_json(self, status: int, obj: dict):
-        data = json.dumps(obj).encode()
+        self._send(status, json.dumps(obj).encode(), "application/json")
+
+    def _send(self, status: int, data: bytes, content_type: str):
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         if not self._body_read:
             self.send_header("Connection", "close")  # an unread body would be taken for the next request
@@ -116,7 +149,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             for request in run.requests:  # one per choice
                 handles.append(scheduler.submit(request))
-            reply = Reply(run, info.model_id, tokenizer)
+            reply = self._trace.reply = Reply(run, info.model_id, tokenizer)  # its usage: the access log's
             self._stream(handles, reply) if run.stream else self._whole(handles, reply)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}", "rate_limit_exceeded") from None
@@ -129,7 +162,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _whole(self, handles, reply):
         for choice, handle in zip(reply.choices, handles):
             choice.opening()
-            for event in handle.events():
+            for event in self._trace.events(handle):
                 if self._client_gone():
                     self.close_connection = True
                     return
@@ -148,7 +181,7 @@ class _Handler(BaseHTTPRequestHandler):
         for choice, handle in zip(reply.choices, handles):  # choices one after the other, each with its index
             for chunk in choice.opening():
                 self._event(chunk)
-            for event in handle.events():
+            for event in self._trace.events(handle):
                 chunks = choice.add(event)
                 if choice.error:
                     self._event(_down(choice.error).body())  # the `openai` package raises APIError on it
@@ -177,52 +210,32 @@ class _Handler(BaseHTTPRequestHandler):
             return True
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128
-
-    def handle_error(self, request, client_address):
-        pass  # a connection that failed (reset, TLS handshake); API errors are answered in the handler
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
 class HttpFrontEnd:
-    """Listens from construction; answers 503 until attach(), and again after set_not_serving()."""
+    """Listens from construction; answers 503 until attach(), and again after set_not_serving().
+    With api=False (--metrics), only /health and /metrics."""
 
-    def __init__(self, options: ServeOptions):
-        host, port = split_address(options.http_address, "--http")
-        try:
-            self.server = (_Server6 if ":" in host else _Server)((host, port), _Handler)
-        except OSError as e:
-            raise TrinityError(f"--http {options.http_address}: cannot listen ({e})") from None
-        if options.tls_cert:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(options.tls_cert, options.tls_key)
-            self.server.socket = context.wrap_socket(self.server.socket, server_side=True, do_handshake_on_connect=False)
-        self.server.front_end = self
-        self.port = self.server.server_address[1]
+    def __init__(self, options: ServeOptions, requests: Optional[RequestLog] = None, api: bool = True):
         self.auth_token = options.auth_token
         self.created = int(time.time())
-        self.unavailable, self._state = "the model is loading", None
-        threading.Thread(target=self.server.serve_forever, name="http", daemon=True).start()
+        self.requests, self.api, self.health, self._state = requests or RequestLog(), api, Health(), None
+        flag, address = ("--http", options.http_address) if api else ("--metrics", options.metrics_address)
+        self.server = serve_http(address, flag, _Handler, options, self)
+        self.port = self.server.server_address[1]
 
     def describe(self) -> str:
         host = self.server.server_address[0]
-        return f"{'[' + host + ']' if ':' in host else host}:{self.port} (HTTP)"
+        return f"{'[' + host + ']' if ':' in host else host}:{self.port} ({'HTTP' if self.api else 'metrics'})"
 
     def attach(self, scheduler, tokenizer, info) -> None:
         """The model is loaded on every rank: start serving."""
         self._state = (scheduler, tokenizer, info)
-        self.unavailable = None
+        self.health.serving()
 
     def set_not_serving(self, reason: str) -> None:
-        self.unavailable = f"the pipeline is down: {reason}"
+        self.health.down(reason)
 
     def stop(self) -> None:
-        self.unavailable = "the server is shutting down"
+        self.health.stopping()
         self.server.shutdown()
         self.server.server_close()
 
@@ -234,11 +247,12 @@ class HttpFrontEnd:
             raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)", code="invalid_api_key")
 
     def attached(self):
-        if self.unavailable is not None or self._state is None:
-            raise ApiError(503, self.unavailable or "the model is loading", "service_unavailable")
+        reason = self.health.reason
+        if reason is not None or self._state is None:
+            raise ApiError(503, reason or "the model is loading", "service_unavailable")
         return self._state
 
 
-def start_http_server(options: ServeOptions) -> HttpFrontEnd:
-    """Listen on options.http_address now; 503 until attach()."""
-    return HttpFrontEnd(options)
+def start_http_server(options: ServeOptions, requests: Optional[RequestLog] = None, api: bool = True) -> HttpFrontEnd:
+    """Listen on options.http_address (api=False: options.metrics_address) now; 503 until attach()."""
+    return HttpFrontEnd(options, requests, api)

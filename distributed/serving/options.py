@@ -15,6 +15,7 @@ AUTH_TOKEN_ENV = "TRINITY_AUTH_TOKEN"
 class ServeOptions:
     grpc_address: str  # HOST:PORT
     http_address: Optional[str] = None  # HOST:PORT for the OpenAI-compatible API
+    metrics_address: Optional[str] = None  # HOST:PORT for /metrics and /health alone
     auth_token: Optional[str] = None  # clients send `authorization: Bearer <token>`
     insecure: bool = False  # allow a non-loopback bind without a token
     tls_cert: Optional[str] = None
@@ -44,7 +45,8 @@ def is_loopback(host: str) -> bool:
 def check_options(options: ServeOptions) -> ServeOptions:
     """Refuse unsafe or inconsistent settings before anything loads."""
     options.auth_token = options.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
-    for flag, address in (("--serve", options.grpc_address), ("--http", options.http_address)):
+    for flag, address in (("--serve", options.grpc_address), ("--http", options.http_address),
+                          ("--metrics", options.metrics_address)):
         if address is None:
             continue
         host, _ = split_address(address, flag)

@@ -170,9 +170,13 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None,
     if rank != 0:
         if on_ready is not None:
             on_ready()
-        StageWorker(stage, rank, world, wait_wake=watchdog and watchdog.wait_wake).serve(transport)
+        worker = StageWorker(stage, rank, world, wait_wake=watchdog and watchdog.wait_wake)
+        if watchdog is not None:
+            watchdog.report = worker.stats.report  # rank 0's metrics hear it with each heartbeat
+        worker.serve(transport)
         return None
     pipeline = Pipeline(stage, transport)
     if watchdog is not None:
         pipeline.waker = watchdog.wake
+        pipeline.peer_reports = lambda: dict(watchdog.reports)
     return Loaded(pipeline, path, config, [r["memory_bytes"] for r in reports])

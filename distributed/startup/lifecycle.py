@@ -33,6 +33,8 @@ EXIT_STOP_TIMEOUT = 4  # the deadline passed (0 is a stop that finished)
 PARENT_POLL_S = 0.5
 # Set by the launchers that start ranks: a rank whose launcher dies stops.
 LAUNCHER_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+# Set by `launch run` for each attempt: how many times it has restarted the ring before (for metrics).
+RESTARTS_ENV = "TRINITY_RESTARTS"
 
 
 def log(message: str) -> None:
@@ -47,6 +49,12 @@ def log(message: str) -> None:
 def block_stop_signals() -> None:
     """Block stop signals in this thread and every thread started after it."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def launcher_restarts(env=os.environ) -> int:
+    """How many times `launch run --restart` restarted the ring before this attempt (0: not set)."""
+    value = env.get(RESTARTS_ENV, "")
+    return int(value) if value.isdigit() else 0
 
 
 def launched_by_launcher(env=os.environ) -> bool:

@@ -32,7 +32,8 @@ frame round the ring, each rank waits in wait_wake(), and rank 0 sends
 {"wake": n} here before its next frame.
 
 Wire format: one JSON object per line. {"hello": rank, "host": name}, {"go": 1},
-{"hb": 1}, {"bye": 1} (a clean exit: stop watching me), {"failed": rank, "desc":
+{"hb": 1[, "stats": {...}]} (another rank's RankStats report rides its heartbeats, for rank 0's
+metrics), {"bye": 1} (a clean exit: stop watching me), {"failed": rank, "desc":
 text} (rank 0 relaying a failure, or a rank leaving with an error of its own),
 {"stop": reason}, {"wake": n}.
 Anyone who can reach the port can end the ring, as with MLX's own ring ports:
@@ -119,6 +120,8 @@ class Watchdog:
         self.on_failure = on_failure  # rank 0 serving: scheduler.abort (ends streams, NOT_SERVING)
         self.grace = grace  # seconds for front ends to send their errors before the exit
         self.on_stop = on_stop  # another rank asked for a stop: lifecycle.request_stop
+        self.report: Optional[Callable[[], dict]] = None  # another rank: its stats, sent with each heartbeat
+        self.reports: Dict[int, dict] = {}  # rank 0: each rank's last report
         self.stopping = False  # a stop was announced: losing a peer is expected now
         self._woken = 0  # the last {"wake": n} from rank 0
         self._wake = threading.Condition()
@@ -285,6 +288,8 @@ class Watchdog:
                     self.stopping = True
                 if self.on_stop is not None:
                     self.on_stop(str(msg["stop"]))
+            elif "stats" in msg and isinstance(msg["stats"], dict):
+                self.reports[r] = msg["stats"]
             elif "failed" in msg:
                 self._fail(str(msg.get("desc") or self._describe(msg["failed"], "failed")), msg["failed"])
                 return
@@ -297,8 +302,14 @@ class Watchdog:
 
     def _beat(self) -> None:
         while not self._done and self.failure is None:
+            beat = {"hb": 1}
+            if self.report is not None:
+                try:
+                    beat["stats"] = self.report()
+                except Exception:  # e.g. caches changing under us: the next beat has one
+                    pass
             for peer in list(self.peers.values()):
-                peer.send({"hb": 1})
+                peer.send(beat)
             time.sleep(self.interval)
 
     def _monitor(self) -> None:

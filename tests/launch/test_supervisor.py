@@ -9,11 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import free_port_range
 from distributed.serving.proto import generation_pb2 as pb
@@ -29,13 +31,14 @@ MAX_TOKENS = 8
 class Launcher:
     def __init__(self, model, tmp_path, *launch_args):
         self.address = f"127.0.0.1:{free_port_range(1)}"
+        self.metrics = f"127.0.0.1:{free_port_range(1)}"
         self.log_path = tmp_path / "launch.log"
         self.log = open(self.log_path, "w")
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launch", "run", "--single-host", "2", *launch_args, "--",
-             "run_trinity.py", "--model", str(model), "--serve", self.address],
+             "run_trinity.py", "--model", str(model), "--serve", self.address, "--metrics", self.metrics],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.GenerationStub(self.channel)
@@ -71,6 +74,12 @@ class Launcher:
                 pass
             time.sleep(0.3)
         raise AssertionError(f"no generation within {timeout:.0f} s:\n{self.output()[-4000:]}")
+
+    def ring_counts(self):
+        """(restarts, failures) as rank 0's metrics count them."""
+        text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10).read().decode()
+        samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+        return samples["trinity_ring_restarts_total"], samples["trinity_ring_failures_total"]
 
     def close(self):
         self.channel.close()
@@ -126,16 +135,19 @@ def test_restart_after_a_rank_is_killed_then_give_up(hf_checkpoint, tmp_path, re
     try:
         before = launcher.generate_retrying()
         assert before[0] == reference
+        assert launcher.ring_counts() == (0, 0)
         (first,) = launcher.attempts()
         os.kill(first[1], signal.SIGKILL)
 
         after = launcher.generate_retrying()  # reaches the restarted ring
         assert after == before
+        assert launcher.ring_counts() == (1, 1)  # the restarted ring's rank 0 counts the failure before it
         _, second = launcher.attempts()
         assert set(second.values()).isdisjoint(first.values())
         assert wait_gone(list(first.values()), 10) == []
         out = launcher.output()
         assert "attempt 1/2 failed: rank 1 was killed by SIGKILL" in out and "restart 1 of 1" in out, out[-3000:]
+        assert "trinity: server stopped (the pipeline is down: rank 1 " in out, out[-3000:]  # said by rank 0
 
         os.kill(second[1], signal.SIGKILL)  # the budget is spent: the launcher gives up
         assert launcher.proc.wait(timeout=60) == 128 + signal.SIGKILL, launcher.output()[-3000:]
@@ -152,6 +164,7 @@ RANK_SCRIPT = """
 import os, signal, subprocess, sys, time
 rank = int(os.environ["MLX_RANK"])
 mode = sys.argv[1]
+print(f"rank {rank}: TRINITY_RESTARTS={os.environ.get('TRINITY_RESTARTS')}", file=sys.stderr, flush=True)
 child = subprocess.Popen(["sleep", "300"])  # something the rank started: must not outlive the ring
 def stop(*_):
     child.kill()
@@ -239,6 +252,8 @@ def test_restart_budget_with_a_failing_rank(tmp_path, via):
         assert "attempt 3/3: starting the ring" in out and "attempt 4" not in out
         for n in (1, 2):
             assert f"attempt {n}/3 failed: rank 1 exited with code 3" in out and f"restart {n} of 2" in out
+        for n in (0, 1, 2):  # each attempt's ranks know how many restarts came before (their metrics count them)
+            assert f"rank 1: TRINITY_RESTARTS={n}" in out, out
         assert "no restarts left (--restart 2); exit status 3" in out
         if via == "direct":
             assert len(CONTROL.findall(out)) == 3

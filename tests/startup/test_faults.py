@@ -80,8 +80,7 @@ def ranks3(hf_checkpoint):
     s = Server(hf_checkpoint, 3, ["--split", "3,1,4", "--http", "127.0.0.1:0", *SERVER_ARGS], manual=True)
     try:
         s.wait_serving()
-        host, port = re.search(r"and (\S+):(\d+) \(HTTP\)", s.output()).groups()
-        s.http = (host, int(port))
+        s.http = s.http_address()
         s.ranks = s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).ranks
         yield s
     finally:

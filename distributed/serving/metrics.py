@@ -1,0 +1,117 @@
+"""Rank 0's Prometheus metrics (prometheus-client), served at `/metrics` on the HTTP
+API's port and on `--metrics HOST:PORT`.
+
+Each server has a registry of its own, not prometheus-client's global one, so that
+several servers (or tests) in one process do not clash. Requests are counted by the
+front ends as each ends (request_log.py); the ring's state is read at scrape time
+from plain numbers the runtime keeps (the scheduler's queue, the prefix cache's
+counters, each rank's RankStats: runtime/rank_stats.py, the other ranks' as last
+heard with their heartbeats), so a scrape never waits for the ring, nor the ring
+for a scrape, and a scrape still answers while the ring is stuck.
+"""
+
+from typing import Optional, Tuple
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector,
+                               disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    def __init__(self, restarts: int = 0):
+        disable_created_metrics()  # no `_created` series beside every counter and histogram
+        self.registry = registry = CollectorRegistry()
+        front_end = ["front_end"]  # grpc or http
+        self.requests = Counter(
+            "trinity_requests", "Generation requests that ended, by front end and outcome: a finish reason (stop, "
+            "length, cancelled, error) or why it was refused (invalid, queue_full, unavailable, unauthenticated, ...)",
+            ["front_end", "outcome"], registry=registry)
+        self.prompt_tokens = Counter("trinity_prompt_tokens", "Prompt tokens of requests that ran", front_end,
+                                     registry=registry)
+        self.cached_tokens = Counter("trinity_prompt_tokens_cached", "Prompt tokens restored from the prefix cache "
+                                     "instead of computed (part of trinity_prompt_tokens)", front_end, registry=registry)
+        self.generated_tokens = Counter("trinity_generated_tokens", "Tokens generated (completion tokens)",
+                                        front_end, registry=registry)
+        self.ttft = Histogram("trinity_time_to_first_token_seconds", "From a request's arrival to its first token",
+                              front_end, buckets=TTFT_BUCKETS, registry=registry)
+        self.itl = Histogram("trinity_inter_token_latency_seconds", "Between successive tokens of a request",
+                             front_end, buckets=ITL_BUCKETS, registry=registry)
+        self.duration = Histogram("trinity_request_duration_seconds", "From a request's arrival to its end",
+                                  front_end, buckets=DURATION_BUCKETS, registry=registry)
+        ProcessCollector(registry=registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        self.restarts = restarts  # rings before this one that failed and were restarted (launch run --restart)
+        self.ring_failed = False
+        self.scheduler = self.info = None  # once attached
+        registry.register(_RingCollector(self))
+
+    def attach(self, scheduler, info) -> None:
+        """The model is loaded on every rank: the ring's metrics come from now on."""
+        self.scheduler, self.info = scheduler, info
+
+    def exposition(self) -> Tuple[bytes, str]:
+        """The scrape's body and its Content-Type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _counter(name: str, doc: str, value: Optional[float] = None, labels=None) -> CounterMetricFamily:
+    return CounterMetricFamily(f"trinity_{name}", doc, value=value, labels=labels)
+
+
+def _gauge(name: str, doc: str, value: Optional[float] = None, labels=None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"trinity_{name}", doc, value=value, labels=labels)
+
+
+class _RingCollector:
+    """The ring's state, read at scrape time."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []  # the families vary (none before the model is loaded): no check at registration
+
+    def collect(self):
+        m = self.metrics
+        yield _counter("ring_restarts", "Times `launch run --restart` restarted the ring before this one "
+                       "(TRINITY_RESTARTS)", m.restarts)
+        yield _counter("ring_failures", "Ring failures (a rank died, froze or was cut off), counting those before "
+                       "launcher restarts; rank 0 exits about 1 s after its ring fails", m.restarts + m.ring_failed)
+        s, info = m.scheduler, m.info
+        if s is None:
+            return
+        yield _gauge("requests_waiting", "Requests queued for admission (at most --max-queue)", s.waiting)
+        yield _gauge("sequences_running", "Requests admitted and decoding (or prefilling)", s.running)
+        yield _gauge("max_batch", "Sequences that may decode together (--max-batch)", info.max_batch)
+        prefix = s.prefix_cache
+        yield _gauge("prefix_cache_entries", "Prefix-cache entries", len(prefix.index.entries))
+        yield _gauge("prefix_cache_budget_bytes", "Prefix-cache bytes allowed on any rank (--prefix-cache-bytes)",
+                     prefix.budget)
+        yield _counter("prefix_cache_hits", "Prompts that restored a cached prefix", prefix.hits)
+        yield _counter("prefix_cache_misses", "Prompts looked up in the prefix cache without a usable entry",
+                       prefix.lookups - prefix.hits)
+        yield from self._ranks(s.pipeline.rank_reports(), {r["rank"]: r["host"] for r in info.ranks})
+
+    @staticmethod
+    def _ranks(reports: dict, hosts: dict):
+        labels = ["rank", "host"]
+        families = [
+            ("forward_seconds", _counter("rank_forward_seconds", "Seconds of each rank's forward computation (its "
+                                         "layers; rank 0 also the embedding, head and sampling, and counted from "
+                                         "sending its work until it sees it done: runtime/rank_stats.py); other "
+                                         "ranks' as of their last heartbeat (about 1 s old at most)", labels=labels)),
+            ("forward_frames", _counter("rank_forward_frames", "Forward frames (prompt chunks, decode steps) each "
+                                        "rank computed", labels=labels)),
+            ("kv_cache_bytes", _gauge("kv_cache_bytes", "Bytes of KV cache each rank holds for running requests",
+                                      labels=labels)),
+            ("prefix_cache_bytes", _gauge("prefix_cache_bytes", "Bytes of prefix-cache entries each rank holds",
+                                          labels=labels)),
+            ("peak_memory_bytes", _gauge("rank_peak_memory_bytes", "Each rank's peak MLX memory", labels=labels)),
+        ]
+        for key, family in families:
+            for rank, report in sorted(reports.items()):
+                family.add_metric([str(rank), hosts.get(rank, "?")], report.get(key, 0))
+            yield family

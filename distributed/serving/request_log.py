@@ -1,0 +1,146 @@
+"""What rank 0's front ends report about each generation request: one access-log
+line on stderr when it ends, and its metrics (metrics.py); and one line of what the
+server served when it stops.
+
+A front end calls begin() as a request arrives, reads the request's events
+through the Trace (which times its first token and the gaps between tokens) and
+calls end() with the status it answered once the answer is out (so a scrape made
+the instant a client has its answer may not count it yet).
+
+    trinity: request front_end=http route=/v1/completions status=200 outcome=length prompt_tokens=5
+        cached_tokens=0 completion_tokens=16 ttft_s=0.041 duration_s=0.210 client=127.0.0.1   (one line)
+"""
+
+import collections
+import json
+import os
+import threading
+import time
+from typing import Iterator, List, Optional, Tuple
+
+from ..runtime.request import FinishEvent, TokenEvent
+from .metrics import Metrics
+
+# A request that never ran: its outcome from the status it got (HTTP status or gRPC code name).
+REFUSED = {400: "invalid", 411: "invalid", 413: "invalid", 401: "unauthenticated", 404: "not_found",
+           429: "queue_full", 500: "server_error", 503: "unavailable",
+           "INVALID_ARGUMENT": "invalid", "UNAUTHENTICATED": "unauthenticated", "NOT_FOUND": "not_found",
+           "RESOURCE_EXHAUSTED": "queue_full", "UNAVAILABLE": "unavailable", "DEADLINE_EXCEEDED": "cancelled",
+           "CANCELLED": "cancelled", "UNKNOWN": "server_error", "INTERNAL": "server_error"}
+
+
+def write_line(text: str) -> None:
+    """One line on stderr in one write (lines of concurrent requests never interleave),
+    never raising: at a stop, whoever read our output may be gone."""
+    try:
+        os.write(2, f"trinity: {text}\n".encode(errors="replace"))
+    except OSError:
+        pass
+
+
+class RequestLog:
+    def __init__(self, metrics: Optional[Metrics] = None, write=write_line):
+        self.metrics = metrics or Metrics()
+        self.write = write
+        self.started = time.monotonic()
+        self.outcomes: "collections.Counter[str]" = collections.Counter()
+        self.prompt_tokens = self.cached_tokens = self.generated_tokens = 0
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def begin(self, front_end: str, route: str, client: str) -> "Trace":
+        """A generation request arrived (front_end: "grpc" or "http")."""
+        return Trace(self, front_end, route, client)
+
+    def ring_failed(self, reason: str) -> None:
+        self.metrics.ring_failed = True
+        self.stopped(f"the pipeline is down: {reason}")  # rank 0 exits about 1 s later
+
+    def stopped(self, why: str) -> None:
+        """The server stops: one line of what it served (once)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            outcomes = ", ".join(f"{n} {outcome}" for outcome, n in sorted(self.outcomes.items()))
+            self.write(f"server stopped ({why}): up {time.monotonic() - self.started:.1f} s, "
+                       f"served {sum(self.outcomes.values())} requests" + (f" ({outcomes})" if outcomes else "")
+                       + f", {self.prompt_tokens} prompt tokens ({self.cached_tokens} cached), "
+                       f"{self.generated_tokens} generated tokens")
+
+    def _ended(self, trace: "Trace", status, outcome: str, error: Optional[str]) -> None:
+        m, fe = self.metrics, trace.front_end
+        prompt, cached, completion = trace.tokens()
+        with self._lock:
+            self.outcomes[outcome] += 1
+            self.prompt_tokens += prompt
+            self.cached_tokens += cached
+            self.generated_tokens += completion
+        duration = time.perf_counter() - trace.start
+        m.prompt_tokens.labels(fe).inc(prompt)
+        m.cached_tokens.labels(fe).inc(cached)
+        m.generated_tokens.labels(fe).inc(completion)
+        m.duration.labels(fe).observe(duration)
+        ttft = "-" if trace.first is None else f"{trace.first - trace.start:.3f}"
+        self.write(f"request front_end={fe} route={trace.route} status={status} outcome={outcome} "
+                   f"prompt_tokens={prompt} cached_tokens={cached} completion_tokens={completion} "
+                   f"ttft_s={ttft} duration_s={duration:.3f} client={trace.client}"
+                   + (f" error={json.dumps(error)}" if error else ""))
+        m.requests.labels(fe, outcome).inc()  # last: once a scrape counts the request, the rest is done
+
+
+class Trace:
+    """One request, from its arrival to the answer's end; its choices (HTTP's n, several
+    prompts) are read one handle after the other."""
+
+    def __init__(self, log: RequestLog, front_end: str, route: str, client: str):
+        self.log, self.front_end, self.route, self.client = log, front_end, route, client or "-"
+        self.start = time.perf_counter()
+        self.first: Optional[float] = None  # when its first token came
+        self.finishes: List[FinishEvent] = []
+        self.handles = 0  # read so far
+        self.reply = None  # HTTP: the OpenAI reply (openai_replies.Reply), whose usage the client is told
+        self.done = False
+
+    def events(self, handle) -> Iterator:
+        """handle.events(), timed as they come."""
+        itl, ttft = self.log.metrics.itl.labels(self.front_end), self.log.metrics.ttft.labels(self.front_end)
+        self.handles += 1
+        last = None
+        for event in handle.events():
+            now = time.perf_counter()
+            if isinstance(event, TokenEvent):
+                if self.first is None:
+                    self.first = now
+                    ttft.observe(now - self.start)
+                elif last is not None:
+                    itl.observe(now - last)
+                last = now
+            elif isinstance(event, FinishEvent):
+                self.finishes.append(event)
+            yield event
+
+    def tokens(self) -> Tuple[int, int, int]:
+        """(prompt, cached, completion) tokens, as the client is told them."""
+        if self.reply is not None:
+            usage = self.reply.usage()
+            return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]
+        return tuple(sum(getattr(f, name) for f in self.finishes)
+                     for name in ("prompt_tokens", "cached_tokens", "completion_tokens"))
+
+    def end(self, status, error: Optional[str] = None) -> None:
+        """Log and count the request (once): `status` is what the client got (an HTTP status, a
+        gRPC code name; None if it went away before any); its outcome is its finish reason if
+        it ran to the end, else what the status says (cancelled if the client went away)."""
+        if self.done:
+            return
+        self.done = True
+        if self.finishes and len(self.finishes) == self.handles:  # every choice read to its end
+            reasons = [f.finish_reason for f in self.finishes]
+            outcome = next((r for r in reasons if r in ("error", "cancelled")), reasons[0])
+            error = error or next((f.error for f in self.finishes if f.error), None)
+        elif status in (None, 200, "OK"):
+            outcome = "cancelled"  # the client went away mid-answer
+        else:
+            outcome = REFUSED.get(status, str(status).lower())
+        self.log._ended(self, "-" if status is None else status, outcome, error)

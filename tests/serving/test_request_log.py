@@ -1,0 +1,68 @@
+"""request_log.py on its own: a request's events, timed through its Trace, become one
+access-log line and its metrics; refused requests get their outcome from the status;
+the stop line sums what was served. (tests/serving/test_metrics.py: the same on real
+servers, through both front ends.)"""
+
+import json
+
+from distributed.runtime.request import FinishEvent, GenerationRequest, TokenEvent
+from distributed.runtime.scheduler import RequestHandle
+from distributed.serving.request_log import RequestLog
+
+
+def handle_with(*events) -> RequestHandle:
+    handle = RequestHandle(GenerationRequest([1, 2, 3, 4]))
+    for event in events:
+        handle.emit(event)
+    return handle
+
+
+def sample(log: RequestLog, name: str, **labels) -> float:
+    return log.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_request_that_ran():
+    lines = []
+    log = RequestLog(write=lines.append)
+    trace = log.begin("http", "/v1/completions", "127.0.0.1")
+    tokens = [TokenEvent(t, -0.5, "x") for t in (7, 8, 9)]
+    handle = handle_with(*tokens, FinishEvent("length", 4, 3, cached_tokens=2))
+    assert list(trace.events(handle))[:3] == tokens
+    trace.end(200)
+    trace.end(200)  # once only
+    assert len(lines) == 1 and lines[0].startswith(
+        "request front_end=http route=/v1/completions status=200 outcome=length prompt_tokens=4 cached_tokens=2 "
+        "completion_tokens=3 ttft_s=0."), lines
+    assert lines[0].endswith(" client=127.0.0.1") and "error=" not in lines[0]
+    assert sample(log, "trinity_requests_total", front_end="http", outcome="length") == 1
+    assert sample(log, "trinity_prompt_tokens_total", front_end="http") == 4
+    assert sample(log, "trinity_prompt_tokens_cached_total", front_end="http") == 2
+    assert sample(log, "trinity_generated_tokens_total", front_end="http") == 3
+    assert sample(log, "trinity_time_to_first_token_seconds_count", front_end="http") == 1
+    assert sample(log, "trinity_inter_token_latency_seconds_count", front_end="http") == 2
+
+
+def test_refused_requests_and_a_failed_one():
+    lines = []
+    log = RequestLog(write=lines.append)
+    for front_end, status in (("http", 429), ("grpc", "INVALID_ARGUMENT"), ("http", 503), ("grpc", None),
+                              ("http", 200)):  # the last: a stream whose client went away
+        log.begin(front_end, "r", "c").end(status, "why" if status else None)
+    failed = log.begin("grpc", "Generate", "c")
+    list(failed.events(handle_with(TokenEvent(5, -1.0, "y"), FinishEvent("error", 4, 1, error="rank 1 died"))))
+    failed.end("UNAVAILABLE")
+    outcomes = [dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)["outcome"] for line in lines]
+    assert outcomes == ["queue_full", "invalid", "unavailable", "cancelled", "cancelled", "error"], lines
+    assert json.loads(lines[-1].split("error=", 1)[1]) == "rank 1 died"
+    assert " ttft_s=- " in lines[0] and " status=- " in lines[3]
+    assert sample(log, "trinity_requests_total", front_end="grpc", outcome="error") == 1
+    assert sample(log, "trinity_generated_tokens_total", front_end="grpc") == 1
+    assert sample(log, "trinity_request_duration_seconds_count", front_end="http") == 3
+
+    log.ring_failed("rank 1 died")
+    log.stopped("stopped by SIGTERM")  # the server already said it stopped
+    assert sample(log, "trinity_ring_failures_total") == 1
+    stops = [line for line in lines if line.startswith("server stopped")]
+    assert len(stops) == 1 and stops[0].startswith("server stopped (the pipeline is down: rank 1 died): up "), stops
+    assert stops[0].endswith(" s, served 6 requests (2 cancelled, 1 error, 1 invalid, 1 queue_full, "
+                             "1 unavailable), 4 prompt tokens (0 cached), 1 generated tokens"), stops

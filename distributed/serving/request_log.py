@@ -38,6 +38,9 @@ def write_line(text: str) -> None:
         pass
 
 
+STOP_WAIT_S = 1.0  # rank 0 exits about 1 s after the ring fails
+
+
 class RequestLog:
     def __init__(self, metrics: Optional[Metrics] = None, write=write_line):
         self.metrics = metrics or Metrics()
@@ -47,9 +50,13 @@ class RequestLog:
         self.prompt_tokens = self.cached_tokens = self.generated_tokens = 0
         self._lock = threading.Lock()
         self._stopped = False
+        self._open = 0  # requests begun and not yet logged
+        self._all_logged = threading.Condition(self._lock)
 
     def begin(self, front_end: str, route: str, client: str) -> "Trace":
         """A generation request arrived (front_end: "grpc" or "http")."""
+        with self._lock:
+            self._open += 1
         return Trace(self, front_end, route, client)
 
     def ring_failed(self, reason: str) -> None:
@@ -57,11 +64,14 @@ class RequestLog:
         self.stopped(f"the pipeline is down: {reason}")  # rank 0 exits about 1 s later
 
     def stopped(self, why: str) -> None:
-        """The server stops: one line of what it served (once)."""
+        """The server stops: one line of what it served (once), after the requests still
+        open have been logged (their handlers are given the error as this is called),
+        waiting STOP_WAIT_S at most."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
+            self._all_logged.wait_for(lambda: self._open <= 0, timeout=STOP_WAIT_S)
             outcomes = ", ".join(f"{n} {outcome}" for outcome, n in sorted(self.outcomes.items()))
             self.write(f"server stopped ({why}): up {time.monotonic() - self.started:.1f} s, "
                        f"served {sum(self.outcomes.values())} requests" + (f" ({outcomes})" if outcomes else "")
@@ -87,6 +97,9 @@ class RequestLog:
                    f"ttft_s={ttft} duration_s={duration:.3f} client={trace.client}"
                    + (f" error={json.dumps(error)}" if error else ""))
         m.requests.labels(fe, outcome).inc()  # last: once a scrape counts the request, the rest is done
+        with self._lock:
+            self._open -= 1
+            self._all_logged.notify_all()
 
 
 class Trace:

@@ -38,7 +38,8 @@ def write_line(text: str) -> None:
         pass
 
 
-STOP_WAIT_S = 1.0  # rank 0 exits about 1 s after the ring fails
+STOP_WAIT_S = 1.0  # at a stop, for the requests still open to be logged
+FAILED_WAIT_S = 0.5  # the same after a ring failure: rank 0 exits about 1 s after it
 
 
 class RequestLog:
@@ -60,18 +61,21 @@ class RequestLog:
         return Trace(self, front_end, route, client)
 
     def ring_failed(self, reason: str) -> None:
+        """Called as the ring fails, before the requests it ends are told (health must be
+        down first): the stop line comes from a thread of its own once they are logged."""
         self.metrics.ring_failed = True
-        self.stopped(f"the pipeline is down: {reason}")  # rank 0 exits about 1 s later
+        threading.Thread(target=self.stopped, args=(f"the pipeline is down: {reason}", FAILED_WAIT_S),
+                         name="stop-line", daemon=True).start()
 
-    def stopped(self, why: str) -> None:
+    def stopped(self, why: str, wait: float = STOP_WAIT_S) -> None:
         """The server stops: one line of what it served (once), after the requests still
-        open have been logged (their handlers are given the error as this is called),
-        waiting STOP_WAIT_S at most."""
+        open have been logged (their handlers are given their errors meanwhile), waiting
+        `wait` seconds at most."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
-            self._all_logged.wait_for(lambda: self._open <= 0, timeout=STOP_WAIT_S)
+            self._all_logged.wait_for(lambda: self._open <= 0, timeout=wait)
             outcomes = ", ".join(f"{n} {outcome}" for outcome, n in sorted(self.outcomes.items()))
             self.write(f"server stopped ({why}): up {time.monotonic() - self.started:.1f} s, "
                        f"served {sum(self.outcomes.values())} requests" + (f" ({outcomes})" if outcomes else "")

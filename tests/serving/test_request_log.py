@@ -4,6 +4,7 @@ the stop line sums what was served. (tests/serving/test_metrics.py: the same on 
 servers, through both front ends.)"""
 
 import json
+import time
 
 from distributed.runtime.request import FinishEvent, GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import RequestHandle
@@ -48,9 +49,15 @@ def test_refused_requests_and_a_failed_one():
     for front_end, status in (("http", 429), ("grpc", "INVALID_ARGUMENT"), ("http", 503), ("grpc", None),
                               ("http", 200)):  # the last: a stream whose client went away
         log.begin(front_end, "r", "c").end(status, "why" if status else None)
-    failed = log.begin("grpc", "Generate", "c")
+    failed = log.begin("grpc", "Generate", "c")  # open as the ring fails: the stop line waits for it
+    log.ring_failed("rank 1 died")
     list(failed.events(handle_with(TokenEvent(5, -1.0, "y"), FinishEvent("error", 4, 1, error="rank 1 died"))))
     failed.end("UNAVAILABLE")
+    end = time.monotonic() + 10
+    while not lines[-1].startswith("server stopped"):
+        assert time.monotonic() < end, lines
+        time.sleep(0.01)
+    stop = lines.pop()  # after the failed request's line
     outcomes = [dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)["outcome"] for line in lines]
     assert outcomes == ["queue_full", "invalid", "unavailable", "cancelled", "cancelled", "error"], lines
     assert json.loads(lines[-1].split("error=", 1)[1]) == "rank 1 died"
@@ -59,10 +66,9 @@ def test_refused_requests_and_a_failed_one():
     assert sample(log, "trinity_generated_tokens_total", front_end="grpc") == 1
     assert sample(log, "trinity_request_duration_seconds_count", front_end="http") == 3
 
-    log.ring_failed("rank 1 died")
     log.stopped("stopped by SIGTERM")  # the server already said it stopped
     assert sample(log, "trinity_ring_failures_total") == 1
-    stops = [line for line in lines if line.startswith("server stopped")]
+    stops = [line for line in lines if line.startswith("server stopped")] + [stop]
     assert len(stops) == 1 and stops[0].startswith("server stopped (the pipeline is down: rank 1 died): up "), stops
     assert stops[0].endswith(" s, served 6 requests (2 cancelled, 1 error, 1 invalid, 1 queue_full, "
                              "1 unavailable), 4 prompt tokens (0 cached), 1 generated tokens"), stops

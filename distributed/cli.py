@@ -47,7 +47,7 @@ the split", "Stopping" and "How it is built" (where things are in the code)."""
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--model", help="local checkpoint directory or Hugging Face repo id "
-                   "(default: an embedded tiny AFMoE checkpoint, made locally)")
+                   "(default: the embedded tiny AFMoE, trained on Python's own docs)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="text; the chat template is applied unless --no-chat-template "
                         f"(default: {DEFAULT_PROMPT!r})")

@@ -6,5 +6,6 @@ contiguous layer range (even or `--split`); `sizes` counts each layer's bytes
 to their memory (`memory`: what a host may use), for ranks at start-up and the
 launcher alike; `stage` is the module a rank runs (mlx-lm's afmoe layers);
 `loader` (with `hub` for downloads) loads only this rank's tensors;
-`tiny_checkpoint` writes deterministic tiny checkpoints in both layouts.
+`tiny_checkpoint` writes deterministic tiny checkpoints in both layouts (for tests)
+and finds the embedded default model (`tiny_model/`, package data).
 """

@@ -1,4 +1,5 @@
-"""Deterministic tiny AFMoE checkpoints with a tokenizer, for tests and the default model.
+"""Deterministic tiny AFMoE checkpoints with a tokenizer, for tests; and where the
+embedded default model lies.
 
 Two layouts, as found in the wild:
 - "hf": HF transformers layout, float32, per-expert keys
@@ -9,20 +10,23 @@ Two layouts, as found in the wild:
 Weights come from numpy's PCG64 generator, so the same seed gives the same
 bytes on every machine and version (the committed HF reference fixture relies
 on it). Nothing is downloaded.
+
+The default model (no --model) is not one of these random checkpoints: it is
+trained, and its files ship in `tiny_model/` beside this module.
 """
 
 import contextlib
 import hashlib
 import io
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Dict
 
 import numpy as np
 
+from .. import TrinityError
+
+DEFAULT_MODEL = Path(__file__).resolve().parent / "tiny_model"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -229,18 +233,9 @@ def _to_mlx_layout(weights: dict, config: dict):
 
 
 def default_checkpoint() -> Path:
-    """The embedded default model: made once per machine in a cache folder, atomically."""
-    cache = Path(os.environ.get("TRINITY_CACHE", Path.home() / ".cache" / "trinity-pipeline"))
-    # The name carries a hash of the config, so a changed maker never reuses a stale cache.
-    digest = hashlib.sha256(json.dumps(tiny_config(), sort_keys=True).encode()).hexdigest()[:12]
-    path = cache / f"tiny-afmoe-hf-seed0-{digest}"
-    if (path / "config.json").exists():
-        return path
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tiny-"))
-    make_checkpoint(tmp)
-    try:
-        tmp.rename(path)  # several ranks may race here; the first rename wins
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    """The embedded default model: a tiny AFMoE trained on English text that ships with
+    Python (scripts/train_tiny_model.py made it), shipped as package data."""
+    if not (DEFAULT_MODEL / "model.safetensors").exists():
+        raise TrinityError(f"the embedded default model is missing from {DEFAULT_MODEL} "
+                           "(an install without package data?): pass --model")
+    return DEFAULT_MODEL

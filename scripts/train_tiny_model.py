@@ -1,0 +1,255 @@
+"""Train the embedded default model (distributed/shard/tiny_model/): a tiny AFMoE that writes
+readable English, on text that ships with Python.
+
+    nice python scripts/train_tiny_model.py [--steps N] [--out DIR]
+
+Corpus: the prose of the standard library's `pydoc_data.topics` (the language reference
+that `help()` shows), from this interpreter, each paragraph once; every tenth paragraph is
+held out. Its loss is logged every --eval-every steps (scripts/eval_tiny_model.py measures
+it again, in float32 and 4-bit). The corpus is small, so the model ends well past the
+held-out optimum: that costs held-out perplexity, but its greedy text reads better (trained
+to about the optimum, it looped on short phrases such as '"x in y" is raised.').
+
+Model: mlx-lm's afmoe itself (what the runner loads), with Trinity's features at toy size:
+sliding-window (RoPE) and full-attention (no RoPE) layers, a dense first layer, then MoE
+layers (sigmoid router, 8 experts, top 2, one shared expert), muP's embedding scale. The
+router's expert_bias is not trained by gradient but balanced as Trinity's is (aux-loss-free:
+nudged towards equal expert load after each step). Tokenizer: byte-level BPE trained here.
+
+On Linux the MLX CPU wheel links a reference BLAS; preloading OpenBLAS makes training
+several times faster (apt-get install libopenblas0-pthread):
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 nice python ...
+Training is seeded, but threads and BLAS may change the last bits: the committed weights
+are the reference, and training.json records how they were made.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models import afmoe
+from mlx_lm.models.switch_layers import SwitchGLU
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from distributed.shard.config import model_args  # noqa: E402
+from distributed.shard.tiny_checkpoint import tiny_config  # noqa: E402
+
+OUT = ROOT / "distributed" / "shard" / "tiny_model"
+EOT = "<|endoftext|>"
+# A completion model has no roles: the "chat" template joins the messages' text, so a
+# prompt reaches the model as written (run_trinity.py applies the template by default).
+PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% if not loop.last %}\n\n{% endif %}{% endfor %}"
+
+
+def model_config(vocab_size: int, eot_id: int) -> dict:
+    """HF-style config.json: 6 layers (S S F S S F), window 64, 1 dense layer then MoE."""
+    layers = 6
+    return tiny_config(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=384, moe_intermediate_size=64,
+        num_hidden_layers=layers, num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=2048, sliding_window=64, global_attn_every_n_layers=3,
+        layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)],
+        num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+        # mlx-lm's default theta, so plain mlx_lm.load (which ignores rope_parameters) agrees.
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_id=eot_id, pad_token_id=eot_id, bos_token_id=None,
+    )
+
+
+def prose(text: str) -> list:
+    """A pydoc topic's prose paragraphs, each on one line: grammar rules, code examples,
+    signatures and headings are left out (a model this small learns English better
+    without them)."""
+    keep = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        line = " ".join(paragraph.split())
+        letters = sum(c.isalpha() or c == " " for c in line)
+        if (len(line.split()) >= 8 and line[-1] in ".:" and letters >= 0.85 * len(line)
+                and "::=" not in line and ">>>" not in line):
+            keep.append(line)
+    return keep
+
+
+def corpus():
+    """(training documents, held-out text): the pydoc topics' prose, each paragraph once
+    (topics repeat each other's sections, e.g. "specialnames" holds "attribute-access"),
+    in sorted topic order; every tenth distinct paragraph is held out."""
+    from pydoc_data.topics import topics
+
+    seen, train, held = set(), [], []
+    for name in sorted(topics):
+        kept = []
+        for paragraph in prose(topics[name]):
+            if paragraph not in seen:
+                seen.add(paragraph)
+                (held if len(seen) % 10 == 5 else kept).append(paragraph)
+        if kept:
+            train.append("\n\n".join(kept))
+    return train, "\n\n".join(held)
+
+
+def windows(ids: list, context: int) -> list:
+    """Non-overlapping windows of `context` tokens (the last may be shorter), each scored
+    from scratch: every token after a window's first."""
+    return [ids[i:i + context] for i in range(0, len(ids) - 1, context) if len(ids[i:i + context]) > 1]
+
+
+def nll(model, chunks) -> float:
+    """Total negative log-likelihood (nats) of the windows' scored tokens."""
+    total = 0.0
+    for w in chunks:
+        x = mx.array(w)[None]
+        total += nn.losses.cross_entropy(model(x[:, :-1]), x[:, 1:], reduction="sum").item()
+    return total
+
+
+def train_tokenizer(docs, vocab_size: int, out: Path):
+    """Byte-level BPE (GPT-2's pre-tokenizer) with one special token, saved as HF expects."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": EOT,
+        "pad_token": EOT, "unk_token": None, "model_max_length": 2048, "chat_template": PLAIN_TEMPLATE,
+    }, indent=2))
+    return tok
+
+
+class CountingSwitchGLU(SwitchGLU):
+    """mlx-lm's SwitchGLU that also records how many tokens each expert got, in call order
+    (kept outside the module, where it would become a parameter)."""
+
+    loads: list = []
+
+    def __call__(self, x, indices):
+        experts = self.gate_proj.weight.shape[0]
+        self.loads.append(mx.stop_gradient((indices[..., None] == mx.arange(experts)).sum(axis=(0, 1, 2))))
+        return super().__call__(x, indices)
+
+
+def build_model(config: dict):
+    mx.random.seed(0)
+    model = afmoe.Model(model_args(config))
+    moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, afmoe.AfmoeMoE)]
+    for mlp in moe:
+        mlp.experts.__class__ = CountingSwitchGLU
+    model.freeze(keys=["expert_bias"])  # balanced, not trained
+    return model, moe
+
+
+def batches(stream: np.ndarray, batch: int, context: int, seed: int):
+    rng = np.random.default_rng(seed)
+    while True:
+        starts = rng.integers(0, len(stream) - context - 1, batch)
+        yield mx.array(np.stack([stream[s:s + context + 1] for s in starts]))
+
+
+def train(model, moe, stream, held_chunks, args):
+    """AdamW with warm-up and cosine decay; returns a record of the run (losses, time)."""
+    def loss_fn(model, x):
+        CountingSwitchGLU.loads.clear()
+        logits = model(x[:, :-1])
+        loss = nn.losses.cross_entropy(logits, x[:, 1:]).mean()
+        return loss, mx.stack(CountingSwitchGLU.loads)
+
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(1e-4, args.lr, args.warmup),
+         optim.cosine_decay(args.lr, args.steps - args.warmup, args.lr / 10)], [args.warmup])
+    opt = optim.AdamW(schedule, weight_decay=0.1)
+    grad_fn = nn.value_and_grad(model, loss_fn)
+    scored = sum(len(w) - 1 for w in held_chunks)
+    started, cpu, losses, curve = time.monotonic(), time.process_time(), [], []
+    for step, x in zip(range(1, args.steps + 1), batches(stream, args.batch, args.context, seed=0)):
+        (loss, load), grads = grad_fn(model, x)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        # Aux-loss-free balancing (as Trinity's router): raise under-used experts' bias.
+        for mlp, counts in zip(moe, load):
+            mlp.expert_bias = mlp.expert_bias + args.bias_rate * mx.sign(counts.mean() - counts)
+        mx.eval(model.parameters(), opt.state, loss)
+        losses.append(loss.item())
+        if step % args.eval_every == 0 or step == args.steps:
+            train_loss, held = float(np.mean(losses[-args.eval_every:])), nll(model, held_chunks) / scored
+            curve.append([step, round(train_loss, 4), round(held, 4)])
+            rate = step * args.batch * args.context / (time.monotonic() - started)
+            print(f"step {step}/{args.steps}  train loss {train_loss:.3f}  held-out loss {held:.3f}  "
+                  f"{rate:.0f} tokens/s", flush=True)
+    return {"training_seconds": round(time.monotonic() - started),
+            "training_cpu_seconds": round(time.process_time() - cpu),
+            "loss_curve": {"columns": ["step", "train_loss", "heldout_loss"], "rows": curve}}
+
+
+def hf_weights(model, config: dict) -> dict:
+    """The HF layout (per-expert keys), float32, as tiny_checkpoint's random checkpoints."""
+    out = {}
+    for key, value in tree_flatten(model.parameters()):
+        if ".mlp.experts." in key:  # stacked (experts, out, in) -> one tensor per expert
+            prefix, proj = key.rsplit(".mlp.experts.", 1)
+            for e in range(config["num_experts"]):
+                out[f"{prefix}.mlp.experts.{e}.{proj}"] = value[e]
+        else:
+            out[key] = value
+    return {k: v.astype(mx.float32) for k, v in sorted(out.items())}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary, the end-of-text token included")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=256, help="tokens per training sequence")
+    p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument("--warmup", type=int, default=25)
+    p.add_argument("--bias-rate", type=float, default=1e-3, help="expert_bias step per training step")
+    p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    train_docs, held_text = corpus()
+    tok = train_tokenizer(train_docs, args.vocab, args.out)
+    eot = tok.token_to_id(EOT)
+    stream = np.fromiter((t for e in tok.encode_batch(train_docs) for t in (*e.ids, eot)), dtype=np.int32)
+    held_chunks = windows(tok.encode(held_text).ids, args.context)
+    print(f"corpus: {len(train_docs)} documents, {sum(map(len, train_docs))} characters, {len(stream)} tokens; "
+          f"held out: {len(held_text)} characters", flush=True)
+
+    config = model_config(tok.get_vocab_size(), eot)
+    model, moe = build_model(config)
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    print(f"model: {n_params} parameters", flush=True)
+    record = train(model, moe, stream, held_chunks, args)
+
+    mx.save_safetensors(str(args.out / "model.safetensors"), hf_weights(model, config), metadata={"format": "pt"})
+    (args.out / "config.json").write_text(json.dumps(config, indent=2))
+    (args.out / "training.json").write_text(json.dumps({
+        "made_by": "scripts/train_tiny_model.py", "python": sys.version.split()[0], "mlx": mx.__version__,
+        "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"},
+        "parameters": n_params, "corpus_documents": len(train_docs),
+        "corpus_characters": sum(map(len, train_docs)), "corpus_tokens": int(len(stream)),
+        "heldout_characters": len(held_text), "heldout_sha256": hashlib.sha256(held_text.encode()).hexdigest(),
+        "tokens_per_step": args.batch * args.context, **record,
+        "environment": {k: os.environ.get(k) for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")},
+    }, indent=2) + "\n")
+    print(f"wrote {args.out} ({record['training_seconds']} s, {record['training_cpu_seconds']} CPU seconds)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """pyproject.toml for real: the repository pip-installed (not editable, offline) into a
 temporary folder, and its console scripts run from another directory, where neither the
-checkout nor its configs/ can be found: run-trinity (alone, and as every rank under
-mlx.launch and under trinity-launch), trinity-launch plan with the bundled presets and
+checkout nor its configs/ can be found: run-trinity (alone, with the embedded default model,
+and as every rank under mlx.launch and under trinity-launch), trinity-launch plan with the bundled presets and
 example hostfiles, and README.md's commands that need no model download."""
 
 import json
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port_range, kill_group, mlx_launch
+from conftest import ROOT, free_port_range, kill_group, mlx_launch, run_json
 from reference import PROMPT, mlx_lm_greedy
 from stop_paths import TAG_ENV, describe, tagged
 
@@ -78,6 +78,16 @@ def test_console_scripts_from_another_directory(installed, hf_checkpoint):
     assert proc.returncode == 0 and "studio.local" in proc.stdout and "fits" in proc.stdout, proc.stderr
     help_text = " ".join(run(installed, ["run-trinity", "--help"]).stdout.split())
     assert help_text.startswith("usage: run-trinity ") and "(default: 100)" in help_text
+
+
+def test_the_default_model_is_package_data(installed):
+    """run-trinity without --model from another directory: the embedded model came with the
+    install (pyproject's package data) and writes what the checkout's copy writes."""
+    args = ["--prompt", "The", "--max-tokens", "8", "--json"]
+    proc = run(installed, ["run-trinity", *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["token_ids"] == run_json(args[:-1])["token_ids"]
+    assert (installed[0] / "distributed" / "shard" / "tiny_model" / "model.safetensors").exists()
 
 
 def readme_commands(prefix: str):

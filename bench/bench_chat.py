@@ -1,10 +1,11 @@
 """A multi-turn chat's time to first token with the prefix cache and without it.
 
-    python bench/bench_chat.py [--quick] [--ranks 1,2] [--turns N] [--first-tokens N]
+    python bench/bench_chat.py [--quick | --model PATH] [--ranks 1,2] [--turns N] [--first-tokens N]
                                [--message-tokens N] [--max-tokens N] [--reps N] [--json-out PATH]
 
-Real `run_trinity.py --serve` servers on this machine's CPU (the fp32 checkpoint of
-bench/common.py; --quick: the small one), P ranks each (started as mlx.launch would, without
+Real `run_trinity.py --serve` servers on this machine (the fp32 checkpoint of
+bench/common.py; --quick: the small one; --model: any checkpoint, e.g. the GPU's Trinity-Mini
+shape from bench_gpu.py --phases make), P ranks each (started as mlx.launch would, without
 its relay loop): one with the prefix cache (its default size), one with --prefix-cache-bytes 0,
 both up at once. A chat over gRPC with the chat template: the first user message is a long
 document (--first-tokens), each later one about --message-tokens, and every request carries
@@ -128,6 +129,7 @@ def run_chats(model, ranks: int, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the small checkpoint")
+    p.add_argument("--model", type=Path, help="a checkpoint folder instead of bench/common.py's")
     p.add_argument("--ranks", default="1,2", help="comma-separated rank counts")
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--first-tokens", type=int, default=1200, help="tokens of the first user message")
@@ -136,7 +138,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2, help="chats (each with its own first message); medians")
     p.add_argument("--json-out")
     args = p.parse_args()
-    model = checkpoint(QUICK if args.quick else FULL)
+    model = args.model or checkpoint(QUICK if args.quick else FULL)
     print(f"{model.name}, {args.turns} turns: first message {args.first_tokens} tokens, then "
           f"{args.message_tokens}; replies {args.max_tokens} tokens, greedy", flush=True)
     results = {ranks: run_chats(model, ranks, args) for ranks in [int(r) for r in args.ranks.split(",")]}

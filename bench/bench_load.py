@@ -3,7 +3,7 @@
     python bench/bench_load.py [--smoke] [--model PATH | --make-mini PATH] [--out PATH]
         [--streams 1,8,32,64,128 | none] [--prompt-lens 8,128] [--max-tokens 128] [--ps 1,2]
         [--backend ring|nccl|mlx-launch-ring] [--gpu-per-rank] [--check N|all]
-        [--long 2048,8192,32768] [--reps 3] [--prefill-step-size 512] [--max-batch N]
+        [--long 2048,8192,32768] [--reps 3] [--prefill-step-size 2048] [--max-batch N]
         [--runner-arg=--flag=value ...] [--blas reference|openblas] [--timeout S]
 
 One invocation measures every configuration, one after another, on the same weights, greedy:
@@ -111,7 +111,8 @@ def parse_args() -> argparse.Namespace:
                    help="streams of each run re-run alone to compare tokens (default 4; all)")
     p.add_argument("--long", type=int_list, help="long prompt lengths: TTFT alone (default: none)")
     p.add_argument("--reps", type=int, help="runs of each long prompt, median (default 3)")
-    p.add_argument("--prefill-step-size", type=int, default=512, help="prompt chunk, mlx-lm and runner (default 512)")
+    p.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="prompt chunk, mlx-lm and runner (default 2048, both programs' own default)")
     p.add_argument("--max-batch", type=int, help="run_trinity.py --max-batch (default: the largest stream count)")
     p.add_argument("--runner-arg", action="append", default=[], metavar="ARG",
                    help="extra run_trinity.py argument, e.g. --runner-arg=--prefix-cache-bytes=0 (repeatable)")

@@ -241,35 +241,29 @@ def close_to(a, b):
 
 
 def test_resume_token_ids_continue_the_stream_exactly(server, reference):
-    """A replay after a failure (the launcher's router): a request resuming after the first k
-    streamed tokens streams exactly the rest of the undisturbed stream, whose texts join up;
-    greedy, and seeded sampling with penalties and a stop string."""
-    assert generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, resume_token_ids=[])["token_ids"] == \
-        reference["token_ids"]
+    """A replay after a failure (the router): resuming after k streamed tokens streams exactly the rest
+    of the undisturbed stream (greedy; seeded, penalised), also across a stop string; the texts join up."""
     for fields in ({}, dict(temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.3, logit_bias={65: 2.0})):
-        full = list(server.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=MAX_TOKENS, **fields),
-                                         timeout=120))
+        def stream(**more):
+            return list(server.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=MAX_TOKENS, **fields,
+                                                                **more), timeout=120))
+        full = stream()
         ids, text = [r.token_ids[0] for r in full[:-1]], "".join(r.text for r in full)
-        if not fields:
-            assert ids == reference["token_ids"] and text == reference["text"]
-        for k in (1, 5, len(ids) - 1):
+        assert ids == reference["token_ids"] or fields
+        for k in (1, 5, len(ids) - 1):  # the prompt's logprobs went out before the cut: not again
             out = generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, resume_token_ids=ids[:k],
-                           prompt_logprobs=True, **fields)  # the prompt's logprobs went out before the cut
+                           prompt_logprobs=True, **fields)
             assert "prompt" not in out and out["token_ids"] == ids[k:], (fields, k)
             assert close_to(out["logprobs"], [r.logprobs[0] for r in full[k:-1]])
             assert "".join(r.text for r in full[:k]) + out["text"] == text
-            assert out["finish_reason"] == full[-1].finish_reason
-            assert (out["usage"].prompt_tokens, out["usage"].completion_tokens) == \
-                (len(PROMPT), full[-1].usage.completion_tokens)
-        streamed = len("".join(r.text for r in full[:4]))
-        assert streamed > 0
-        stop = text[streamed - 1:][:3]  # its first character streamed with the first 4 tokens
-        stopped = list(server.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=MAX_TOKENS, stop=[stop],
-                                                               **fields), timeout=120))
+            assert (out["finish_reason"], out["usage"].prompt_tokens, out["usage"].completion_tokens) == \
+                (full[-1].finish_reason, len(PROMPT), full[-1].usage.completion_tokens)
+        stop = text[len("".join(r.text for r in full[:4])) - 1:][:3]
+        stopped = stream(stop=[stop])
         out = generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, stop=[stop], resume_token_ids=ids[:4],
                        **fields)
         assert ids[:4] + out["token_ids"] == [r.token_ids[0] for r in stopped[:-1]] and out["finish_reason"] == "stop"
-        assert "".join(r.text for r in stopped[:4]) + out["text"] == text[:text.index(stop)]
+        assert "".join(r.text for r in stopped[:4]) + out["text"] == text[:text.index(stop)] != text
 
 
 # ---------------------------------------------------------------- auth, TLS, queue

@@ -93,7 +93,7 @@ class Batcher:
     def add(self, handle) -> None:
         seq = Sequence(handle, self.tokenizer, self._new_slot())
         self.sequences += 1
-        if not seq.request.prompt_logprobs:  # those need every prompt position computed
+        if not seq.request.scores_prompt:  # those need every prompt position computed
             self.prefix.restore(seq)
         self.admission.waiting.append(seq)
 

@@ -77,9 +77,11 @@ class SequenceLogits:
             frequency_context_size=r.frequency_context_size,
         )
         self.top = r.top_logprobs
-        self.prompt = PromptScores(r.prompt_ids, r.top_logprobs) if r.prompt_logprobs else None
+        self.prompt = PromptScores(r.prompt_ids, r.top_logprobs) if r.scores_prompt else None
         self._history = TokenBuffer(list(r.prompt_ids)) if self.processors else None
-        self._fed = 0  # generated tokens already in the history
+        # Generated tokens already in the history. A resumed request's `generated` starts
+        # with its resumed tokens: they join at its first step, as they did one by one.
+        self._fed = 0
 
     def process(self, logits: mx.array, generated: List[int]) -> mx.array:
         """Apply the processors to one row of logits (1, vocab), after the tokens

@@ -74,7 +74,7 @@ class Admission:
             chunk = [(row[batch.sent:batch.sent + n] + [0] * n)[:n] for row in batch.rows]  # right-padded
             batch.sent += n
             # A scored prompt needs every position's output (logits.PromptScores).
-            reply = Reply.ALL if batch.members[0].request.prompt_logprobs else Reply.ACK
+            reply = Reply.ALL if batch.members[0].request.scores_prompt else Reply.ACK
             self.pipeline.send(mx.array(chunk, dtype=mx.uint32), reply, batch.slot)
             return "chunk", batch
         if batch.padded:
@@ -93,7 +93,7 @@ class Admission:
         longest = 0
         while self.waiting:
             n = len(self.waiting[0].unsent)
-            alone = self.waiting[0].request.prompt_logprobs  # scored: a batch of its own, plain caches
+            alone = self.waiting[0].request.scores_prompt  # scored: a batch of its own, plain caches
             if taken and (alone or (len(taken) + 1) * max(longest, n) > self.batch_tokens):
                 break
             taken.append(self.waiting.popleft())

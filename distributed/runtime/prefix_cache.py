@@ -135,13 +135,13 @@ class PrefixCache:
         always left to compute)."""
         if not self.enabled:
             return
-        prompt = np.array(seq.request.prompt_ids, dtype=np.int32)
+        prompt = np.array(seq.fed_prompt, dtype=np.int32)
         entry, tokens = self.index.find(prompt)
         self.lookups += 1
         self.prompt_tokens += len(prompt)
         if entry is not None:
             self.pipeline.restore(seq.slot, entry.id, tokens)
-            seq.unsent = seq.request.prompt_ids[tokens:]
+            seq.unsent = seq.fed_prompt[tokens:]
             seq.cached_tokens = tokens
             self.hits += 1
             self.cached_tokens += tokens
@@ -153,7 +153,7 @@ class PrefixCache:
         if not self.enabled:
             return
         fed = self.pipeline.caches.length(slot, row)
-        tokens = list(seq.request.prompt_ids) + seq.sampled
+        tokens = list(seq.request.prompt_ids) + seq.sampled  # sampled starts with any resumed tokens
         if fed <= len(tokens):
             self.store(slot, row, tokens[:fed])
 

@@ -42,6 +42,17 @@ class GenerationRequest:
     logit_bias: Dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     top_logprobs: int = 0  # most likely alternatives reported with each token (and prompt token)
     prompt_logprobs: bool = False  # report the prompt's logprobs first (a PromptEvent); max_tokens may be 0
+    # A replay after a failure (the launcher's router): tokens this request already
+    # produced and its client has received. They are prefilled after the prompt and
+    # count as generated (max_tokens, completion_tokens, detokenizer, stop strings,
+    # logits processors, the random key) but are not streamed again; neither are the
+    # prompt's logprobs.
+    resume_ids: List[int] = field(default_factory=list)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The prompt's logprobs are to be computed and sent (not on a resumed request)."""
+        return self.prompt_logprobs and not self.resume_ids
 
     def validate(self, vocab_size: int, max_context: int, max_tokens_cap: Optional[int] = None) -> None:
         if not self.prompt_ids:
@@ -52,6 +63,12 @@ class GenerationRequest:
         bad = next((t for t in self.logit_bias if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise RequestError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        bad = next((t for t in self.resume_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError("resume_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if self.resume_ids and len(self.resume_ids) >= self.max_tokens:
+            raise RequestError("resume_token_ids", f"{len(self.resume_ids)} tokens already produced leave none of "
+                                                   f"max_tokens ({self.max_tokens})")
         if max_tokens_cap is not None and self.max_tokens > max_tokens_cap:
             raise RequestError("max_tokens", f"{self.max_tokens} is above the server's cap of {max_tokens_cap}")
         self.validate_sampling()

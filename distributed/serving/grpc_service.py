@@ -152,6 +152,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             logit_bias=dict(r.logit_bias),
             top_logprobs=r.top_logprobs,
             prompt_logprobs=r.prompt_logprobs,
+            resume_ids=list(r.resume_token_ids),  # a replay (the launcher's router); gRPC only
         )
 
     def GetModelInfo(self, request, context):

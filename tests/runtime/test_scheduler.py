@@ -119,3 +119,72 @@ def test_finished_requests_leave_nothing_behind(scheduler):
     gc.collect()
     assert [r() for r in refs] == [None] * 5
     assert scheduler._active == set() and scheduler.batcher.idle and scheduler.pipeline.caches.slots == {}
+
+
+# ---------------------------------------------------------------- resuming a cut-off stream (issue 15)
+
+
+@pytest.fixture(scope="module", params=["cold", "prefix-cache"])
+def resume_scheduler(request, hf_checkpoint):
+    """3 stages; prefill in chunks of 8; with the prefix cache, a resumed request restores its prompt's entry."""
+    pipeline, _ = in_process_pipeline(hf_checkpoint, (3, 1, 4))
+    s = Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=8, max_batch=8,
+                  prefix_cache_bytes=1 << 28 if request.param == "prefix-cache" else 0).start()
+    yield s
+    s.close()
+
+
+def assert_resumes_exactly(scheduler, cuts=(1, 5, 23), max_tokens=24, **sampling):
+    """The undisturbed run, then a request resuming each cut (all at once, batched): each
+    streams exactly the rest, with the same finish, and the texts join up."""
+    full_tokens, full_finish, full_text = collect(scheduler.submit(GenerationRequest(PROMPT, max_tokens, **sampling)))
+    ids = [t.token_id for t in full_tokens]
+    cuts = [k for k in cuts if k < len(ids)]
+    assert len(cuts) >= 2, ids  # the run is long enough to cut
+    hits = scheduler.prefix_cache.hits
+    handles = [scheduler.submit(GenerationRequest(PROMPT, max_tokens, resume_ids=ids[:k], **sampling)) for k in cuts]
+    for k, handle in zip(cuts, handles):
+        tokens, finish, text = collect(handle)
+        assert [t.token_id for t in tokens] == ids[k:], k
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(tokens, full_tokens[k:])), k
+        assert (finish.finish_reason, finish.completion_tokens, finish.prompt_tokens) == \
+            (full_finish.finish_reason, full_finish.completion_tokens, len(PROMPT)), k
+        assert "".join(t.text for t in full_tokens[:k]) + text == full_text, k
+    if scheduler.prefix_cache.enabled:  # each resumed request restored (at least) its prompt
+        assert scheduler.prefix_cache.hits == hits + len(cuts)
+    return ids, full_text
+
+
+def test_resume_greedy(resume_scheduler):
+    ids, _ = assert_resumes_exactly(resume_scheduler, cuts=(1, 5, 7, 23))
+    character = resume_scheduler.tokenizer.decode(ids[6:9])  # cut 7 splits it: 3 byte-level tokens
+    assert len(character) == 1 and len(character.encode()) == 3 and character != "\ufffd"
+    assert_resumes_exactly(resume_scheduler, cuts=(1, 2, 3), max_tokens=4)  # ends at max_tokens right after
+
+
+def test_resume_seeded_sampling(resume_scheduler):
+    assert_resumes_exactly(resume_scheduler, temperature=0.8, top_p=0.9, seed=7)
+    assert_resumes_exactly(resume_scheduler, cuts=(3, 9), temperature=1.0, top_k=20, min_p=0.05, seed=123)
+
+
+def test_resume_penalties_and_logit_bias(resume_scheduler):
+    """The processors see prompt + resumed tokens as history, as in the undisturbed run (context 8 < 24
+    tokens: a window sliding over the resumed ones)."""
+    for penalty in ({"repetition_penalty": 1.3, "repetition_context_size": 8},
+                    {"presence_penalty": 1.5, "presence_context_size": 8},
+                    {"frequency_penalty": 1.0, "frequency_context_size": 30}):
+        assert_resumes_exactly(resume_scheduler, logit_bias={65: 3.0, 200: -5.0}, **penalty)
+    assert_resumes_exactly(resume_scheduler, repetition_penalty=1.2, temperature=0.8, seed=7)
+
+
+def test_resume_across_a_stop_string(resume_scheduler):
+    """A stop string whose first part is in the resumed tokens' text: the replay stops where the
+    undisturbed run did, after the text the stop strings held back."""
+    tokens, _, text = collect(resume_scheduler.submit(GenerationRequest(PROMPT, max_tokens=24)))
+    stop = text[12:16]
+    at = text.index(stop)
+    streamed = [len("".join(t.text for t in tokens[:k])) for k in range(len(tokens) + 1)]
+    straddle = next(k for k, n in enumerate(streamed) if n > at)  # the first k tokens' text starts the stop
+    assert streamed[straddle] < at + len(stop)  # and does not finish it
+    _, out = assert_resumes_exactly(resume_scheduler, cuts=(1, straddle), stop=[stop])
+    assert out == text[:at]

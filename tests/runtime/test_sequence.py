@@ -125,3 +125,67 @@ def test_top_k_at_or_above_the_vocabulary_keeps_every_token(hf_checkpoint):
     for top_k in (300, 10**6):
         a, b = sequence(tokenizer, temperature=1.0, top_k=top_k, seed=4), sequence(tokenizer, temperature=1.0, seed=4)
         assert [a.sample(row(i)).item() for i in range(6)] == [b.sample(row(i)).item() for i in range(6)]
+
+
+# ---------------------------------------------------------------- resuming a cut-off stream (issue 15)
+
+
+def replay(tokenizer, tokens, resume=0, **sampling):
+    """Run a Sequence over `tokens` as if the model had drawn them, after resuming the first
+    `resume`: (the draws it made, each streamed event's text, the finish event)."""
+    request = GenerationRequest([1, 2, 3], max_tokens=len(tokens) + 2, resume_ids=tokens[:resume], **sampling)
+    handle = RequestHandle(request)
+    seq = Sequence(handle, tokenizer, slot=5)
+    drawn, reason = [], None
+    for i, token in enumerate(tokens[resume:], resume):
+        if not seq.greedy:
+            drawn.append(seq.sample(row(i)).item())
+        if (reason := seq.accept(token, -1.0)) is not None:
+            break
+    seq.finish(reason or "length")
+    events = list(handle.events())
+    return drawn, [e.text for e in events[:-1]], events[-1]
+
+
+def test_a_resumed_sequence_goes_on_as_the_undisturbed_one(hf_checkpoint):
+    """For every cut: the same draws from the key, the text of the first k tokens plus the resumed
+    stream's equals the undisturbed text (a character split over byte tokens, a stop string split
+    over the cut), and the same finish."""
+    tokenizer = load_tokenizer(hf_checkpoint)
+    tokens = tokenizer.encode("ab€ cé!d zz")  # byte-level: € and é span 3 and 2 tokens
+    sampling = dict(temperature=0.8, top_p=0.9, seed=7, stop=["é!"])
+    drawn, texts, finish = replay(tokenizer, tokens, **sampling)
+    assert finish.finish_reason == "stop" and "".join(texts) + finish.text == "ab€ c"
+    stopped_at = len(texts)  # the token that completes "é!"
+    for k in range(1, stopped_at):
+        resumed, resumed_texts, resumed_finish = replay(tokenizer, tokens, k, **sampling)
+        assert resumed == drawn[k:], k
+        assert "".join(texts[:k] + resumed_texts) + resumed_finish.text == "ab€ c", k
+        assert (resumed_finish.finish_reason, resumed_finish.completion_tokens) == ("stop", finish.completion_tokens)
+        assert resumed_finish.prompt_tokens == 3
+
+
+def test_a_stop_string_within_the_resumed_tokens_ends_it_at_once(hf_checkpoint):
+    """The original run stopped but its finish was lost: the replay streams nothing more."""
+    tokenizer = load_tokenizer(hf_checkpoint)
+    tokens = tokenizer.encode("xé!yy")
+    _, texts, finish = replay(tokenizer, tokens, resume=4, stop=["é!"])
+    assert texts == [] and finish.finish_reason == "stop" and finish.text == "" and finish.completion_tokens == 4
+
+
+def test_greedy_resume_draws_nothing(hf_checkpoint):
+    tokenizer = load_tokenizer(hf_checkpoint)
+    key = Sequence(RequestHandle(GenerationRequest([1], seed=3, resume_ids=[5, 6])), tokenizer, slot=0)._key
+    assert mx.array_equal(key, Sequence(RequestHandle(GenerationRequest([1], seed=3)), tokenizer, slot=0)._key)
+
+
+def test_resume_validation():
+    from distributed.runtime.request import RequestError
+
+    for resume, max_tokens, says in (([1, 2, 3], 3, "leave none"), ([300], 5, "outside the vocabulary")):
+        with pytest.raises(RequestError) as e:
+            GenerationRequest([1, 2], max_tokens=max_tokens, resume_ids=resume).validate(259, 64)
+        assert e.value.field == "resume_token_ids" and says in str(e.value)
+    GenerationRequest([1, 2], max_tokens=4, resume_ids=[1, 2, 3]).validate(259, 64)
+    with pytest.raises(RequestError, match="max_tokens"):  # the resumed tokens are inside max_tokens
+        GenerationRequest([1] * 60, max_tokens=5, resume_ids=[1, 2]).validate(259, 64)

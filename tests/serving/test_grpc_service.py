@@ -143,6 +143,8 @@ BAD = [  # (request fields, field named in the message, words in the message)
     ({"token_ids": PROMPT, "logit_bias": {300: 1.0}}, "logit_bias", "300"),
     ({"token_ids": PROMPT, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
     ({"messages": [pb.ChatMessage(role="wizard", content="hi")]}, "messages[0].role", "unknown role"),
+    ({"token_ids": PROMPT, "max_tokens": 3, "resume_token_ids": [1, 2, 3]}, "resume_token_ids", "leave none"),
+    ({"token_ids": PROMPT, "max_tokens": 8, "resume_token_ids": [1, 259]}, "resume_token_ids", "259"),
 ]
 
 
@@ -236,6 +238,32 @@ def test_prompt_logprobs_top_logprobs_and_penalties_equal_mlx_lm(server, hf_chec
 
 def close_to(a, b):
     return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+
+
+def test_resume_token_ids_continue_the_stream_exactly(server, reference):
+    """A replay after a failure (the router): resuming after k streamed tokens streams exactly the rest
+    of the undisturbed stream (greedy; seeded, penalised), also across a stop string; the texts join up."""
+    for fields in ({}, dict(temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.3, logit_bias={65: 2.0})):
+        def stream(**more):
+            return list(server.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=MAX_TOKENS, **fields,
+                                                                **more), timeout=120))
+        full = stream()
+        ids, text = [r.token_ids[0] for r in full[:-1]], "".join(r.text for r in full)
+        assert ids == reference["token_ids"] or fields
+        for k in (1, 5, len(ids) - 1):  # the prompt's logprobs went out before the cut: not again
+            out = generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, resume_token_ids=ids[:k],
+                           prompt_logprobs=True, **fields)
+            assert "prompt" not in out and out["token_ids"] == ids[k:], (fields, k)
+            assert close_to(out["logprobs"], [r.logprobs[0] for r in full[k:-1]])
+            assert "".join(r.text for r in full[:k]) + out["text"] == text
+            assert (out["finish_reason"], out["usage"].prompt_tokens, out["usage"].completion_tokens) == \
+                (full[-1].finish_reason, len(PROMPT), full[-1].usage.completion_tokens)
+        stop = text[len("".join(r.text for r in full[:4])) - 1:][:3]
+        stopped = stream(stop=[stop])
+        out = generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, stop=[stop], resume_token_ids=ids[:4],
+                       **fields)
+        assert ids[:4] + out["token_ids"] == [r.token_ids[0] for r in stopped[:-1]] and out["finish_reason"] == "stop"
+        assert "".join(r.text for r in stopped[:4]) + out["text"] == text[:text.index(stop)] != text
 
 
 # ---------------------------------------------------------------- auth, TLS, queue

@@ -22,7 +22,8 @@ from distributed.serving.proto import generation_pb2 as pb
 from .upstream import Closed, Upstream
 
 POLL_GRACE_S = 0.2  # before asking whether rank 0 still serves after an unexpected error
-RETRY_BUSY_S = 0.1  # rank 0's queue was full (a race with requests ending): try again after this
+RETRY_BUSY_S = 0.1
+MAX_TIMEOUT_S = 10**7  # a longer deadline is none (one far beyond it overflows gRPC's, which then expires at once)  # rank 0's queue was full (a race with requests ending): try again after this
 # Codes a call ends with when rank 0 or its ring goes away (UNAVAILABLE: the ring failed, rank 0
 # stopped, or its connection was refused or reset); the others only if rank 0 is no longer serving.
 RING_DOWN = (grpc.StatusCode.UNAVAILABLE,)
@@ -141,6 +142,8 @@ class Forwarded:
         r = self.request
         message = generate_request(r, self.tokens, r.prompt_logprobs and not self.prompt_sent)
         timeout = None if r.deadline is None else max(0.0, r.deadline - time.monotonic())
+        if timeout is not None and timeout > MAX_TIMEOUT_S:  # gRPC's "no deadline" is a huge one
+            timeout = None
         with self._lock:
             self._call = call = self.upstream.stub.Generate(message, timeout=timeout, metadata=self.upstream.metadata)
         if self._cancelled.is_set():

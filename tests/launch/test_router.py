@@ -197,7 +197,9 @@ def test_eight_concurrent_streams_through_one_kill(launcher):
     for ref in refs:
         ref.result()
     streams = [Stream(launcher.stub, **f) for f in fields]
-    kill_mid_stream(launcher, [s for s in streams if s.fields["max_tokens"] > 60], 1)
+    long = [s for s, ref in zip(streams, refs) if len(ref.tokens) > 3 * KILL_AFTER]
+    assert len(long) >= 4
+    kill_mid_stream(launcher, long, 1)
     for stream, ref in zip(streams, refs):
         assert_same(stream, ref)
 

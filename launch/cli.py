@@ -9,7 +9,9 @@ Ring-backend rings are started by us, without mlx.launch (whose output loop keep
 a core busy): local ranks (127.0.0.1) directly, remote hosts over ssh (--ssh, or
 $TRINITY_SSH, says how to call ssh). --via mlx.launch uses mlx.launch anyway;
 other backends always do. --restart N starts the whole ring again after a rank
-fails, up to N times.
+fails, up to N times. With --serve, the front ends (--serve, --http) run here, in a
+router in front of rank 0 that replays in-flight requests on the restarted ring
+(launch/router/); --no-router leaves them on rank 0.
 """
 
 import argparse

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -32,16 +31,14 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from distributed.serving.proto import generation_pb2 as pb  # noqa: E402
 from distributed.serving.proto import generation_pb2_grpc as pb_grpc  # noqa: E402
-
-STARTED = re.compile(r"launch: started rank (\d+) \(pid (\d+)\)")
-SERVING = health_pb2.HealthCheckResponse.SERVING
+from soak import STARTED, stop, wait_serving  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -93,20 +90,6 @@ def latest_ranks(log: Path) -> dict:
     return attempts[-1] if attempts else {}
 
 
-def wait_serving(health, proc, log: Path, timeout=300):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            sys.exit("soak: the launcher exited:\n" + log.read_text()[-4000:])
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    sys.exit("soak: not SERVING:\n" + log.read_text()[-4000:])
-
-
 def main() -> None:
     args = parse_args()
     rng = random.Random(args.seed)
@@ -125,7 +108,7 @@ def main() -> None:
     stub, health = pb_grpc.GenerationStub(channel), health_pb2_grpc.HealthStub(channel)
     seen_pids = set()
     try:
-        wait_serving(health, proc, log)
+        wait_serving(health, proc, log, timeout=300)
         pool = request_pool(rng, args.max_new)
         print(f"soak: {len(pool)} distinct requests, undisturbed outputs first", file=sys.stderr)
         refs = []
@@ -165,13 +148,7 @@ def main() -> None:
         seen_pids.update(latest_ranks(log).values())
     finally:
         channel.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            status = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            status = "killed after 60 s"
+        status, _ = stop(proc)
     pauses = []
     for at, _ in kills:
         gaps = [b - a for r in results for a, b in zip(r["times"], r["times"][1:]) if a <= at <= b]

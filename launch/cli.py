@@ -9,7 +9,9 @@ Ring-backend rings are started by us, without mlx.launch (whose output loop keep
 a core busy): local ranks (127.0.0.1) directly, remote hosts over ssh (--ssh, or
 $TRINITY_SSH, says how to call ssh). --via mlx.launch uses mlx.launch anyway;
 other backends always do. --restart N starts the whole ring again after a rank
-fails, up to N times.
+fails, up to N times. With --serve, the front ends (--serve, --http) run here, in a
+router in front of rank 0 that replays in-flight requests on the restarted ring
+(launch/router/); --no-router leaves them on rank 0.
 """
 
 import argparse
@@ -90,6 +92,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                      f"{' '.join(SSH_OPTIONS)} are added after it")
     run.add_argument("--cwd", help="working directory of every rank (default: ours, on each host that has it, "
                      "as mlx.launch does); a host without it fails")
+    run.add_argument("--no-router", action="store_true",
+                     help="with --serve: serve from rank 0 itself, as mlx.launch would (default: a router in this "
+                          "process serves --serve and --http, forwards to rank 0, and replays in-flight requests "
+                          "on the restarted ring after a failure, so clients see a pause, not an error)")
     run.add_argument("command", nargs=argparse.REMAINDER, help=f"-- {RUN_SCRIPT} … (or run_trinity.py …)")
     args = p.parse_args(argv)
     if args.verb == "run":
@@ -222,24 +228,53 @@ def cmd_run(args) -> int:
                 print(f"launch: the model does not fit:\n{plan.shortfall()}", file=sys.stderr)
                 return 1
             cmd += ["--split", ",".join(map(str, plan.split))]
+    router_plan = None
+    if not args.no_router:
+        from .router.command import plan_router
+
+        router_plan = plan_router(cmd, hf)
+        if router_plan is not None:
+            cmd, envs = router_plan.command, envs + router_plan.envs
     ours = runner.can_start_ourselves(hf, args.backend)
     if args.via == "direct" and not ours:
         raise TrinityError("--via direct needs the ring backend (and an IP for every host); "
                            "use --via mlx.launch (or auto) for other backends")
-    restart = dict(restarts=args.restart, grace=args.grace, restart_delay=args.restart_delay)
+    if router_plan is not None and args.dry_run:
+        o = router_plan.options
+        print(f"launch: router: would serve {o.grpc_address} (gRPC)" + (f" and {o.http_address} (HTTP)"
+              if o.http_address else "") + f" here, in front of rank 0 at {router_plan.upstream}", file=sys.stderr)
     if ours and args.via != "mlx.launch":
         ssh = ssh_command(args.ssh)
         if args.dry_run:
             ring = runner.own_ring(cmd, hf, {}, envs, args.starting_port, ssh, args.cwd)
             print("\n".join(ring.describe_commands()))
             return 0
-        return runner.run_direct(cmd, hf, envs, args.starting_port, ssh=ssh, cwd=args.cwd, **restart)
+        return _supervised(router_plan, cmd, lambda observer: runner.run_direct(
+            cmd, hf, envs, args.starting_port, ssh=ssh, cwd=args.cwd, observer=observer, **_restart(args)))
     launch_cmd = mlx_launch_ring.build_command(hf, cmd, single_host=args.single_host, backend=args.backend,
                                       starting_port=args.starting_port, envs=envs, cwd=args.cwd)
     if args.dry_run:
         print(shlex.join(launch_cmd))
         return 0
-    return runner.run(launch_cmd, **restart)
+    return _supervised(router_plan, cmd, lambda observer: runner.run(launch_cmd, observer=observer,
+                                                                     **_restart(args)))
+
+
+def _restart(args) -> dict:
+    return dict(restarts=args.restart, grace=args.grace, restart_delay=args.restart_delay)
+
+
+def _supervised(router_plan, cmd: List[str], run) -> int:
+    """run(observer) under the router when the command serves (launch/router/)."""
+    if router_plan is None:
+        return run(None)
+    from .router.router import Router
+
+    router = Router(router_plan, flag_value(cmd, "--model")).start()
+    try:
+        return run(router)
+    finally:
+        router.close()
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -31,11 +31,11 @@ def counting(make_ring: Callable[[int], object]) -> Callable[[], object]:
     return lambda: make_ring(next(attempts))
 
 
-def run(cmd: List[str], restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0) -> int:
+def run(cmd: List[str], restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0, observer=None) -> int:
     """Run mlx.launch (restarted up to `restarts` times after a failure); our exit status."""
     env = launch_env()
     # mlx.launch passes its environment on to the ranks it starts here (remote ones get --env only).
-    return Supervisor(restarts, grace, restart_delay).run(
+    return Supervisor(restarts, grace, restart_delay, observer).run(
         counting(lambda n: MlxLaunchRing(cmd, {**env, RESTARTS_ENV: str(n)})))
 
 
@@ -51,11 +51,12 @@ def own_ring(command: List[str], hostfile: Hostfile, env: dict, envs: Optional[L
 
 def run_direct(command: List[str], hostfile: Hostfile, envs: Optional[List[str]] = None,
                starting_port: Optional[int] = None, restarts: int = 0, grace: float = 20.0,
-               restart_delay: float = 1.0, ssh: Optional[List[str]] = None, cwd: Optional[str] = None) -> int:
+               restart_delay: float = 1.0, ssh: Optional[List[str]] = None, cwd: Optional[str] = None,
+               observer=None) -> int:
     """Start the ranks of a ring hostfile ourselves (local ones here, remote ones over ssh),
     without mlx.launch; our exit status."""
     env = launch_env()
-    return Supervisor(restarts, grace, restart_delay).run(
+    return Supervisor(restarts, grace, restart_delay, observer).run(
         counting(lambda n: own_ring(command, hostfile, env, [*(envs or []), f"{RESTARTS_ENV}={n}"],
                                     starting_port, ssh, cwd)))
 

@@ -62,8 +62,11 @@ class Outcome:
 
 
 class Supervisor:
-    def __init__(self, restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0):
+    def __init__(self, restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0, observer=None):
         self.restarts, self.grace, self.restart_delay = restarts, grace, restart_delay
+        # Told of a stop signal (stopping(), from the signal handler) and of giving up
+        # (give_up(failure description)): the launcher's router (launch/router/).
+        self.observer = observer
         self.stop_signal: Optional[int] = None
         self.signals = 0
         self.ring: Optional[Ring] = None
@@ -73,6 +76,8 @@ class Supervisor:
         self.signals += 1
         if self.stop_signal is None:
             self.stop_signal = sig
+            if self.observer is not None:
+                self.observer.stopping()
         if self.ring is not None:
             self.ring.events.put(("signal", sig))
         self._wake.put(sig)
@@ -107,6 +112,8 @@ class Supervisor:
                 # The line launch run has always printed (scripts and tests read it).
                 who = "a rank (mpirun's report above)" if failure.rank is None else f"rank {failure.rank}"
                 log(f"{who} failed with exit status {failure.status}")
+                if self.observer is not None:
+                    self.observer.give_up(f"{failure.describe()}; no restarts left")
                 return failure.status
             log(f"attempt {attempt}/{attempts} failed: {failure.describe()}; restarting the whole ring "
                 f"in {self.restart_delay:g} s (restart {attempt} of {self.restarts})")

@@ -127,6 +127,14 @@ class Scheduler:
             raise RingUnavailable(self.failure)
         return future.result()
 
+    def rank_info(self) -> list:
+        """Each rank's row (rank_info.py), asked afresh between steps."""
+        return self.call(lambda pipeline: pipeline.rank_info())
+
+    def rank_reports(self) -> dict:
+        """Each rank's counters for the metrics, as last heard (never waits for the ring)."""
+        return self.pipeline.rank_reports()
+
     def abort(self, reason: str) -> None:
         """The ring is broken (called from a watchdog thread while the loop may be
         blocked on a dead peer): end every running and queued request with an

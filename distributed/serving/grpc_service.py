@@ -158,7 +158,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def GetModelInfo(self, request, context):
         scheduler, _, info = self._ready(context)
         try:  # asked afresh, so peak memory includes the KV caches of what has run since
-            rows = scheduler.call(lambda pipeline: pipeline.rank_info())
+            rows = scheduler.rank_info()
         except RingUnavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the pipeline is down: {e}")
         ranks = [
@@ -255,6 +255,11 @@ class GrpcFrontEnd:
     def set_not_serving(self, reason: str) -> None:
         """The ring broke: health NOT_SERVING, Generate UNAVAILABLE with `reason`."""
         self.servicer.unavailable = f"the pipeline is down: {reason}"
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def set_recovering(self, reason: str) -> None:
+        """The ring is down and restarting (the launcher's router): health NOT_SERVING, while
+        Generate still takes requests, which wait for it; attach() again when it is back."""
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def stop(self) -> None:

@@ -234,6 +234,10 @@ class HttpFrontEnd:
     def set_not_serving(self, reason: str) -> None:
         self.health.down(reason)
 
+    def set_recovering(self, reason: str) -> None:
+        """The ring is down and restarting: 503 on /health, requests still taken (they wait)."""
+        self.health.recovering(reason)
+
     def stop(self) -> None:
         self.health.stopping()
         self.server.shutdown()
@@ -247,7 +251,7 @@ class HttpFrontEnd:
             raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)", code="invalid_api_key")
 
     def attached(self):
-        reason = self.health.reason
+        reason = self.health.refusal
         if reason is not None or self._state is None:
             raise ApiError(503, reason or "the model is loading", "service_unavailable")
         return self._state

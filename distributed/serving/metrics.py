@@ -86,14 +86,17 @@ class _RingCollector:
         yield _gauge("requests_waiting", "Requests queued for admission (at most --max-queue)", s.waiting)
         yield _gauge("sequences_running", "Requests admitted and decoding (or prefilling)", s.running)
         yield _gauge("max_batch", "Sequences that may decode together (--max-batch)", info.max_batch)
-        prefix = s.prefix_cache
-        yield _gauge("prefix_cache_entries", "Prefix-cache entries", len(prefix.index.entries))
-        yield _gauge("prefix_cache_budget_bytes", "Prefix-cache bytes allowed on any rank (--prefix-cache-bytes)",
-                     prefix.budget)
-        yield _counter("prefix_cache_hits", "Prompts that restored a cached prefix", prefix.hits)
-        yield _counter("prefix_cache_misses", "Prompts looked up in the prefix cache without a usable entry",
-                       prefix.lookups - prefix.hits)
-        yield from self._ranks(s.pipeline.rank_reports(), {r["rank"]: r["host"] for r in info.ranks})
+        prefix = s.prefix_cache  # None in the launcher's router: rank 0's own metrics have it
+        if prefix is not None:
+            yield _gauge("prefix_cache_entries", "Prefix-cache entries", len(prefix.index.entries))
+            yield _gauge("prefix_cache_budget_bytes", "Prefix-cache bytes allowed on any rank (--prefix-cache-bytes)",
+                         prefix.budget)
+            yield _counter("prefix_cache_hits", "Prompts that restored a cached prefix", prefix.hits)
+            yield _counter("prefix_cache_misses", "Prompts looked up in the prefix cache without a usable entry",
+                           prefix.lookups - prefix.hits)
+        reports = s.rank_reports()  # {} in the router
+        if reports:
+            yield from self._ranks(reports, {r["rank"]: r["host"] for r in info.ranks})
 
     @staticmethod
     def _ranks(reports: dict, hosts: dict):

@@ -91,7 +91,7 @@ def test_a_serving_ring_under_launch_run_stops_completely(how, hf_checkpoint):
     port = free_port()
     ring = serve_launch_run(str(hf_checkpoint), port)
     try:
-        ring.wait_for(r"^serving ")
+        ring.wait_for(r"^serving .*\(router; rank 0 at ")  # the launcher's router serves `port` (launch/router/)
         assert generate(port) == "length"
         STOP_PATHS[how](ring)
         assert_all_gone(ring, how, [port])

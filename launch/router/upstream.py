@@ -1,0 +1,116 @@
+"""The router's gRPC channel to rank 0, and whether rank 0 serves now.
+
+Rank 0 listens on the same internal address in every attempt of the ring, so one
+channel serves them all (it reconnects quickly: rank 0 comes back within seconds).
+A thread polls rank 0's health. Each time rank 0 turns SERVING an epoch begins;
+a request that sent in epoch E and saw its stream fail reports failed(E), which
+ends that epoch at once (before the next poll), so requests wait for the next one
+instead of retrying against a dead ring.
+"""
+
+import threading
+import time
+from typing import Callable, Optional
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from distributed.serving.proto import generation_pb2 as pb
+from distributed.serving.proto import generation_pb2_grpc as pb_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+POLL_DOWN_S = 0.1  # health polls while rank 0 is down or loading
+POLL_UP_S = 0.5  # while it serves (a failed stream reports a failure sooner)
+CHANNEL_OPTIONS = [  # reconnect within moments of the restarted rank 0 listening
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+    ("grpc.max_receive_message_length", 64 * 2**20),
+]
+
+
+class Closed(Exception):
+    """No ring will serve again (the launcher gave up, or stops); the reason is the message."""
+
+
+class Upstream:
+    def __init__(self, address: str, token: Optional[str] = None,
+                 on_up: Callable[[int, Optional[float]], None] = lambda epoch, down_for: None,
+                 on_down: Callable[[str], None] = lambda reason: None):
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.on_up, self.on_down = on_up, on_down
+        self.epoch = 0  # counts the times rank 0 turned SERVING
+        self.serving = False
+        self.down_since: Optional[float] = None  # monotonic; None before the first epoch
+        self.closed: Optional[str] = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._watch, name="router-upstream", daemon=True)
+
+    def start(self) -> "Upstream":
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while self.closed is None:
+            asked = time.monotonic()
+            try:
+                up = self._health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == SERVING
+            except grpc.RpcError:
+                up = False
+            if up:
+                self._up(asked)
+            elif self.serving:
+                self.failed(self.epoch, "rank 0 is not serving")
+            time.sleep(POLL_UP_S if self.serving else POLL_DOWN_S)
+
+    def _up(self, asked: float) -> None:
+        with self._cond:
+            if self.serving or self.closed is not None:
+                return
+            if self.down_since is not None and asked < self.down_since:
+                return  # an answer from before the failure: the old rank 0
+            self.serving, self.epoch = True, self.epoch + 1
+            down_for = None if self.down_since is None else time.monotonic() - self.down_since
+            epoch = self.epoch
+            self._cond.notify_all()
+        self.on_up(epoch, down_for)
+
+    def failed(self, epoch: int, reason: str) -> None:
+        """A call sent in `epoch` failed as rank 0 or its ring went down: that epoch is over."""
+        with self._cond:
+            if not self.serving or epoch != self.epoch:
+                return
+            self.serving, self.down_since = False, time.monotonic()
+        self.on_down(reason)
+
+    def wait_serving(self, give_up: Callable[[], bool]) -> int:
+        """Block until rank 0 serves; returns the epoch. Raises Closed, or returns 0 once
+        give_up() (polled every 0.1 s: a cancel, a deadline) is true."""
+        with self._cond:
+            while True:
+                if self.closed is not None:
+                    raise Closed(self.closed)
+                if self.serving:
+                    return self.epoch
+                if give_up():
+                    return 0
+                self._cond.wait(0.1)
+
+    def model_info(self, timeout: float = 30) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+
+    def close(self, reason: str) -> None:
+        """No more epochs: waiting requests raise Closed(reason)."""
+        with self._cond:
+            if self.closed is None:
+                self.closed = reason
+            self.serving = False
+            self._cond.notify_all()
+
+    def shut(self) -> None:
+        self.close("the server is shutting down")
+        self.channel.close()

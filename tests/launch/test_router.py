@@ -1,0 +1,257 @@
+"""launch/router/: under `python -m launch run --restart N … --serve`, the front ends live
+in the launcher and replay in-flight requests on the restarted ring. Real processes:
+a launcher with 3 local ranks; ranks are SIGKILLed (rank 1, rank 2, rank 0) or frozen
+(SIGSTOP) while streams run, and every stream must finish without an error and with
+exactly the tokens and text of an undisturbed run. Nothing may be left running."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import free_port_range
+from distributed.serving.proto import generation_pb2 as pb
+from distributed.serving.proto import generation_pb2_grpc as pb_grpc
+from reference import PROMPT
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTED = re.compile(r"launch: started rank (\d+) \(pid (\d+)\)")
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+LONG = 160  # tokens of the stream a kill interrupts (the tiny checkpoint's EOS comes at ~400)
+KILL_AFTER = 12  # tokens a stream has passed on before the kill
+
+
+class Launcher:
+    def __init__(self, model, log_path: Path, ranks: int, *launch_args, serve_args=()):
+        base = free_port_range(2)
+        self.address, self.http = f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"
+        self.log_path = log_path
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "launch", "run", "--single-host", str(ranks), "--grace", "3",
+                 "--restart-delay", "0.2", *launch_args, "--", "run_trinity.py", "--model", str(model),
+                 "--serve", self.address, "--http", self.http, "--max-context", "2048", "--max-tokens-cap", "1024",
+                 "--peer-timeout", "2", *serve_args],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def ranks(self) -> dict:
+        """The latest attempt's rank pids."""
+        attempts = []
+        for rank, pid in STARTED.findall(self.output()):
+            if rank == "0":
+                attempts.append({})
+            attempts[-1][int(rank)] = int(pid)
+        return attempts[-1] if attempts else {}
+
+    def all_pids(self):
+        return [int(pid) for _, pid in STARTED.findall(self.output())]
+
+    def status(self):
+        try:
+            return self.health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        except grpc.RpcError as e:
+            return e.code()
+
+    def wait_serving(self, timeout=180):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, f"the launcher exited:\n{self.output()[-4000:]}"
+            if self.status() == SERVING:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"not SERVING after {timeout} s:\n{self.output()[-4000:]}")
+
+    def close(self):
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        for pid in self.all_pids():  # a failed test leaves no rank behind either
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.killpg(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+class Stream(threading.Thread):
+    """One Generate on a thread: its tokens as they come, then its end (or its error)."""
+
+    def __init__(self, stub, **fields):
+        super().__init__(daemon=True)
+        self.stub, self.fields = stub, fields
+        self.tokens, self.logprobs, self.text = [], [], ""
+        self.finish = self.usage = self.error = None
+        self.start()
+
+    def run(self):
+        try:
+            for r in self.stub.Generate(pb.GenerateRequest(**self.fields), timeout=300):
+                self.tokens += r.token_ids
+                self.logprobs += r.logprobs
+                self.text += r.text
+                if r.finish_reason:
+                    self.finish, self.usage = r.finish_reason, (r.usage.prompt_tokens, r.usage.completion_tokens)
+        except grpc.RpcError as e:
+            self.error = f"{e.code().name}: {e.details()}"
+
+    def wait_tokens(self, n, timeout=120):
+        end = time.monotonic() + timeout
+        while len(self.tokens) < n and self.is_alive() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert len(self.tokens) >= n, (self.error, len(self.tokens))
+
+    def result(self, timeout=300):
+        self.join(timeout)
+        assert not self.is_alive(), "the stream did not end"
+        assert self.error is None, self.error
+        return self.tokens, self.text, self.finish, self.usage
+
+
+def assert_same(stream: Stream, ref: Stream):
+    assert stream.result() == ref.result()
+    assert max(abs(a - b) for a, b in zip(stream.logprobs, ref.logprobs)) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def launcher(hf_checkpoint, tmp_path_factory):
+    la = Launcher(hf_checkpoint, tmp_path_factory.mktemp("router") / "launch.log", 3, "--restart", "8")
+    try:
+        la.wait_serving()
+        yield la
+    finally:
+        la.close()
+        assert la.proc.returncode == 0, la.output()[-3000:]
+        out = la.output()
+        assert "server stopped (stopped by a signal)" in out and "launch: stopped by SIGTERM" in out, out[-3000:]
+        end = time.monotonic() + 10
+        while any(Path(f"/proc/{p}").exists() for p in la.all_pids()) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not [p for p in la.all_pids() if Path(f"/proc/{p}").exists()]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(launcher):
+    return Stream(launcher.stub, token_ids=PROMPT, max_tokens=LONG, temperature=0.0)
+
+
+def kill_mid_stream(launcher, streams, rank, sig=signal.SIGKILL, health=None):
+    """Once every stream has passed on KILL_AFTER tokens, signal `rank` of the ring;
+    with `health` (a list), record the health states seen until SERVING again."""
+    for s in streams:
+        s.wait_tokens(KILL_AFTER)
+    ranks = launcher.ranks()
+    os.kill(ranks[rank], sig)
+    if health is not None:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not (NOT_SERVING in health and health[-1] == SERVING):
+            status = launcher.status()
+            if not health or health[-1] != status:
+                health.append(status)
+            time.sleep(0.02)
+    return ranks
+
+
+@pytest.mark.parametrize("rank", [1, 2, 0])
+def test_a_stream_survives_a_rank_killed_mid_stream(launcher, undisturbed, rank):
+    stream = Stream(launcher.stub, token_ids=PROMPT, max_tokens=LONG, temperature=0.0)
+    health = []
+    before = kill_mid_stream(launcher, [stream], rank, health=health)
+    assert_same(stream, undisturbed)
+    assert health[:1] == [SERVING] and NOT_SERVING in health and health[-1] == SERVING, health
+    assert launcher.ranks()[rank] != before[rank]  # a restarted ring served the rest
+    assert "launch: router: replayed a request after" in launcher.output()
+
+
+def test_eight_concurrent_streams_through_one_kill(launcher):
+    fields = [dict(token_ids=PROMPT, max_tokens=LONG, temperature=0.0),
+              dict(token_ids=PROMPT[:3], max_tokens=60, temperature=0.0),
+              dict(token_ids=PROMPT, max_tokens=120, temperature=0.8, seed=7),
+              dict(token_ids=PROMPT[2:], max_tokens=90, temperature=1.0, top_k=20, seed=11),
+              dict(token_ids=PROMPT, max_tokens=40, temperature=0.0),
+              dict(token_ids=PROMPT[:5], max_tokens=150, temperature=0.7, top_p=0.9, seed=3),
+              dict(token_ids=PROMPT[1:], max_tokens=80, temperature=0.0, stop=["the"]),
+              dict(token_ids=PROMPT, max_tokens=100, temperature=0.9, seed=5, repetition_penalty=1.2)]
+    refs = [Stream(launcher.stub, **f) for f in fields]
+    for ref in refs:
+        ref.result()
+    streams = [Stream(launcher.stub, **f) for f in fields]
+    long = [s for s, ref in zip(streams, refs) if len(ref.tokens) > 3 * KILL_AFTER]
+    assert len(long) >= 4
+    kill_mid_stream(launcher, long, 1)
+    for stream, ref in zip(streams, refs):
+        assert_same(stream, ref)
+
+
+def test_a_frozen_rank_is_timed_out_and_the_stream_replayed(launcher, undisturbed):
+    stream = Stream(launcher.stub, token_ids=PROMPT, max_tokens=LONG, temperature=0.0)
+    frozen = kill_mid_stream(launcher, [stream], 2, sig=signal.SIGSTOP)[2]
+    assert_same(stream, undisturbed)
+    assert "rank 2" in launcher.output() and not Path(f"/proc/{frozen}").exists()
+
+
+def test_an_openai_http_stream_survives_a_kill(launcher, undisturbed):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{launcher.http}/v1", api_key="none", max_retries=0)
+    chunks = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=LONG, temperature=0,
+                                       stream=True)
+    text, n, killed = "", 0, None
+    for chunk in chunks:
+        text += chunk.choices[0].text
+        n += 1
+        if n == KILL_AFTER:
+            killed = launcher.ranks()
+            os.kill(killed[1], signal.SIGKILL)
+    assert killed is not None and launcher.ranks()[1] != killed[1]
+    assert text == undisturbed.result()[1]
+    health = urllib.request.urlopen(f"http://{launcher.http}/health", timeout=10).read()
+    assert b'"serving"' in health
+
+
+def test_the_launcher_gives_up_requests_fail_naming_the_failure(hf_checkpoint, tmp_path):
+    la = Launcher(hf_checkpoint, tmp_path / "launch.log", 2, "--restart", "0")
+    try:
+        la.wait_serving()
+        stream = Stream(la.stub, token_ids=PROMPT, max_tokens=LONG, temperature=0.0)
+        stream.wait_tokens(KILL_AFTER)
+        os.kill(la.ranks()[1], signal.SIGKILL)
+        stream.join(120)
+        assert stream.error is not None and stream.error.startswith("UNAVAILABLE"), stream.error
+        assert "rank 1 was killed by SIGKILL" in stream.error and "no restarts left" in stream.error
+        assert la.proc.wait(timeout=60) == 128 + signal.SIGKILL
+    finally:
+        la.close()
+
+
+def test_no_router_serves_from_rank_0(hf_checkpoint, tmp_path, undisturbed):
+    la = Launcher(hf_checkpoint, tmp_path / "launch.log", 2, "--no-router")
+    try:
+        la.wait_serving()
+        stream = Stream(la.stub, token_ids=PROMPT, max_tokens=LONG, temperature=0.0)
+        assert stream.result()[:2] == undisturbed.result()[:2]
+        out = la.output()
+        assert f"on {la.address} (gRPC) and {la.http} (HTTP)" in out and "router" not in out, out[-3000:]
+    finally:
+        la.close()

@@ -162,7 +162,7 @@ def main() -> None:
               f"x{ttft(last, 'on') / ttft(last, 'off'):.3f} (target: a next turn <= 0.25 x the first)")
         print(r["summary"])
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"model": model.name, "args": vars(args), "results": results},
+        Path(args.json_out).write_text(json.dumps({"model": model.name, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "results": results},
                                                   indent=2))
 
 

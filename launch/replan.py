@@ -127,7 +127,7 @@ class Planner:
 
 
 def gone_after(restarts: int) -> str:
-    return "at its first failure (no restarts)" if restarts == 0 else \
+    return "at the first failure" if restarts == 0 else \
         f"after {restarts} restart{'' if restarts == 1 else 's'}"
 
 
@@ -164,33 +164,34 @@ class Replanner:
                                                                    if not h.is_local) + ")"
                                         if any(not h.is_local for h in self.hostfile.hosts) else " (all local)")
                 + ": no host to plan out, not re-planning")
-            return self._give_up(f"the ring failed {gone_after(self.restarts)}: {failure.describe() if failure else ''}"
-                                 .rstrip(": "))
+            return self._give_up("the ring keeps failing" + (f" ({failure.describe()})" if failure else "")
+                                 + " and every host answers")
         one = len(lost) == 1
+        why = lost[0].reason if one else "; ".join(f"{h.name}: {h.reason}" for h in lost)
         gone = (("host " if one else "hosts ") + ", ".join(f"{h.name} (rank {h.rank}, {h.ip})" for h in lost)
-                + (" is" if one else " are") + f" gone {gone_after(self.restarts)}")
+                + (" is" if one else " are") + f" gone {gone_after(self.restarts)} ({why})")
         short = ", ".join(f"host {h.name} (rank {h.rank})" for h in lost) + (" is" if one else " are") + " gone"
-        why = "; ".join(f"{h.name}: {h.reason}" for h in lost)
         rest = drop_hosts(self.hostfile, {h.rank for h in lost})
         serving = [f for f in SERVING_FLAGS if flag_value(self.planner.command, f) is not None]
         if any(h.rank == 0 for h in lost) and serving:
             flag = serving[0]
-            log(f"error: {gone} ({why}): rank 0 served {flag} {flag_value(self.planner.command, flag)} "
+            log(f"error: {gone}: rank 0 served {flag} {flag_value(self.planner.command, flag)} "
                 "there, which cannot move to another host: not re-planning")
             return self._give_up(f"{short}, and it served this endpoint")
         if not rest.hosts:
-            log(f"error: {gone} ({why}): no host left")
+            log(f"error: {gone}: no host left")
             return self._give_up(f"{short}: no host left")
         try:
             layout = self.planner.lay_out(rest)
         except DoesNotFit as e:
-            log(f"error: {gone} ({why}) and the model does not fit on the other {len(rest.hosts)}: "
+            log(f"error: {gone}: the model does not fit on the other {len(rest.hosts)} "
+                f"host{'s' if len(rest.hosts) != 1 else ''}: "
                 + str(e).replace("\n", "; "))
             return self._give_up(f"{short} and the model does not fit on the rest")
         except TrinityError as e:
-            log(f"error: {gone} ({why}), and re-planning over the rest failed: {e}")
+            log(f"error: {gone}, and re-planning over the rest failed: {e}")
             return self._give_up(f"{short} and the ring cannot be re-planned without it")
-        log(f"{gone} ({why}): re-planned over {len(rest.hosts)} host{'s' if len(rest.hosts) != 1 else ''}: "
+        log(f"{gone}: re-planned over {len(rest.hosts)} host{'s' if len(rest.hosts) != 1 else ''}: "
             f"{layout.describe(rest)}")
         self.hostfile = rest
         self.host_set.replanned(rest.names, lost)

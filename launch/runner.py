@@ -90,11 +90,16 @@ class Starter:
         try:
             return Supervisor(restarts, grace, restart_delay, replan).run(self(hostfile, layout))
         finally:
-            for path in self.files:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+            self.close()
+
+    def close(self) -> None:
+        """Remove the hostfiles written for mlx.launch."""
+        for path in self.files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self.files.clear()
 
 
 def can_start_directly(hostfile: Hostfile, backend: Optional[str] = None) -> bool:

@@ -1,285 +1,196 @@
-"""A host that stays gone: `launch run` plans it out and the ring goes on with the rest
-(launch/replan.py), with real processes in network namespaces.
-
-Three "hosts" A, B, C are network namespaces on one bridge (10.79.X.1-3; this
-machine is 10.79.X.254 on the bridge, so the launcher's probe goes over the same
-links as the ring). The launcher runs here and reaches the hosts through an `--ssh`
-stand-in that runs the remote command inside the host's namespace (`ip netns exec`),
-so SshRing, its wrapper script and its signals over stdin are the real ones; only
-ssh's transport is replaced. Cutting a host's link (its veth down) makes it silent
-for the ranks and for the probe alike.
-
-Names (trp…) and the subnet (10.79.X.0/24, X random) are apart from
-tests/startup/test_netns.py's (trin…, 10.77.0.0/24). Needs root and iproute2
-(skipped, saying why, where namespaces cannot be made).
-"""
+"""Re-planning without a lost host (launch/replan.py), in one process: the hostfile less a
+host, the command laid out for the rest, and the Replanner's verdicts. Hosts that do not
+answer are real ones of a kind: a listener on a loopback address whose accept queue is
+full drops the probe's SYN, as a powered-off host would. The real thing, three hosts as
+network namespaces with one cut off, is tests/launch/test_replan_netns.py."""
 
 import json
-import os
-import random
-import shutil
-import signal
-import subprocess
-import sys
+import socket
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port_range
 from distributed.shard import checkpoint
-from launch.replan import make_plan
-from launch import hostfile
-from reference import PROMPT, mlx_lm_greedy
+from distributed.startup.auto_split import PLAN_ENV
+from launch import cli, hostfile
+from launch.host_set import HostSet
+from launch.mlx_launch_ring import MlxLaunchRing
+from launch.replan import DoesNotFit, Planner, Replanner, drop_hosts, flag_value, make_plan, probe
+from launch.runner import Starter
+from launch.ssh_ring import SshRing
 
-MAX_TOKENS = 8
 CONTEXT = 2048
-RANK_ARGS = ["--max-context", str(CONTEXT), "--peer-timeout", "2", "--connect-timeout", "6"]
-LAUNCH_ARGS = ["--grace", "4", "--restart-delay", "0.2"]
-# ssh's stand-in: skips ssh's options (SshRing passes -T -o …), then runs the command in
-# the namespace named like the host, as ssh would run it in the remote user's shell.
-FAKE_SSH = """#!/bin/sh
-while [ $# -gt 0 ]; do case "$1" in -o) shift 2;; -*) shift;; *) break;; esac; done
-host=$1; shift
-exec ip netns exec "$host" sh -c "$*"
-"""
-CLIENT = """
-import json, sys, time
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from distributed.serving.proto import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
-
-address, prompt, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-channel = grpc.insecure_channel(address)
-health, stub = health_pb2_grpc.HealthStub(channel), pb_grpc.GenerationStub(channel)
-while True:  # the test's timeout ends us
-    try:
-        if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-            tokens = [t for r in stub.Generate(pb.GenerateRequest(token_ids=prompt, max_tokens=max_tokens,
-                                                                  temperature=0.0), timeout=60) for t in r.token_ids]
-            print(json.dumps(tokens), flush=True)
-            break
-    except grpc.RpcError:
-        pass
-    time.sleep(0.3)
-"""
+COMMAND = ["python", "-m", "run_trinity", "--model", "M", "--max-context", str(CONTEXT)]
 
 
-def ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+def three(memory_gb=(4, 4, 4), backend="ring", rdma=False):
+    hosts = [{"ssh": name, "ips": [f"127.0.0.{i + 1}"]} for i, name in enumerate("ABC")]
+    for h, gb in zip(hosts, memory_gb):
+        if gb is not None:
+            h["memory_gb"] = gb
+    if rdma:
+        for i, h in enumerate(hosts):
+            h["rdma"] = [None if j == i else f"rdma_en{i}{j}" for j in range(3)]
+    return hostfile.parse({"backend": backend, "hosts": hosts})
 
 
-def netns_pids(ns):
-    return [int(p) for p in ip("netns", "pids", ns, check=False).stdout.split()]
-
-
-def processes_naming(text: str):
-    """Live processes whose command line contains `text` (the ssh stand-ins of this test)."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(int(pid))
-        except OSError:
-            pass
-    return out
-
-
-class Hosts:
-    def __init__(self, tag: str, subnet: str, names, tmp_path: Path):
-        self.tag, self.subnet, self.names = tag, subnet, names
-        self.ips = {n: f"{subnet}.{i + 1}" for i, n in enumerate(names)}
-        self.ssh = tmp_path / f"trp-ssh-{tag}"
-        self.ssh.write_text(FAKE_SSH)
-        self.ssh.chmod(0o755)
-
-    def cut(self, name: str) -> None:
-        ip("-n", name, "link", "set", f"trpp{self.tag}{name[-1]}", "down")
-
-    def hostfile(self, path: Path, memory_gb=None) -> Path:
-        hosts = []
-        for n in self.names:
-            host = {"ssh": n, "ips": [self.ips[n]]}
-            if memory_gb and memory_gb.get(n) is not None:
-                host["memory_gb"] = memory_gb[n]
-            hosts.append(host)
-        path.write_text(json.dumps(hosts))
-        return path
-
-
-@pytest.fixture
-def three_hosts(tmp_path):
-    """Namespaces A, B, C on a bridge of this machine; everything removed afterwards, and
-    whatever still runs in them killed first, even when the test failed."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("`ip` (iproute2) is not installed")
-    tag = uuid.uuid4().hex[:6]
-    subnet = next(s for s in (f"10.79.{random.randrange(256)}" for _ in range(50))
-                  if not ip("route", "show", f"{s}.0/24", check=False).stdout.strip())
-    names = [f"trp{tag}{x}" for x in "abc"]
-    bridge = f"trpbr{tag}"
-    made = ip("netns", "add", names[0], check=False)
-    if made.returncode != 0:
-        pytest.skip(f"cannot create a network namespace here: {made.stderr.strip()}")
-    hosts = Hosts(tag, subnet, names, tmp_path)
-    try:
-        ip("link", "add", bridge, "type", "bridge")
-        ip("addr", "add", f"{subnet}.254/24", "dev", bridge)
-        ip("link", "set", bridge, "up")
-        for name in names:
-            if name != names[0]:
-                ip("netns", "add", name)
-            ours, theirs = f"trpv{tag}{name[-1]}", f"trpp{tag}{name[-1]}"
-            ip("link", "add", ours, "type", "veth", "peer", "name", theirs)
-            ip("link", "set", theirs, "netns", name)
-            ip("-n", name, "addr", "add", f"{hosts.ips[name]}/24", "dev", theirs)
-            ip("-n", name, "link", "set", theirs, "up")
-            ip("-n", name, "link", "set", "lo", "up")
-            ip("link", "set", ours, "master", bridge)
-            ip("link", "set", ours, "up")
-        yield hosts
-    finally:
-        for name in names:
-            for pid in netns_pids(name):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for pid in processes_naming(str(hosts.ssh)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for name in names:
-            ip("netns", "del", name, check=False)  # takes its veth ends, and so the pairs, with it
-        ip("link", "del", bridge, check=False)
-        left = set(ip("netns", "list").stdout.split()) & set(names)
-        assert not left, f"namespaces left behind: {left}"
-
-
-class Launcher:
-    def __init__(self, hosts: Hosts, hostfile: Path, tmp_path: Path, *args):
-        self.log_path = tmp_path / "launch.log"
-        self.log = open(self.log_path, "w")
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "launch", "run", "--hostfile", str(hostfile), "--ssh", str(hosts.ssh),
-             *LAUNCH_ARGS, *args], stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-            start_new_session=True)
-
-    def output(self) -> str:
-        return self.log_path.read_text()
-
-    def wait_for(self, text: str, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        while text not in self.output():
-            assert self.proc.poll() is None or text in self.output(), \
-                f"the launcher exited before {text!r}:\n{self.output()[-5000:]}"
-            assert time.monotonic() < end, f"no {text!r} within {timeout:.0f} s:\n{self.output()[-5000:]}"
-            time.sleep(0.2)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self.log.close()
-
-
-def generate(hosts: Hosts, ns: str, address: str, timeout: float = 180):
-    """A greedy request from inside namespace `ns` (rank 0 serves on its loopback),
-    retried until the ring serves; its tokens."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, address, json.dumps(PROMPT),
-                           str(MAX_TOKENS)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
-
-
-def assert_nothing_left(hosts: Hosts) -> None:
-    for name in hosts.names:
-        assert netns_pids(name) == [], f"processes left in {name}"
-    assert processes_naming(str(hosts.ssh)) == [], "ssh stand-ins left"
-
-
-def test_a_host_whose_link_stays_cut_is_planned_out(three_hosts, hf_checkpoint, tmp_path):
-    hosts = three_hosts
-    a, b, c = hosts.names
-    reference = mlx_lm_greedy(hf_checkpoint, PROMPT, MAX_TOKENS, 2048)[0]
-    # B's memory unknown: the first ring plans at start-up (--split auto); without B the
-    # launcher knows every host's memory and plans the split itself.
-    hf = hosts.hostfile(tmp_path / "hosts.json", {a: 4, c: 4})
-    address = f"127.0.0.1:{free_port_range(1)}"  # on rank 0's (A's) loopback
-    launcher = Launcher(hosts, hf, tmp_path, "--restart", "1", "--", "run-trinity", "--model", str(hf_checkpoint),
-                        "--serve", address, *RANK_ARGS)
-    try:
-        assert generate(hosts, a, address) == reference  # 3 hosts
-        out = launcher.output()
-        assert "--split auto" in out and "started rank 2 on " + c in out, out[-3000:]
-        hosts.cut(b)
-        launcher.wait_for("re-planned over 2 hosts", timeout=120)
-        assert generate(hosts, a, address) == reference  # 2 hosts, the next request
-        out = launcher.output()
-        line = next(x for x in out.splitlines() if "re-planned over" in x)
-        assert line.startswith(f"launch: host {b} (rank 1, {hosts.ips[b]}) is gone after 1 restart ("), line
-        planned = make_plan(*model_sizes(hf_checkpoint), hostfile.parse([
-            {"ssh": n, "ips": [hosts.ips[n]], "memory_gb": 4} for n in (a, c)]), CONTEXT, 0.1)
-        assert planned.fits and line.endswith(f"re-planned over 2 hosts: {a} layers 0-{planned.split[0] - 1}, "
-                                              f"{c} layers {planned.split[0]}-7"), line
-        after = out.split(line)[1]
-        assert f"started rank 1 on {c} over ssh" in after and "started rank 2" not in after, after
-        assert "attempt 1/2: starting the ring" in out.split(line)[1], "no fresh budget after re-planning"
-        launcher.proc.send_signal(signal.SIGTERM)
-        assert launcher.proc.wait(timeout=60) == 0, launcher.output()[-3000:]
-        assert_nothing_left(hosts)
-        print(out)
-    finally:
-        launcher.close()
-
-
-def model_sizes(model_path: Path):
-    """(config, tensor sizes), as the launcher plans with them."""
-    model, path, config = checkpoint.load_config(str(model_path))
+@pytest.fixture(scope="module")
+def sizes(hf_checkpoint):
+    model, path, config = checkpoint.load_config(str(hf_checkpoint))
     return config, checkpoint.tensor_sizes(model, path)
 
 
-def tight_memory_gb(model_path: Path) -> float:
-    """GiB per host with which 3 hosts hold the model and 2 do not."""
-    config, sizes = model_sizes(model_path)
+@pytest.fixture
+def silent():
+    """silent(ip) -> a port on ip that never answers: its listener's accept queue is full."""
+    sockets = []
 
-    def fits(n: int, gb: float) -> bool:
-        hf = hostfile.parse([{"ssh": f"h{i}", "ips": [f"10.0.0.{i + 1}"], "memory_gb": gb} for i in range(n)])
-        return make_plan(config, sizes, hf, CONTEXT, 0.1).fits
+    def make(ip: str) -> int:
+        listener = socket.socket()
+        listener.bind((ip, 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        sockets.append(listener)
+        for _ in range(3):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex((ip, port))
+            sockets.append(c)
+        time.sleep(0.1)
+        return port
 
-    low, high = 1e-6, 64.0
-    for _ in range(60):  # the least memory with which 3 hosts fit
-        mid = (low + high) / 2
-        low, high = (low, mid) if fits(3, mid) else (mid, high)
-    assert not fits(2, high), "the tiny model fits on 2 hosts whenever it fits on 3"
-    return high
+    yield make
+    for s in sockets:
+        s.close()
 
 
-def test_the_model_does_not_fit_without_the_lost_host(three_hosts, hf_checkpoint, tmp_path):
-    hosts = three_hosts
-    a, b, c = hosts.names
-    gb = tight_memory_gb(hf_checkpoint)
-    hf = hosts.hostfile(tmp_path / "hosts.json", {n: gb for n in hosts.names})
-    hosts.cut(b)  # gone before the start, for good
-    launcher = Launcher(hosts, hf, tmp_path, "--restart", "0", "--replan", "--", "run-trinity", "--model",
-                        str(hf_checkpoint), "--prompt-ids", "1,2,3", "--max-tokens", "2", *RANK_ARGS)
+def test_drop_hosts_renumbers_and_drops_rdma_columns():
+    rest = drop_hosts(three(backend="jaccl", rdma=True), {1})
+    assert rest.names == ["A", "C"] and [h.rank for h in rest.hosts] == [0, 1]
+    assert [h.rdma for h in rest.hosts] == [[None, "rdma_en02"], ["rdma_en20", None]]
+    assert rest.path is None and rest.backend == "jaccl"
+    hostfile.check(rest, "re-planned")  # still a valid jaccl hostfile: one RDMA entry per host, null for itself
+
+
+def test_planner_splits_the_rest_as_the_planner_does(sizes):
+    config, tensor_sizes = sizes
+    planner = Planner(COMMAND, config, tensor_sizes, CONTEXT)
+    full, rest = three(), drop_hosts(three(), {1})
+    assert flag_value(planner.lay_out(full).command, "--split").count(",") == 2
+    layout = planner.lay_out(rest)
+    expected = make_plan(config, tensor_sizes, rest, CONTEXT, planner.margin)
+    assert layout.command == [*COMMAND, "--split", ",".join(map(str, expected.split))]
+    assert layout.envs == [] and sum(layout.plan.split) == config["num_hidden_layers"]
+    assert layout.describe(rest) == (f"A layers 0-{expected.split[0] - 1}, "
+                                     f"C layers {expected.split[0]}-{config['num_hidden_layers'] - 1}")
+
+
+def test_planner_with_unknown_memory_lets_the_ranks_plan_the_rest(sizes):
+    config, _ = sizes
+    layout = Planner(COMMAND, config, None, CONTEXT, 0.2).lay_out(drop_hosts(three((4, 4, None)), {0}))
+    assert layout.command == [*COMMAND, "--split", "auto"] and layout.plan is None
+    (env,) = layout.envs
+    name, spec = env.split("=", 1)
+    assert name == PLAN_ENV
+    assert json.loads(spec) == {"hosts": [{"host": "B", "memory_bytes": 4 << 30, "speed": 1.0},
+                                          {"host": "C", "memory_bytes": None, "speed": 1.0}],
+                                "margin": 0.2, "context": CONTEXT}
+    assert layout.describe(drop_hosts(three(), {0})) == "B, C (the ranks plan the split at start-up)"
+
+
+def test_planner_refuses_what_does_not_fit_and_a_user_split_of_another_length(sizes):
+    config, tensor_sizes = sizes
+    gb = make_plan(config, tensor_sizes, three(), CONTEXT, 0.1).hosts[2].total_bytes / (1 << 30) * 1.2
+    planner = Planner(COMMAND, config, tensor_sizes, CONTEXT)
+    with pytest.raises(DoesNotFit) as info:
+        planner.lay_out(drop_hosts(three((gb, gb, gb)), {2}))
+    assert "missing" in str(info.value) and not info.value.plan.fits
+    with pytest.raises(Exception, match=r"--split 3,2,3 was given for 3 hosts, not 2"):
+        Planner([*COMMAND, "--split", "3,2,3"]).lay_out(drop_hosts(three(), {1}))
+    assert Planner(COMMAND).lay_out(drop_hosts(three(), {1})).command == COMMAND  # --no-plan: as it is
+
+
+def replanner(hf, planner, silent_ports, host_set=None):
+    """A Replanner whose probe goes to silent_ports[ip] (never answers) for those hosts, and
+    to a closed (refusing) port for the others."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    starter = Starter(True, ssh=["ssh"])
+    return Replanner(hf, planner, starter, restarts=3, host_set=host_set,
+                     probe=lambda ip: probe(ip, silent_ports.get(ip, closed), timeout=0.5))
+
+
+def test_a_silent_host_is_planned_out_and_the_ring_restarts_without_it(sizes, silent, capsys):
+    config, tensor_sizes = sizes
+    host_set, seen = HostSet(["A", "B", "C"]), []
+    host_set.on_replanned(seen.append)
+    port = silent("127.0.0.2")
+    r = replanner(three(), Planner(COMMAND, config, tensor_sizes, CONTEXT), {"127.0.0.2": port}, host_set)
+    make_ring = r(None)
+    assert make_ring is not None
+    ring = make_ring()
+    assert isinstance(ring, SshRing) and [h.ssh for h in ring.hosts] == ["A", "C"] and ring.size == 2
+    split = flag_value(ring.command, "--split").split(",")
+    assert len(split) == 2 and sum(map(int, split)) == config["num_hidden_layers"]
+    assert any(e.startswith("TRINITY_RESTARTS=") for e in ring.envs)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"launch: host B (rank 1, 127.0.0.2) is gone after 3 restarts (no answer at "
+                           f"127.0.0.2:{port} within 0.5 s): re-planned over 2 hosts: A layers 0-"), line
+    assert seen == [["A", "C"]]
+    assert host_set.snapshot() == {"hosts": ["A", "C"], "unavailable": None, "lost": [
+        {"host": "B", "rank": 1, "ip": "127.0.0.2", "reason": f"no answer at 127.0.0.2:{port} within 0.5 s"}]}
+    assert r.hostfile.names == ["A", "C"]  # what the next re-plan starts from
+
+
+def test_when_the_rest_cannot_hold_the_model_clients_are_told_why(sizes, silent, capsys):
+    config, tensor_sizes = sizes
+    gb = make_plan(config, tensor_sizes, three(), CONTEXT, 0.1).hosts[2].total_bytes / (1 << 30) * 1.2
+    host_set, reasons = HostSet(["A", "B", "C"]), []
+    host_set.on_give_up(reasons.append)
+    r = replanner(three((gb, gb, gb)), Planner(COMMAND, config, tensor_sizes, CONTEXT),
+                  {"127.0.0.2": silent("127.0.0.2")}, host_set)
+    assert r(None) is None
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("launch: error: host B (rank 1, 127.0.0.2) is gone after 3 restarts (no answer at ")
+    assert "): the model does not fit on the other 2 hosts: " in line and "missing" in line, line
+    assert reasons == ["host B (rank 1) is gone and the model does not fit on the rest"]
+    assert host_set.unavailable == reasons[0] and host_set.hosts == ["A", "B", "C"]
+
+
+def test_rank_0_serving_host_gone_and_every_host_answering_give_up(sizes, silent, capsys):
+    config, tensor_sizes = sizes
+    serve = Planner([*COMMAND, "--serve", "0.0.0.0:50051"], config, tensor_sizes, CONTEXT)
+    host_set = HostSet(["A", "B", "C"])
+    gone = {"127.0.0.1": silent("127.0.0.1")}
+    assert replanner(three(), serve, gone, host_set)(None) is None
+    assert "rank 0 served --serve 0.0.0.0:50051 there, which cannot move to another host" in capsys.readouterr().err
+    assert host_set.unavailable == "host A (rank 0) is gone, and it served this endpoint"
+    # Without a serving flag, the next host becomes rank 0.
+    ring = replanner(three(), Planner(COMMAND, config, tensor_sizes, CONTEXT), gone)(None)()
+    assert [h.ssh for h in ring.hosts] == ["B", "C"]
+    capsys.readouterr()
+    assert replanner(three(), Planner(COMMAND, config, tensor_sizes, CONTEXT), {})(None) is None
+    assert "every host answers (probed 127.0.0.1, 127.0.0.2, 127.0.0.3)" in capsys.readouterr().err
+
+
+def test_mlx_launch_gets_a_hostfile_of_the_rest(sizes):
+    config, tensor_sizes = sizes
+    rest = drop_hosts(three(backend="jaccl", rdma=True), {1})
+    starter = Starter(False)
     try:
-        status = launcher.proc.wait(timeout=120)
-        out = launcher.output()
-        assert status != 0, out[-3000:]
-        errors = [x for x in out.splitlines() if x.startswith("launch: error: ")]
-        assert len(errors) == 1, out[-3000:]
-        assert errors[0].startswith(f"launch: error: host {b} (rank 1, {hosts.ips[b]}) is gone at the first failure (no answer at "), \
-            errors[0]
-        assert "): the model does not fit on the other 2 hosts: " in errors[0] and "missing" in errors[0], errors[0]
-        assert "re-planned" not in out
-        assert_nothing_left(hosts)
+        ring = starter(rest, Planner(COMMAND, config, tensor_sizes, CONTEXT).lay_out(rest))()
+        assert isinstance(ring, MlxLaunchRing)
+        path = ring.cmd[ring.cmd.index("--hostfile") + 1]
+        written = hostfile.load(path)
+        assert written.names == ["A", "C"] and written.backend == "jaccl"
+        assert [h.memory_bytes for h in written.hosts] == [h.memory_bytes for h in rest.hosts]
+        assert flag_value(ring.cmd, "--split").count(",") == 1
     finally:
-        launcher.close()
+        starter.close()
+    assert not starter.files
+
+
+def test_replan_flag_defaults_to_on_with_restarts():
+    parse = lambda *a: cli.parse_args(["run", "--single-host", "2", *a, "--", "run-trinity"]).replan  # noqa: E731
+    assert (parse(), parse("--replan"), parse("--restart", "2", "--no-replan")) == (None, True, False)

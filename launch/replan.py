@@ -160,10 +160,9 @@ class Replanner:
     def __call__(self, failure: Optional[Failure]) -> Optional[Callable]:
         lost = self.find_lost(failure)
         if not lost:
-            log("every host answers" + (" (probed " + ", ".join(h.ips[0] for h in self.hostfile.hosts
-                                                                   if not h.is_local) + ")"
-                                        if any(not h.is_local for h in self.hostfile.hosts) else " (all local)")
-                + ": no host to plan out, not re-planning")
+            probed = [h.ips[0] for h in self.hostfile.hosts if not h.is_local]
+            if probed:  # (a ring of local ranks has nothing to plan out: nothing to say)
+                log(f"every host answers (probed {', '.join(probed)}): no host to plan out, not re-planning")
             return self._give_up("the ring keeps failing" + (f" ({failure.describe()})" if failure else "")
                                  + " and every host answers")
         one = len(lost) == 1

@@ -154,10 +154,14 @@ def three_hosts(tmp_path):
             except ProcessLookupError:
                 pass
         for name in names:
-            ip("netns", "del", name, check=False)  # takes its veth ends, and so the pairs, with it
+            # Our end of each pair now (a deleted namespace is freed later, by the kernel).
+            ip("link", "del", f"trpv{tag}{name[-1]}", check=False)
+            ip("netns", "del", name, check=False)
         ip("link", "del", bridge, check=False)
         left = set(ip("netns", "list").stdout.split()) & set(names)
         assert not left, f"namespaces left behind: {left}"
+        links = [x for x in ip("-o", "link").stdout.splitlines() if tag in x]
+        assert not links, f"links left behind: {links}"
 
 
 class Launcher:

@@ -9,9 +9,11 @@ Ring-backend rings are started by us, without mlx.launch (whose output loop keep
 a core busy): local ranks (127.0.0.1) directly, remote hosts over ssh (--ssh, or
 $TRINITY_SSH, says how to call ssh). --via mlx.launch uses mlx.launch anyway;
 other backends always do. --restart N starts the whole ring again after a rank
-fails, up to N times. With --serve, the front ends (--serve, --http) run here, in a
-router in front of rank 0 that replays in-flight requests on the restarted ring
-(launch/router/); --no-router leaves them on rank 0.
+fails, up to N times; then --replan (on with --restart) plans a remote host that
+no longer answers out of the ring and goes on with the rest (launch/replan.py).
+With --serve, the front ends (--serve, --http) run here, in a router in front of
+rank 0 that replays in-flight requests on the restarted ring (launch/router/);
+--no-router leaves them on rank 0.
 """
 
 import argparse
@@ -23,11 +25,12 @@ from typing import List, Optional
 from distributed import TrinityError
 from distributed.help_format import HelpFormatter
 from distributed.shard.memory import usable_memory_bytes
-from distributed.shard.memory_plan import DEFAULT_MARGIN, plan_layers
+from distributed.shard.memory_plan import DEFAULT_MARGIN
 from distributed.shard.sizes import quantize_config
-from distributed.startup.auto_split import PLAN_ENV, plan_spec
 
 from . import bundled, hostfile, mlx_launch_ring, runner
+from .host_set import HostSet
+from .replan import DoesNotFit, Planner, Replanner, flag_value, make_plan
 from .ssh_ring import SSH_ENV, SSH_OPTIONS, ssh_command
 
 RUN_SCRIPT = "run-trinity"  # the console script of run_trinity.py
@@ -81,6 +84,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     run.add_argument("--grace", type=float, default=20.0, metavar="S",
                      help="seconds the other ranks get to exit on their own after a rank fails or after "
                           "a stop signal, before SIGTERM (then SIGKILL 3 s later); default 20")
+    run.add_argument("--replan", action=argparse.BooleanOptionalAction, default=None,
+                     help="once the restarts are spent, probe the remote hosts (TCP to each ring IP's ssh port); "
+                          "drop those that do not answer, plan the split again over the rest and start the ring "
+                          "there (a fresh --restart budget), or exit naming the lost host when the model does not "
+                          "fit on the rest; default: on when --restart > 0")
     run.add_argument("--restart-delay", type=float, default=1.0, metavar="S", help="pause before a restart")
     run.add_argument("--via", choices=["auto", "direct", "mlx.launch"], default="auto",
                      help="auto: with the ring backend start the ranks ourselves (local ones directly, remote "
@@ -139,25 +147,11 @@ def fill_local_memory(hf: hostfile.Hostfile) -> None:
             h.memory_bytes = share
 
 
-def flag_value(cmd: List[str], flag: str) -> Optional[str]:
-    for i, a in enumerate(cmd):
-        if a == flag and i + 1 < len(cmd):
-            return cmd[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def choose_context(*candidates, config: dict) -> int:
     """The first context given, never past what the model allows."""
     limit = config.get("max_position_embeddings")
     context = next((int(c) for c in candidates if c), None) or limit or 4096
     return min(context, limit) if limit else context
-
-
-def make_plan(config: dict, tensor_sizes, hf: hostfile.Hostfile, context: int, margin: float):
-    return plan_layers(config, [h.memory_bytes for h in hf.hosts], [h.speed for h in hf.hosts],
-                       context, tensor_sizes, hf.names, margin)
 
 
 def cmd_plan(args) -> int:
@@ -191,7 +185,8 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def cmd_run(args) -> int:
+def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
+    """host_set: where the hosts in use and the lost ones are told (launch/host_set.py), e.g. for a front end."""
     preset = load_preset(args.preset)
     hf = load_hosts(args)
     cmd = list(args.command)
@@ -204,7 +199,7 @@ def cmd_run(args) -> int:
     for key, flag in SAMPLING_FLAGS.items():
         if key in preset.get("sampling", {}) and flag_value(cmd, flag) is None:
             cmd += [flag, str(preset["sampling"][key])]
-    envs = []
+    planner = Planner(cmd)  # the command as it is: --no-plan, or the user's own --split
     if not args.no_plan and flag_value(cmd, "--split") is None:
         from distributed.shard import checkpoint  # imports mlx_lm (slow): only when planning
 
@@ -214,54 +209,52 @@ def cmd_run(args) -> int:
         if max_context is None:  # the ranks then refuse what the plan did not budget for
             cmd += ["--max-context", str(context)]
         fill_local_memory(hf)
-        if any(h.memory_bytes is None for h in hf.hosts):
-            # Some remote host's memory is unknown: the ranks measure, exchange and plan at start-up.
-            cmd += ["--split", "auto"]
-            envs.append(f"{PLAN_ENV}={plan_spec(hf.hosts, args.margin, context)}")
-            print("launch: memory_gb missing for "
-                  + ", ".join(h.ssh for h in hf.hosts if h.memory_bytes is None)
-                  + ": the ranks measure it and plan at start-up (--split auto)", file=sys.stderr)
-        else:
-            plan = make_plan(config, checkpoint.tensor_sizes(model, path), hf, context, args.margin)
-            print(plan.describe(), file=sys.stderr)
-            if not plan.fits:
-                print(f"launch: the model does not fit:\n{plan.shortfall()}", file=sys.stderr)
-                return 1
-            cmd += ["--split", ",".join(map(str, plan.split))]
+        sizes = None if any(h.memory_bytes is None for h in hf.hosts) else checkpoint.tensor_sizes(model, path)
+        planner = Planner(cmd, config, sizes, context, args.margin)
     router_plan = None
     if not args.no_router:
         from .router.command import plan_router
 
-        router_plan = plan_router(cmd, hf)
-        if router_plan is not None:
-            cmd, envs = router_plan.command, envs + router_plan.envs
+        router_plan = plan_router(planner.command, hf)
+        if router_plan is not None:  # every layout's command serves rank 0 on the internal address
+            planner.command = router_plan.command
+    try:
+        layout = planner.lay_out(hf)
+    except DoesNotFit as e:
+        print(e.plan.describe(), file=sys.stderr)
+        print(f"launch: the model does not fit:\n{e}", file=sys.stderr)
+        return 1
+    if layout.plan is not None:
+        print(layout.plan.describe(), file=sys.stderr)
+    elif flag_value(layout.command, "--split") == "auto" and planner.config is not None:
+        # Some remote host's memory is unknown: the ranks measure, exchange and plan at start-up.
+        print("launch: memory_gb missing for " + ", ".join(h.ssh for h in hf.hosts if h.memory_bytes is None)
+              + ": the ranks measure it and plan at start-up (--split auto)", file=sys.stderr)
     ours = runner.can_start_ourselves(hf, args.backend)
     if args.via == "direct" and not ours:
         raise TrinityError("--via direct needs the ring backend (and an IP for every host); "
                            "use --via mlx.launch (or auto) for other backends")
+    ours = ours and args.via != "mlx.launch"
+    ssh = ssh_command(args.ssh) if ours else None
     if router_plan is not None and args.dry_run:
         o = router_plan.options
         print(f"launch: router: would serve {o.grpc_address} (gRPC)" + (f" and {o.http_address} (HTTP)"
               if o.http_address else "") + f" here, in front of rank 0 at {router_plan.upstream}", file=sys.stderr)
-    if ours and args.via != "mlx.launch":
-        ssh = ssh_command(args.ssh)
-        if args.dry_run:
-            ring = runner.own_ring(cmd, hf, {}, envs, args.starting_port, ssh, args.cwd)
-            print("\n".join(ring.describe_commands()))
-            return 0
-        return _supervised(router_plan, cmd, lambda observer: runner.run_direct(
-            cmd, hf, envs, args.starting_port, ssh=ssh, cwd=args.cwd, observer=observer, **_restart(args)))
-    launch_cmd = mlx_launch_ring.build_command(hf, cmd, single_host=args.single_host, backend=args.backend,
-                                      starting_port=args.starting_port, envs=envs, cwd=args.cwd)
     if args.dry_run:
-        print(shlex.join(launch_cmd))
+        if ours:
+            ring = runner.own_ring(layout.command, hf, {}, layout.envs, args.starting_port, ssh, args.cwd)
+            print("\n".join(ring.describe_commands()))
+        else:
+            print(shlex.join(mlx_launch_ring.build_command(
+                hf, layout.command, single_host=args.single_host, backend=args.backend,
+                starting_port=args.starting_port, envs=layout.envs, cwd=args.cwd)))
         return 0
-    return _supervised(router_plan, cmd, lambda observer: runner.run(launch_cmd, observer=observer,
-                                                                     **_restart(args)))
-
-
-def _restart(args) -> dict:
-    return dict(restarts=args.restart, grace=args.grace, restart_delay=args.restart_delay)
+    starter = runner.Starter(ours, args.starting_port, ssh, args.cwd, args.single_host, args.backend,
+                             router_plan.envs if router_plan is not None else None)
+    replan = args.replan if args.replan is not None else args.restart > 0
+    replanner = Replanner(hf, planner, starter, args.restart, host_set) if replan else None
+    return _supervised(router_plan, layout.command, lambda observer: starter.run(
+        hf, layout, args.restart, args.grace, args.restart_delay, replanner, observer))
 
 
 def _supervised(router_plan, cmd: List[str], run) -> int:

@@ -177,3 +177,18 @@ def load(path, backend: Optional[str] = None) -> Hostfile:
     hf = parse(data, str(path), backend)
     hf.path = path
     return hf
+
+
+def to_json(hf: Hostfile) -> dict:
+    """The hostfile as mlx.launch's object format (our extras kept: mlx.launch ignores them)."""
+    hosts = []
+    for h in hf.hosts:
+        host = {"ssh": h.ssh, "ips": list(h.ips)}
+        if h.rdma:
+            host["rdma"] = list(h.rdma)
+        if h.memory_bytes is not None:
+            host["memory_gb"] = h.memory_bytes / GIB
+        if h.speed != 1:
+            host["speed"] = h.speed
+        hosts.append(host)
+    return {"backend": hf.backend, "envs": list(hf.envs), "hosts": hosts}

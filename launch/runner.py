@@ -2,15 +2,17 @@
 or over ssh for remote hosts), through mlx.launch otherwise (mlx_launch_ring.py)."""
 
 import itertools
+import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, List, Optional
 
 from distributed.startup.lifecycle import RESTARTS_ENV
 
-from .hostfile import Hostfile
-from .mlx_launch_ring import MlxLaunchRing
+from .hostfile import Hostfile, to_json
+from .mlx_launch_ring import MlxLaunchRing, build_command
 from .ring import DirectRing
 from .ssh_ring import SshRing
 from .supervisor import Supervisor
@@ -24,19 +26,17 @@ def launch_env() -> dict:
     return env
 
 
-def counting(make_ring: Callable[[int], object]) -> Callable[[], object]:
+def counting(make_ring: Callable[[int], object], attempts=None) -> Callable[[], object]:
     """The supervisor's make_ring: make_ring(restarts so far), so that each attempt's ranks
-    get RESTARTS_ENV (their metrics count the restarts)."""
-    attempts = itertools.count()
+    get RESTARTS_ENV (their metrics count the restarts). `attempts`: a counter shared by
+    the rings of every host set (re-planning keeps counting)."""
+    attempts = attempts if attempts is not None else itertools.count()
     return lambda: make_ring(next(attempts))
 
 
-def run(cmd: List[str], restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0, observer=None) -> int:
-    """Run mlx.launch (restarted up to `restarts` times after a failure); our exit status."""
-    env = launch_env()
+def mlx_launch_rings(cmd: List[str], env: dict, attempts=None) -> Callable[[], object]:
     # mlx.launch passes its environment on to the ranks it starts here (remote ones get --env only).
-    return Supervisor(restarts, grace, restart_delay, observer).run(
-        counting(lambda n: MlxLaunchRing(cmd, {**env, RESTARTS_ENV: str(n)})))
+    return counting(lambda n: MlxLaunchRing(cmd, {**env, RESTARTS_ENV: str(n)}), attempts)
 
 
 def own_ring(command: List[str], hostfile: Hostfile, env: dict, envs: Optional[List[str]] = None,
@@ -49,16 +49,60 @@ def own_ring(command: List[str], hostfile: Hostfile, env: dict, envs: Optional[L
     return SshRing(command, hostfile.hosts, env, all_envs, starting_port, ssh, cwd)
 
 
-def run_direct(command: List[str], hostfile: Hostfile, envs: Optional[List[str]] = None,
-               starting_port: Optional[int] = None, restarts: int = 0, grace: float = 20.0,
-               restart_delay: float = 1.0, ssh: Optional[List[str]] = None, cwd: Optional[str] = None,
-               observer=None) -> int:
-    """Start the ranks of a ring hostfile ourselves (local ones here, remote ones over ssh),
-    without mlx.launch; our exit status."""
-    env = launch_env()
-    return Supervisor(restarts, grace, restart_delay, observer).run(
-        counting(lambda n: own_ring(command, hostfile, env, [*(envs or []), f"{RESTARTS_ENV}={n}"],
-                                    starting_port, ssh, cwd)))
+def own_rings(command: List[str], hostfile: Hostfile, env: dict, envs: Optional[List[str]] = None,
+              starting_port: Optional[int] = None, ssh: Optional[List[str]] = None, cwd: Optional[str] = None,
+              attempts=None) -> Callable[[], object]:
+    """The supervisor's make_ring for own_ring."""
+    return counting(lambda n: own_ring(command, hostfile, env, [*(envs or []), f"{RESTARTS_ENV}={n}"],
+                                       starting_port, ssh, cwd), attempts)
+
+
+class Starter:
+    """make_ring for a host set and its command: the first ring's, and the Replanner's
+    `start` after a host is planned out. Restarts are counted across host sets
+    (RESTARTS_ENV); a re-planned hostfile for mlx.launch is written to a temporary file."""
+
+    def __init__(self, ours: bool, starting_port: Optional[int] = None, ssh: Optional[List[str]] = None,
+                 cwd: Optional[str] = None, single_host: Optional[int] = None, backend: Optional[str] = None,
+                 envs: Optional[List[str]] = None):
+        self.ours, self.starting_port, self.ssh, self.cwd = ours, starting_port, ssh, cwd
+        self.single_host, self.backend = single_host, backend
+        self.envs = list(envs or [])  # every host set's ranks get them too (e.g. the router's token)
+        self.env = launch_env()
+        self.attempts = itertools.count()
+        self.files: List[str] = []
+
+    def __call__(self, hostfile: Hostfile, layout) -> Callable[[], object]:
+        envs = [*layout.envs, *self.envs]
+        if self.ours:
+            return own_rings(layout.command, hostfile, self.env, envs, self.starting_port, self.ssh, self.cwd,
+                             self.attempts)
+        if hostfile.path is None and self.single_host is None:
+            fd, path = tempfile.mkstemp(prefix="trinity-hosts-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(to_json(hostfile), f)
+            self.files.append(path)
+            hostfile.path = Path(path)
+        cmd = build_command(hostfile, layout.command, single_host=len(hostfile.hosts) if self.single_host else None,
+                            backend=self.backend, starting_port=self.starting_port, envs=envs, cwd=self.cwd)
+        return mlx_launch_rings(cmd, self.env, self.attempts)
+
+    def run(self, hostfile: Hostfile, layout, restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0,
+            replan=None, observer=None) -> int:
+        """Supervise the rings of `hostfile` (observer: the router, launch/router/); our exit status."""
+        try:
+            return Supervisor(restarts, grace, restart_delay, replan, observer).run(self(hostfile, layout))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Remove the hostfiles written for mlx.launch."""
+        for path in self.files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self.files.clear()
 
 
 def can_start_directly(hostfile: Hostfile, backend: Optional[str] = None) -> bool:

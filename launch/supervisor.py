@@ -5,7 +5,9 @@ Supervisor.run() starts a ring and watches it:
   with the attempt number; the survivors get `grace` seconds to exit on their own
   (the watchdog makes them exit within 15 s, telling clients which rank failed),
   then SIGTERM, then SIGKILL, group by group; then, while restarts are left, the
-  whole ring starts again (fresh ports), else we exit with the failure's status.
+  whole ring starts again (fresh ports), else `replan` (launch/replan.py) may plan
+  a host that stays gone out and start the ring on the rest, else we exit with the
+  failure's status.
   The cause logged is the rank that died, not those that exited because their
   watchdog saw it die (EXIT_PEER_FAILED, 3: "another rank failed"); when two or
   more ranks exit so and one stays (frozen, cut off), that one is named and stopped
@@ -24,7 +26,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from distributed.startup.watchdog import EXIT_PEER_FAILED
 
@@ -62,10 +64,15 @@ class Outcome:
 
 
 class Supervisor:
-    def __init__(self, restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0, observer=None):
+    def __init__(self, restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0,
+                 replan: Optional[Callable[[Optional[Failure]], Optional[Callable[[], Ring]]]] = None,
+                 observer=None):
         self.restarts, self.grace, self.restart_delay = restarts, grace, restart_delay
+        # Once the restarts are spent: replan(failure) -> make_ring for a new host set, with a
+        # fresh budget, or None to give up (launch/replan.py).
+        self.replan = replan
         # Told of a stop signal (stopping(), from the signal handler) and of giving up
-        # (give_up(failure description)): the launcher's router (launch/router/).
+        # (give_up(why)): the launcher's router (launch/router/).
         self.observer = observer
         self.stop_signal: Optional[int] = None
         self.signals = 0
@@ -109,14 +116,19 @@ class Supervisor:
                 log(f"attempt {attempt}/{attempts} failed: {failure.describe()}; "
                     + (f"no restarts left (--restart {self.restarts})" if self.restarts else "not restarting")
                     + f"; exit status {failure.status}")
-                # The line launch run has always printed (scripts and tests read it).
-                who = "a rank (mpirun's report above)" if failure.rank is None else f"rank {failure.rank}"
-                log(f"{who} failed with exit status {failure.status}")
-                if self.observer is not None:
-                    self.observer.give_up(f"{failure.describe()}; no restarts left")
-                return failure.status
-            log(f"attempt {attempt}/{attempts} failed: {failure.describe()}; restarting the whole ring "
-                f"in {self.restart_delay:g} s (restart {attempt} of {self.restarts})")
+                replanned = self.replan(failure) if self.replan is not None else None
+                if replanned is None:
+                    # The line launch run has always printed (scripts and tests read it).
+                    who = "a rank (mpirun's report above)" if failure.rank is None else f"rank {failure.rank}"
+                    log(f"{who} failed with exit status {failure.status}")
+                    if self.observer is not None:
+                        lost = getattr(getattr(self.replan, "host_set", None), "unavailable", None)
+                        self.observer.give_up(lost or f"{failure.describe()}; no restarts left")
+                    return failure.status
+                make_ring, attempt = replanned, 0
+            else:
+                log(f"attempt {attempt}/{attempts} failed: {failure.describe()}; restarting the whole ring "
+                    f"in {self.restart_delay:g} s (restart {attempt} of {self.restarts})")
             try:
                 self._wake.get(timeout=self.restart_delay)
             except queue.Empty:

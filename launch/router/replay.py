@@ -22,8 +22,8 @@ from distributed.serving.proto import generation_pb2 as pb
 from .upstream import Closed, Upstream
 
 POLL_GRACE_S = 0.2  # before asking whether rank 0 still serves after an unexpected error
-RETRY_BUSY_S = 0.1
-MAX_TIMEOUT_S = 10**7  # a longer deadline is none (one far beyond it overflows gRPC's, which then expires at once)  # rank 0's queue was full (a race with requests ending): try again after this
+RETRY_BUSY_S = 0.1  # rank 0's queue was full (a race with requests ending): try again after this
+MAX_TIMEOUT_S = 10**7  # a longer deadline is none (one far beyond it overflows gRPC's, which then expires at once)
 # Codes a call ends with when rank 0 or its ring goes away (UNAVAILABLE: the ring failed, rank 0
 # stopped, or its connection was refused or reset); the others only if rank 0 is no longer serving.
 RING_DOWN = (grpc.StatusCode.UNAVAILABLE,)

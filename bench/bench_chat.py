@@ -23,6 +23,7 @@ server with the cache prints as it stops.
 import argparse
 import json
 import os
+import random
 import re
 import statistics
 import sys
@@ -43,12 +44,13 @@ WORDS = ("ring rank layer cache token prefix window expert router batch stage fr
 
 def text(tokens: int, seed: int) -> str:
     """About `tokens` tokens of plain ASCII words (the byte tokenizer: one token a byte)."""
-    words, n, i = [], 0, seed
+    # Words drawn from a generator seeded by `seed`: another seed shares no prefix longer than
+    # a word or two (a rotation of one list would repeat whenever the seeds differ by its length).
+    rng, words, n = random.Random(seed), [], 0
     while n < tokens:
-        word = WORDS[(i * 7 + seed) % len(WORDS)]
+        word = rng.choice(WORDS)
         words.append(word)
         n += len(word) + 1
-        i += 1
     return " ".join(words)[:tokens]
 
 

@@ -14,6 +14,7 @@ tests/startup/test_netns.py's (trin…, 10.77.0.0/24). Needs root and iproute2
 (skipped, saying why, where namespaces cannot be made).
 """
 
+import contextlib
 import json
 import os
 import random
@@ -110,8 +111,15 @@ class Hosts:
 
 @pytest.fixture
 def three_hosts(tmp_path):
+    with namespace_hosts(tmp_path) as hosts:
+        yield hosts
+
+
+@contextlib.contextmanager
+def namespace_hosts(tmp_path):
     """Namespaces A, B, C on a bridge of this machine; everything removed afterwards, and
-    whatever still runs in them killed first, even when the test failed."""
+    whatever still runs in them killed first, even when the test failed (skips the test
+    where namespaces cannot be made)."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     if shutil.which("ip") is None:

@@ -14,15 +14,19 @@ and serves on this machine's loopback; rank 0 (in A) serves the router on A's br
 import signal
 import time
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import free_port_range
+from distributed.serving.proto import generation_pb2_grpc as pb_grpc
+from grpc_stream import Stream
 from reference import PROMPT, mlx_lm_greedy
-from test_replan_netns import RANK_ARGS, Launcher, assert_nothing_left, namespace_hosts, tight_memory_gb
-from test_router import NOT_SERVING, SERVING, Stream
+from netns_hosts import RANK_ARGS, Launcher, assert_nothing_left, namespace_hosts, tight_memory_gb
 
 LONG = 160  # tokens of the stream the cut interrupts
 CUT_AFTER = 12  # tokens the stream has passed on before the cut
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.fixture
@@ -35,19 +39,11 @@ class RouterClient:
     """The test's gRPC client of the launcher's router."""
 
     def __init__(self, address: str):
-        import grpc
-        from grpc_health.v1 import health_pb2_grpc
-
-        from distributed.serving.proto import generation_pb2_grpc as pb_grpc
-
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def status(self):
-        import grpc
-        from grpc_health.v1 import health_pb2
-
         try:
             return self.health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
         except grpc.RpcError as e:

@@ -16,12 +16,14 @@ class Stream(threading.Thread):
         super().__init__(daemon=True)
         self.stub, self.fields = stub, fields
         self.tokens, self.logprobs, self.text = [], [], ""
+        self.arrivals = []  # time.monotonic() of each response
         self.finish = self.usage = self.error = None
         self.start()
 
     def run(self):
         try:
             for r in self.stub.Generate(pb.GenerateRequest(**self.fields), timeout=300):
+                self.arrivals.append(time.monotonic())
                 self.tokens += r.token_ids
                 self.logprobs += r.logprobs
                 self.text += r.text

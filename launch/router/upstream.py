@@ -11,7 +11,7 @@ instead of retrying against a dead ring.
 
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,7 +38,6 @@ class Upstream:
     def __init__(self, address: str, token: Optional[str] = None,
                  on_up: Callable[[int, Optional[float]], None] = lambda epoch, down_for: None,
                  on_down: Callable[[str], None] = lambda reason: None):
-        self._old_channels: List[grpc.Channel] = []
         self._connect(address)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.on_up, self.on_down = on_up, on_down
@@ -57,11 +56,13 @@ class Upstream:
 
     def retarget(self, address: str) -> None:
         """Rank 0 moved to another host (re-planned): call it at `address` from now on. The old
-        channel stays open until shut(): closing it would cancel a call still on it, which
-        must end as the ring's failure (UNAVAILABLE), not as a cancel."""
+        channel is closed: a call still on it to the vanished host would otherwise wait for
+        TCP to give up; it ends CANCELLED while rank 0 is down, which replay.py counts as the
+        ring's failure, so it is replayed on the new rank 0."""
         with self._cond:
-            self._old_channels.append(self.channel)
+            old = self.channel
             self._connect(address)
+        old.close()
 
     def start(self) -> "Upstream":
         self._thread.start()
@@ -126,5 +127,4 @@ class Upstream:
 
     def shut(self) -> None:
         self.close("the server is shutting down")
-        for channel in [*self._old_channels, self.channel]:
-            channel.close()
+        self.channel.close()

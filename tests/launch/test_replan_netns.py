@@ -67,7 +67,8 @@ def test_a_host_whose_link_stays_cut_is_planned_out(three_hosts, hf_checkpoint, 
     # launcher knows every host's memory and plans the split itself.
     hf = hosts.hostfile(tmp_path / "hosts.json", {a: 4, c: 4})
     address = f"127.0.0.1:{free_port_range(1)}"  # on rank 0's (A's) loopback
-    launcher = Launcher(hosts, hf, tmp_path, "--restart", "1", "--", "run-trinity", "--model", str(hf_checkpoint),
+    # --no-router: rank 0's own front end, in A (test_router_replan.py has the router's case).
+    launcher = Launcher(hosts, hf, tmp_path, "--restart", "1", "--no-router", "--", "run-trinity", "--model", str(hf_checkpoint),
                         "--serve", address, *RANK_ARGS)
     try:
         assert generate(hosts, a, address) == reference  # 3 hosts

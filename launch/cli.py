@@ -252,13 +252,18 @@ def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
     starter = runner.Starter(ours, args.starting_port, ssh, args.cwd, args.single_host, args.backend,
                              router_plan.envs if router_plan is not None else None)
     replan = args.replan if args.replan is not None else args.restart > 0
-    replanner = Replanner(hf, planner, starter, args.restart, host_set) if replan else None
-    return _supervised(router_plan, layout.command, lambda observer: starter.run(
-        hf, layout, args.restart, args.grace, args.restart_delay, replanner, observer))
+
+    def run(router) -> int:
+        # Behind the router, re-planning may move rank 0 to another host (the router follows it).
+        replanner = Replanner(hf, planner, starter, args.restart, host_set,
+                              move_rank0=router.move_rank0 if router is not None else None) if replan else None
+        return starter.run(hf, layout, args.restart, args.grace, args.restart_delay, replanner, router)
+
+    return _supervised(router_plan, layout.command, run)
 
 
 def _supervised(router_plan, cmd: List[str], run) -> int:
-    """run(observer) under the router when the command serves (launch/router/)."""
+    """run(router) under the router when the command serves (launch/router/), else run(None)."""
     if router_plan is None:
         return run(None)
     from .router.router import Router

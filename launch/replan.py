@@ -16,7 +16,10 @@ rest, planned by the ranks at start-up), and the ring starts on them with a fres
 restart budget: the new host set is a new ring, and every re-plan drops a host, so
 it ends. When the model does not fit on the rest, or rank 0's host is gone while
 it served (--serve/--http/--metrics: that address lived on the lost machine), the
-launcher gives up with one line naming the host. Either way the HostSet
+launcher gives up with one line naming the host. Behind the launcher's router the
+endpoint lives in the launcher and rank 0 serves only the router, on an internal
+address: then the next host becomes rank 0 with an internal address of its own,
+and the router calls it there (move_rank0). Either way the HostSet
 (launch/host_set.py) is told, for the launcher's front end.
 
 What counts here is what the ranks' ring needs: the probe asks only whether a host
@@ -140,10 +143,14 @@ class Replanner:
 
     def __init__(self, hostfile: Hostfile, planner: Planner, start: Callable[[Hostfile, Layout], Callable],
                  restarts: int, host_set: Optional[HostSet] = None,
-                 probe: Callable[[str], Optional[str]] = probe):
+                 probe: Callable[[str], Optional[str]] = probe,
+                 move_rank0: Optional[Callable[[Hostfile, List[str]], List[str]]] = None):
         self.hostfile, self.planner, self.start, self.restarts = hostfile, planner, start, restarts
         self.host_set = host_set if host_set is not None else HostSet(hostfile.names)
         self.probe = probe
+        # The launcher's router (launch/router/), whose endpoint outlives rank 0's host:
+        # move_rank0(rest, command) -> the command with rank 0's --serve on rest's first host.
+        self.move_rank0 = move_rank0
 
     def find_lost(self, failure: Optional[Failure]) -> List[LostHost]:
         """Every remote host that does not answer (probed together), and the failed rank's
@@ -171,15 +178,20 @@ class Replanner:
                 + (" is" if one else " are") + f" gone {gone_after(self.restarts)} ({why})")
         short = ", ".join(f"host {h.name} (rank {h.rank})" for h in lost) + (" is" if one else " are") + " gone"
         rest = drop_hosts(self.hostfile, {h.rank for h in lost})
+        rank0_lost = any(h.rank == 0 for h in lost)
         serving = [f for f in SERVING_FLAGS if flag_value(self.planner.command, f) is not None]
-        if any(h.rank == 0 for h in lost) and serving:
-            flag = serving[0]
+        # Behind the router, rank 0's --serve is internal: it moves with rank 0.
+        fixed = [f for f in serving if f != "--serve" or self.move_rank0 is None]
+        if rank0_lost and fixed:
+            flag = fixed[0]
             log(f"error: {gone}: rank 0 served {flag} {flag_value(self.planner.command, flag)} "
                 "there, which cannot move to another host: not re-planning")
             return self._give_up(f"{short}, and it served this endpoint")
         if not rest.hosts:
             log(f"error: {gone}: no host left")
             return self._give_up(f"{short}: no host left")
+        if rank0_lost and serving:  # (if the rest cannot hold the model, the router gives up anyway)
+            self.planner.command = self.move_rank0(rest, self.planner.command)
         try:
             layout = self.planner.lay_out(rest)
         except DoesNotFit as e:

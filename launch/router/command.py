@@ -4,6 +4,8 @@ router, and the command the ranks get instead.
 The router takes --serve and --http (and the TLS files, which serve those); rank 0
 gets `--serve` on an internal address instead, the same in every attempt of the
 ring: 127.0.0.1 when rank 0 (the first host) is this machine, else that host's IP.
+When re-planning drops rank 0's host, the next host becomes rank 0 and gets a new
+internal address (serve_on_first_host), which the router then calls.
 --metrics stays with rank 0 (its per-rank metrics), as do --auth-token (the router
 sends the token to rank 0 too) and the limits (--max-queue, --max-tokens-cap).
 """
@@ -59,8 +61,7 @@ def plan_router(cmd: List[str], hf: Hostfile) -> Optional[RouterPlan]:
         insecure="--insecure" in cmd, tls_cert=values["--tls-cert"], tls_key=values["--tls-key"],
         max_queue=int(max_queue) if max_queue and max_queue.lstrip("-").isdigit() else 64))
     envs = []
-    rank0 = hf.hosts[0]
-    host = "127.0.0.1" if rank0.is_local or not rank0.ips else rank0.ips[0]
+    host = internal_host(hf)
     token = options.auth_token
     if host != "127.0.0.1" and token is None:
         # Rank 0 listens on the network: only the router may call it.
@@ -70,3 +71,17 @@ def plan_router(cmd: List[str], hf: Hostfile) -> Optional[RouterPlan]:
         envs.append(f"{AUTH_TOKEN_ENV}={token}")
     upstream = f"{host}:{free_ports(1)[0]}"
     return RouterPlan(options, upstream, token, [*rest, "--serve", upstream], envs)
+
+
+def internal_host(hf: Hostfile) -> str:
+    """Where rank 0 serves the router: its host's ring IP, or loopback when it is this machine."""
+    rank0 = hf.hosts[0]
+    return "127.0.0.1" if rank0.is_local or not rank0.ips else rank0.ips[0]
+
+
+def serve_on_first_host(command: List[str], hf: Hostfile) -> Tuple[List[str], str]:
+    """The ranks' command with rank 0's internal --serve on hf's first host (rank 0's host
+    was planned out), and that address. The token stays: a lost rank 0 was remote, so
+    plan_router gave the ranks one."""
+    upstream = f"{internal_host(hf)}:{free_ports(1)[0]}"
+    return [*take_flag(command, "--serve")[0], "--serve", upstream], upstream

@@ -18,6 +18,7 @@ One line per outage on stderr (the pause each request saw is logged as it resume
 import statistics
 import sys
 import threading
+from dataclasses import replace
 from typing import List, Optional
 
 import grpc
@@ -27,7 +28,8 @@ from distributed.serving.metrics import Metrics
 from distributed.serving.request_log import RequestLog
 from distributed.serving.requests import ModelInfo
 
-from .command import RouterPlan
+from ..hostfile import Hostfile
+from .command import RouterPlan, serve_on_first_host
 from .remote_scheduler import RemoteScheduler
 from .replay import Forwarded
 from .upstream import Upstream
@@ -129,6 +131,15 @@ class Router:
     def _replayed(self, forwarded: Forwarded, paused: float) -> None:
         self.pauses.append(paused)
         log(f"replayed a request after {paused:.1f} s ({len(forwarded.tokens)} tokens already streamed)")
+
+    def move_rank0(self, hostfile: Hostfile, command: List[str]) -> List[str]:
+        """Re-planning dropped rank 0's host (launch/replan.py): the ranks' command with rank 0's
+        internal --serve on the new first host; the router calls rank 0 there from now on."""
+        command, upstream = serve_on_first_host(command, hostfile)
+        self.plan = replace(self.plan, upstream=upstream, command=command)
+        self.upstream.retarget(upstream)
+        log(f"rank 0 moves to {hostfile.hosts[0].ssh}: calling it at {upstream}")
+        return command
 
     # Called by the Supervisor.
 

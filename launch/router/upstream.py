@@ -1,7 +1,8 @@
 """The router's gRPC channel to rank 0, and whether rank 0 serves now.
 
 Rank 0 listens on the same internal address in every attempt of the ring, so one
-channel serves them all (it reconnects quickly: rank 0 comes back within seconds).
+channel serves them all (it reconnects quickly: rank 0 comes back within seconds);
+when re-planning moves rank 0 to another host, retarget() opens one to its new address.
 A thread polls rank 0's health. Each time rank 0 turns SERVING an epoch begins;
 a request that sent in epoch E and saw its stream fail reports failed(E), which
 ends that epoch at once (before the next poll), so requests wait for the next one
@@ -37,10 +38,7 @@ class Upstream:
     def __init__(self, address: str, token: Optional[str] = None,
                  on_up: Callable[[int, Optional[float]], None] = lambda epoch, down_for: None,
                  on_down: Callable[[str], None] = lambda reason: None):
-        self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = pb_grpc.GenerationStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._connect(address)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.on_up, self.on_down = on_up, on_down
         self.epoch = 0  # counts the times rank 0 turned SERVING
@@ -49,6 +47,22 @@ class Upstream:
         self.closed: Optional[str] = None
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._watch, name="router-upstream", daemon=True)
+
+    def _connect(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def retarget(self, address: str) -> None:
+        """Rank 0 moved to another host (re-planned): call it at `address` from now on. The old
+        channel is closed: a call still on it to the vanished host would otherwise wait for
+        TCP to give up; it ends CANCELLED while rank 0 is down, which replay.py counts as the
+        ring's failure, so it is replayed on the new rank 0."""
+        with self._cond:
+            old = self.channel
+            self._connect(address)
+        old.close()
 
     def start(self) -> "Upstream":
         self._thread.start()

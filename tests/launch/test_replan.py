@@ -15,6 +15,7 @@ from distributed.startup.auto_split import PLAN_ENV
 from launch import cli, hostfile
 from launch.host_set import HostSet
 from launch.mlx_launch_ring import MlxLaunchRing
+from launch.router.command import serve_on_first_host
 from launch.replan import DoesNotFit, Planner, Replanner, drop_hosts, flag_value, make_plan, probe
 from launch.runner import Starter
 from launch.ssh_ring import SshRing
@@ -110,7 +111,7 @@ def test_planner_refuses_what_does_not_fit_and_a_user_split_of_another_length(si
     assert Planner(COMMAND).lay_out(drop_hosts(three(), {1})).command == COMMAND  # --no-plan: as it is
 
 
-def replanner(hf, planner, silent_ports, host_set=None):
+def replanner(hf, planner, silent_ports, host_set=None, move_rank0=None):
     """A Replanner whose probe goes to silent_ports[ip] (never answers) for those hosts, and
     to a closed (refusing) port for the others."""
     with socket.socket() as s:
@@ -118,7 +119,7 @@ def replanner(hf, planner, silent_ports, host_set=None):
         closed = s.getsockname()[1]
     starter = Starter(True, ssh=["ssh"])
     return Replanner(hf, planner, starter, restarts=3, host_set=host_set,
-                     probe=lambda ip: probe(ip, silent_ports.get(ip, closed), timeout=0.5))
+                     probe=lambda ip: probe(ip, silent_ports.get(ip, closed), timeout=0.5), move_rank0=move_rank0)
 
 
 def test_a_silent_host_is_planned_out_and_the_ring_restarts_without_it(sizes, silent, capsys):
@@ -172,6 +173,29 @@ def test_rank_0_serving_host_gone_and_every_host_answering_give_up(sizes, silent
     capsys.readouterr()
     assert replanner(three(), Planner(COMMAND, config, tensor_sizes, CONTEXT), {})(None) is None
     assert "every host answers (probed 127.0.0.1, 127.0.0.2, 127.0.0.3)" in capsys.readouterr().err
+
+
+def test_behind_the_router_rank_0_moves_to_the_next_host(sizes, silent, capsys):
+    config, tensor_sizes = sizes
+    internal = [*COMMAND, "--serve", "127.0.0.1:40001"]  # rank 0's, for the router (launch/router/command.py)
+    gone = {"127.0.0.1": silent("127.0.0.1")}
+    moved = []
+
+    def move_rank0(rest, command):  # as the router does, less its channel
+        command, upstream = serve_on_first_host(command, rest)
+        moved.append(upstream)
+        return command
+
+    ring = replanner(three(), Planner(internal, config, tensor_sizes, CONTEXT), gone, move_rank0=move_rank0)(None)()
+    assert [h.ssh for h in ring.hosts] == ["B", "C"]
+    (upstream,) = moved
+    assert upstream.startswith("127.0.0.2:") and flag_value(ring.command, "--serve") == upstream
+    assert ring.command.count("--serve") == 1
+    assert "re-planned over 2 hosts: B layers 0-" in capsys.readouterr().err
+    # rank 0's own --metrics lived on the lost host: that cannot move.
+    metrics = Planner([*internal, "--metrics", "0.0.0.0:9100"], config, tensor_sizes, CONTEXT)
+    assert replanner(three(), metrics, gone, move_rank0=move_rank0)(None) is None
+    assert "rank 0 served --metrics 0.0.0.0:9100 there" in capsys.readouterr().err and len(moved) == 1
 
 
 def test_mlx_launch_gets_a_hostfile_of_the_rest(sizes):

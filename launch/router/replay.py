@@ -146,6 +146,7 @@ class Forwarded:
             timeout = None
         with self._lock:
             self._call = call = self.upstream.stub.Generate(message, timeout=timeout, metadata=self.upstream.metadata)
+        self.upstream.track(call, epoch)
         if self._cancelled.is_set():
             call.cancel()
         try:
@@ -170,6 +171,7 @@ class Forwarded:
                 return None
             return e.code(), e.details() or e.code().name
         finally:
+            self.upstream.untrack(call)
             with self._lock:
                 self._call = None
 

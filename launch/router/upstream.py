@@ -6,12 +6,14 @@ when re-planning moves rank 0 to another host, retarget() opens one to its new a
 A thread polls rank 0's health. Each time rank 0 turns SERVING an epoch begins;
 a request that sent in epoch E and saw its stream fail reports failed(E), which
 ends that epoch at once (before the next poll), so requests wait for the next one
-instead of retrying against a dead ring.
+instead of retrying against a dead ring. When an epoch ends, the calls still running
+in it are cancelled: a stream to a rank 0 whose host went silent gets no reset and
+would otherwise wait for the client's deadline (replay.py replays what it cancels).
 """
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -45,6 +47,7 @@ class Upstream:
         self.serving = False
         self.down_since: Optional[float] = None  # monotonic; None before the first epoch
         self.closed: Optional[str] = None
+        self._calls: Dict[object, int] = {}  # calls in flight -> the epoch they were sent in
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._watch, name="router-upstream", daemon=True)
 
@@ -99,7 +102,22 @@ class Upstream:
             if not self.serving or epoch != self.epoch:
                 return
             self.serving, self.down_since = False, time.monotonic()
+            doomed = [call for call, sent_in in self._calls.items() if sent_in == epoch]
         self.on_down(reason)
+        for call in doomed:
+            call.cancel()
+
+    def track(self, call, epoch: int) -> None:
+        """`call` was sent in `epoch`: cancelled if that epoch ends while it runs."""
+        with self._cond:
+            self._calls[call] = epoch
+            ended = epoch != self.epoch or not self.serving
+        if ended:
+            call.cancel()
+
+    def untrack(self, call) -> None:
+        with self._cond:
+            self._calls.pop(call, None)
 
     def wait_serving(self, give_up: Callable[[], bool]) -> int:
         """Block until rank 0 serves; returns the epoch. Raises Closed, or returns 0 once

@@ -169,11 +169,14 @@ def test_eight_concurrent_streams_through_one_kill(launcher):
         assert_same(stream, ref)
 
 
-def test_a_frozen_rank_is_timed_out_and_the_stream_replayed(launcher, undisturbed):
+@pytest.mark.parametrize("rank", [2, 0])
+def test_a_frozen_rank_is_timed_out_and_the_stream_replayed(launcher, undisturbed, rank):
+    # A frozen rank 0 keeps its connections open and silent: the router's health poll
+    # times out, ends the epoch and cancels the stream, which is replayed on the new ring.
     stream = Stream(launcher.stub, token_ids=PROMPT, max_tokens=LONG, temperature=0.0)
-    frozen = kill_mid_stream(launcher, [stream], 2, sig=signal.SIGSTOP)[2]
+    frozen = kill_mid_stream(launcher, [stream], rank, sig=signal.SIGSTOP)[rank]
     assert_same(stream, undisturbed)
-    assert "rank 2" in launcher.output() and not Path(f"/proc/{frozen}").exists()
+    assert f"rank {rank}" in launcher.output() and not Path(f"/proc/{frozen}").exists()
 
 
 def test_an_openai_http_stream_survives_a_kill(launcher, undisturbed):

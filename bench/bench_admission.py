@@ -3,6 +3,7 @@
     python bench/bench_admission.py [--baseline DIR] [--ps 1,2] [--streams 32] [--prompt-len 8]
                                     [--max-tokens 16] [--reps 5] [--rounds 3] [--max-batch 32]
                                     [--model PATH | --tiny] [--blas reference|openblas] [--out PATH]
+                                    [--runner-arg=--flag=value ...]
 
 One invocation, one checkpoint (bench/common.py's fp32 QUICK model; --tiny: the tests' tiny model,
 hidden 64, 8 layers; or --model), greedy, raw
@@ -56,7 +57,8 @@ def measure(root: Path, ranks: int, args, model: str) -> dict:
 
     target = f"127.0.0.1:{free_ports(1)[0]}"
     cmd = [PY, str(root / "run_trinity.py"), "--model", model, "--serve", target, "--max-batch", str(args.max_batch),
-           "--max-queue", str(max(64, args.streams)), "--max-tokens-cap", str(max(4096, args.max_tokens))]
+           "--max-queue", str(max(64, args.streams)), "--max-tokens-cap", str(max(4096, args.max_tokens)),
+           *args.runner_arg]
     env = dict(bench_env(args.blas), PYTHONPATH=str(root))
     log = tempfile.NamedTemporaryFile("w+", prefix="bench-admission-", suffix=".log")
     procs, hostfile, channel = [], None, None
@@ -109,6 +111,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=600, help="seconds: server start-up, each request")
     p.add_argument("--blas", choices=["reference", "openblas"], default="reference")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "admission.json")
+    p.add_argument("--runner-arg", action="append", default=[], metavar="ARG",
+                   help="passed on to every run_trinity.py (repeatable), e.g. --runner-arg=--prefill-batch-tokens=64")
     args = p.parse_args()
     if args.baseline and not (args.baseline / "run_trinity.py").exists():
         sys.exit(f"--baseline {args.baseline}: no run_trinity.py there")
@@ -120,7 +124,8 @@ def main() -> None:
             print(f"P={ranks} {name} ({root}) ...", file=sys.stderr, flush=True)
             results.append(dict(measure(root, ranks, args, model), name=name))
     print(f"{args.streams} prompts of {args.prompt_len} tokens at once vs one alone, {args.max_tokens} new tokens each, "
-          f"--max-batch {args.max_batch}, model {model}")
+          f"--max-batch {args.max_batch}, model {model}"
+          + (f", runner args {' '.join(args.runner_arg)}" if args.runner_arg else ""))
     print(f"{'P':>2} {'code':9} {'alone':>9} {'median':>9} {'p99':>9} {'ratio':>6} {'agg tok/s':>10}  checks")
     for r in results:
         checks = "ok" if r["stream0_equals_alone"] and r["rounds_agree"] else "MISMATCH"

@@ -10,7 +10,7 @@ other (never both at once): "rank 0" is `python -m launch run --single-host R --
 (the launcher serves them and forwards to rank 0). For each stream count: --rounds rounds
 of that many greedy streams released together (distinct raw token-id prompts); aggregate
 tok/s = generated tokens / (last end - first sent), TTFT p50 at the client; medians over
-the rounds. The tokens must be the same through both (checked). Every process is ended
+the rounds, after an untimed round of that many streams (a batch shape's first use compiles). The tokens must be the same through both (checked). Every process is ended
 on any exit.
 """
 
@@ -46,6 +46,8 @@ def measure(router: bool, args) -> dict:
         concurrent_streams(stub, stream_prompts(2, args.prompt_len, "warm"), 4, 600)  # warm-up
         rows = []
         for n in args.streams:
+            # Untimed first: a batch shape's first use compiles kernels (on the GPU, for seconds).
+            concurrent_streams(stub, stream_prompts(n, args.prompt_len, f"warm-{n}"), 8, 600)
             rounds = [concurrent_streams(stub, stream_prompts(n, args.prompt_len, f"router-{n}-{r}"),
                                          args.max_tokens, 600) for r in range(args.rounds)]
             failed = [r["error"] for r in rounds if "error" in r]

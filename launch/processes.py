@@ -9,7 +9,7 @@ import os
 import random
 import signal
 import socket
-from typing import List
+from typing import Iterable, List, Set
 
 
 def signal_name(n: int) -> str:
@@ -19,24 +19,36 @@ def signal_name(n: int) -> str:
         return f"signal {n}"
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
+_handed_out: Set[int] = set()  # every port free_ports returned in this process
+
+
+def free_ports(n: int, host: str = "127.0.0.1", avoid: Iterable[int] = ()) -> List[int]:
     """n consecutive ports free now (the ranks bind them moments later). Taken below
     Linux's ephemeral range (32768+), where outgoing connections, the ring's own
-    included, would otherwise take them in the meantime."""
+    included, would otherwise take them in the meantime. Never a port in `avoid` or one
+    handed out before in this process: those may be free only because their owner has not
+    bound them yet (a ring port picked a moment ago, the router's upstream between restarts)."""
+    taken = _handed_out | set(avoid)
     for _ in range(200):
         base = random.randrange(20000, 32000 - n)
+        if taken.intersection(range(base, base + n)):
+            continue
         try:
             for port in range(base, base + n):
                 with socket.socket() as s:
                     s.bind((host, port))
-            return list(range(base, base + n))
         except OSError:
             continue
+        ports = list(range(base, base + n))
+        _handed_out.update(ports)
+        return ports
     socks = [socket.socket() for _ in range(n)]  # crowded: any free ports
     try:
         for s in socks:
             s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
+        ports = [s.getsockname()[1] for s in socks]
+        _handed_out.update(ports)
+        return ports
     finally:
         for s in socks:
             s.close()

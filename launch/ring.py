@@ -158,7 +158,7 @@ class DirectRing(Ring):
         ports = ([self.starting_port + r for r in range(self.size)] if self.starting_port is not None
                  else free_ports(self.size))
         self.ring = [[f"{ip}:{port}"] for ip, port in zip(self.ips, ports)]
-        self.control = f"127.0.0.1:{free_ports(1)[0]}"
+        self.control = f"127.0.0.1:{free_ports(1, avoid=ports)[0]}"
 
     def rank_env(self, rank: int) -> dict:
         env = dict(self.env)

@@ -110,7 +110,8 @@ class SshRing(DirectRing):
         """Ring ports and the control port, all free here. On other hosts they are only
         likely free (random, below the ephemeral range); --starting-port fixes the ring's."""
         if self.starting_port is not None:
-            ports = [self.starting_port + r for r in range(self.size)] + free_ports(1)
+            ring_ports = [self.starting_port + r for r in range(self.size)]
+            ports = ring_ports + free_ports(1, avoid=ring_ports)
         else:
             ports = free_ports(self.size + 1)
         self.ring = [[f"{ip}:{port}"] for ip, port in zip(self.ips, ports)]

@@ -27,7 +27,7 @@ from ..transport.collective import MxCollective
 from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
 from .handshake import StartupRefused, agree_control_address, exchange_errors, handshake
-from .preflight import check_group
+from .preflight import allow_mpi_calls_from_any_thread, check_group
 from .watchdog import CONTROL_ENV, Control, Watchdog, parse_address
 
 
@@ -84,6 +84,7 @@ def join_ranks(args, control: Optional[Control], on_stop=None):
     must find that out (and exit naming it) before anyone calls init.
     Otherwise (MPI, whose launcher starts every rank) init comes first and the
     ranks agree on the address through a collective."""
+    allow_mpi_calls_from_any_thread()
     if control is None:
         group = mx.distributed.init()
         check_group(group)  # several MPI processes, each alone: MLX found no libmpi

@@ -36,6 +36,16 @@ MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 Address = Tuple[str, int]
+# MLX calls MPI_Init, which gives MPI_THREAD_SINGLE, yet its sends and receives run on
+# the threads of different streams (rank 0 sends on a stream of its own: mx_p2p.py);
+# concurrent calls then corrupted Open MPI's heap ("free(): invalid pointer" in
+# MPI_Send). Open MPI and MPICH read the level MPI_Init asks for from these.
+MPI_THREAD_LEVEL_VARS = {"OMPI_MPI_THREAD_LEVEL": "3", "MPIR_CVAR_DEFAULT_THREAD_LEVEL": "MPI_THREAD_MULTIPLE"}
+
+
+def allow_mpi_calls_from_any_thread(env=os.environ) -> None:
+    """Before mx.distributed.init: ask MPI for MPI_THREAD_MULTIPLE."""
+    env.update(MPI_THREAD_LEVEL_VARS)
 
 
 def check_launch(env=os.environ) -> Optional[Control]:

@@ -70,10 +70,14 @@ def sshd(tmp_path_factory):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
     shutil.copy(d / "client_key.pub", d / "authorized_keys")
     port = free_port_range(1)
+    # The remote account starts clean, like a fresh Mac's: this machine's own ~/.bashrc
+    # (read by bash for every ssh command) must not decide the test (a stale pyenv lock made
+    # each session wait 60 s).
+    (d / "home").mkdir()
     (d / "sshd_config").write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
         "PidFile none\nUsePAM no\nStrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-        "PermitRootLogin prohibit-password\nUseDNS no\nPrintMotd no\nLogLevel ERROR\n")
+        f"PermitRootLogin prohibit-password\nUseDNS no\nPrintMotd no\nLogLevel ERROR\nSetEnv HOME={d / 'home'}\n")
     (d / "ssh_config").write_text(
         f"Host *\n  HostName 127.0.0.1\n  Port {port}\n  User {getpass.getuser()}\n  IdentityFile {d / 'client_key'}\n"
         "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n")

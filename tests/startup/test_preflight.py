@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, RUN, free_port_range, kill_group, one_error_line, run_trinity, system_mpirun
+from conftest import ROOT, RUN, free_port_range, kill_group, mlx_launch, one_error_line, run_trinity, system_mpirun
 from distributed import TrinityError
 from distributed.startup.preflight import check_launch, mpi_launch, read_ring_hostfile
 
@@ -56,6 +56,33 @@ def test_mpirun_when_mlx_cannot_load_libmpi(hf_checkpoint):
     assert status != 0 and out == "" and "Traceback" not in err, (status, out, err)
     # mpirun may stop the second process before it prints its own copy of the line.
     assert 1 <= err.splitlines().count(expected) <= 2, err
+
+
+THREAD_LEVEL = r"""
+import ctypes, os, sys
+from distributed.startup.preflight import DEFAULT_LIBMPI, MPI_LIB_ENV, allow_mpi_calls_from_any_thread
+allow_mpi_calls_from_any_thread()
+import mlx.core as mx
+group = mx.distributed.init()
+level = ctypes.c_int(-1)
+ctypes.CDLL(os.environ.get(MPI_LIB_ENV, DEFAULT_LIBMPI)).MPI_Query_thread(ctypes.byref(level))
+with open(os.path.join(sys.argv[1], f"rank{group.rank()}"), "w") as f:
+    f.write(f"{group.size()} {level.value}")
+"""
+
+
+def test_mpi_lets_every_thread_call_it(tmp_path):
+    """Rank 0 sends on one stream's thread while receiving on another's: MPI must have been
+    initialized for MPI_THREAD_MULTIPLE (3), or concurrent calls corrupt its heap."""
+    script = tmp_path / "level.py"
+    script.write_text(THREAD_LEVEL)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # pip's mpirun first
+    proc = subprocess.run([mlx_launch(), "--backend", "mpi", "--mpi-arg=--oversubscribe", "-n", "2",
+                           sys.executable, str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["2 3", "2 3"]
 
 
 def test_mpi_launch_is_read_from_the_launchers_variables():

@@ -177,10 +177,12 @@ def _top(top) -> pb.TopLogprobs:
 
 
 class BearerAuth(grpc.ServerInterceptor):
-    """UNAUTHENTICATED unless the call carries `authorization: Bearer TOKEN` (health excepted)."""
+    """UNAUTHENTICATED unless the call carries `authorization: Bearer TOKEN` (health excepted).
+    A refused Generate call is logged and counted like any other refused request."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, requests: RequestLog):
         self._expected = f"Bearer {token}".encode()
+        self._requests = requests
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -190,9 +192,13 @@ class BearerAuth(grpc.ServerInterceptor):
         if isinstance(sent, str) and hmac.compare_digest(sent.encode(), self._expected):
             return handler
 
+        route = details.method.rpartition("/")[2]
+
         def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong token: send the metadata 'authorization: Bearer <token>'")
+            why = "missing or wrong token: send the metadata 'authorization: Bearer <token>'"
+            if route == "Generate":
+                self._requests.begin("grpc", route, context.peer()).end("UNAUTHENTICATED", why)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
         make = {
             (False, False): grpc.unary_unary_rpc_method_handler,
@@ -211,7 +217,7 @@ class GrpcFrontEnd:
         # a full queue, the running request and health / info calls besides.
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=options.max_queue + 32, thread_name_prefix="grpc"),
-            interceptors=[BearerAuth(options.auth_token)] if options.auth_token else [],
+            interceptors=[BearerAuth(options.auth_token, self.servicer.requests)] if options.auth_token else [],
             options=[("grpc.so_reuseport", 0)],  # fail on a port in use instead of sharing it
         )
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)

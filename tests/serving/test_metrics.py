@@ -59,7 +59,7 @@ def scrape_until(address, done, what: str, timeout=30.0, **kw) -> dict:
     while True:
         samples = scrape(address, **kw)
         if done(samples) or time.monotonic() > end:
-            assert done(samples), f"{what}: {sorted((n, dict(ls), v) for (n, ls), v in samples.items())}"
+            assert done(samples), f"{what}: {sorted((n, sorted(ls), v) for (n, ls), v in samples.items())}"
             return samples
         time.sleep(0.1)
 
@@ -209,7 +209,8 @@ def test_a_killed_rank_turns_health_down_and_counts_a_ring_failure(ring, served)
 
 def test_a_metrics_port_beside_grpc_alone(hf_checkpoint, monkeypatch):
     """--metrics: /health (open) and /metrics (behind the token) on a port of their own, from
-    before the model loads; the launcher's restart count; the stop line."""
+    before the model loads; a Generate call refused for its token is logged and counted; the
+    launcher's restart count; the stop line."""
     monkeypatch.setenv("TRINITY_RESTARTS", "2")  # as `launch run` sets it after two restarts
     port = free_port_range(1)
     s = Server(hf_checkpoint, 1, ["--metrics", f"127.0.0.1:{port}", "--auth-token", TOKEN, *SERVER_ARGS])
@@ -230,9 +231,12 @@ def test_a_metrics_port_beside_grpc_alone(hf_checkpoint, monkeypatch):
         assert states == [(503, "loading"), (200, "serving")], states
         s.wait_serving()
         outs = [generate(s.stub, metadata=auth, token_ids=PROMPT, max_tokens=n) for n in (3, 5)]
+        denied = rpc_error(lambda: generate(s.stub, token_ids=PROMPT, max_tokens=3))  # no token
+        assert denied.code() == grpc.StatusCode.UNAUTHENTICATED, denied
         assert get(address, "/metrics")[0] == 401
         assert get(address, "/v1/models", token=TOKEN)[0] == 404  # no API here
-        samples = scrape_until(address, lambda x: total(x, "trinity_requests_total") == 2, "requests", token=TOKEN)
+        samples = scrape_until(address, lambda x: total(x, "trinity_requests_total") == 3, "requests", token=TOKEN)
+        assert total(samples, "trinity_requests_total", front_end="grpc", outcome="unauthenticated") == 1
         assert total(samples, "trinity_generated_tokens_total", front_end="grpc") == \
             sum(o["usage"].completion_tokens for o in outs)
         assert total(samples, "trinity_ring_restarts_total") == total(samples, "trinity_ring_failures_total") == 2
@@ -241,8 +245,11 @@ def test_a_metrics_port_beside_grpc_alone(hf_checkpoint, monkeypatch):
         assert s.procs[0].wait(timeout=30) == 0
         prompt, cached, generated = (sum(getattr(o["usage"], k) for o in outs)
                                      for k in ("prompt_tokens", "cached_tokens", "completion_tokens"))
-        assert re.search(rf"trinity: server stopped \(stopped by SIGTERM\): up [\d.]+ s, served 2 requests "
-                         rf"\(2 length\), {prompt} prompt tokens \({cached} cached\), {generated} generated tokens$",
+        refused = [line for line in access_lines(s.output()) if line["status"] == "UNAUTHENTICATED"]
+        assert [(r["route"], r["outcome"], r["completion_tokens"]) for r in refused] == \
+            [("Generate", "unauthenticated", "0")], s.output()
+        assert re.search(rf"trinity: server stopped \(stopped by SIGTERM\): up [\d.]+ s, served 3 requests "
+                         rf"\(2 length, 1 unauthenticated\), {prompt} prompt tokens \({cached} cached\), {generated} generated tokens$",
                          s.output(), re.M), s.output()
     finally:
         s.stop()

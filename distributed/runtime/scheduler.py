@@ -34,6 +34,7 @@ class RequestHandle:
         self._events: "queue.Queue[Event]" = queue.Queue()
         self._cancelled = threading.Event()
         self.done = False  # its FinishEvent was emitted
+        self.streamed = 0  # TokenEvents emitted (a failure's FinishEvent reports them)
 
     def cancel(self) -> None:
         """Stop generating for this request; takes effect within one decode step."""
@@ -47,6 +48,7 @@ class RequestHandle:
         if self.done:  # e.g. the watchdog already failed it
             return
         self.done = isinstance(event, FinishEvent)
+        self.streamed += isinstance(event, TokenEvent)
         self._events.put(event)
 
     def events(self) -> Iterator[Event]:
@@ -151,7 +153,9 @@ class Scheduler:
         while not self._calls.empty():
             self._calls.get_nowait()[1].set_exception(RingUnavailable(reason))
         for handle in doomed:
-            handle.emit(FinishEvent("error", len(handle.request.prompt_ids), 0, error=reason))
+            # Tokens count as Sequence.finish counts them: a resumed request's included.
+            produced = handle.streamed + len(handle.request.resume_ids)
+            handle.emit(FinishEvent("error", len(handle.request.prompt_ids), produced, error=reason))
 
     def close(self) -> None:
         """Stop the loop, then stop the other ranks."""

@@ -185,9 +185,12 @@ def test_a_killed_rank_turns_health_down_and_counts_a_ring_failure(ring, served)
     conn = http.client.HTTPConnection(*ring.http, timeout=30)  # kept alive: rank 0 lives about 1 s after the failure
     assert get(ring.http, "/health", conn)[0] == 200
     call = ring.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=LONG), timeout=120)
-    next(call)
+    received = len(next(call).token_ids)
     os.kill(ring.procs[1].pid, signal.SIGKILL)
-    assert rpc_error(list, call).code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.RpcError) as failure:
+        for response in call:
+            received += len(response.token_ids)
+    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
     # Health turned down before any client heard of the failure.
     status, kind, body = get(ring.http, "/health", conn)
     body = json.loads(body)
@@ -204,6 +207,7 @@ def test_a_killed_rank_turns_health_down_and_counts_a_ring_failure(ring, served)
     assert stop and int(stop.group(1)) == len(served) + 2, output[-3000:]
     failed = access_lines(output[: stop.start()])[-1]
     assert (failed["status"], failed["outcome"]) == ("UNAVAILABLE", "error"), failed
+    assert int(failed["completion_tokens"]) == received, failed  # what the client got before the error
     assert "rank 1" in json.loads(failed["error"])
 
 

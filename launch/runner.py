@@ -34,9 +34,12 @@ def counting(make_ring: Callable[[int], object], attempts=None) -> Callable[[], 
     return lambda: make_ring(next(attempts))
 
 
-def mlx_launch_rings(cmd: List[str], env: dict, attempts=None) -> Callable[[], object]:
-    # mlx.launch passes its environment on to the ranks it starts here (remote ones get --env only).
-    return counting(lambda n: MlxLaunchRing(cmd, {**env, RESTARTS_ENV: str(n)}), attempts)
+def mlx_launch_rings(command_for: Callable[[List[str]], List[str]], env: dict, attempts=None) -> Callable[[], object]:
+    """The supervisor's make_ring through mlx.launch: command_for(extra --env values) is its
+    command line. mlx.launch passes its environment on to the ranks it starts here; remote
+    ones get only --env values, so the restart count goes there too."""
+    return counting(lambda n: MlxLaunchRing(command_for([f"{RESTARTS_ENV}={n}"]), {**env, RESTARTS_ENV: str(n)}),
+                    attempts)
 
 
 def own_ring(command: List[str], hostfile: Hostfile, env: dict, envs: Optional[List[str]] = None,
@@ -83,9 +86,11 @@ class Starter:
                 json.dump(to_json(hostfile), f)
             self.files.append(path)
             hostfile.path = Path(path)
-        cmd = build_command(hostfile, layout.command, single_host=len(hostfile.hosts) if self.single_host else None,
-                            backend=self.backend, starting_port=self.starting_port, envs=envs, cwd=self.cwd)
-        return mlx_launch_rings(cmd, self.env, self.attempts)
+        single_host = len(hostfile.hosts) if self.single_host else None
+        return mlx_launch_rings(
+            lambda extra: build_command(hostfile, layout.command, single_host=single_host, backend=self.backend,
+                                        starting_port=self.starting_port, envs=[*envs, *extra], cwd=self.cwd),
+            self.env, self.attempts)
 
     def run(self, hostfile: Hostfile, layout, restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0,
             replan=None, observer=None) -> int:

@@ -198,13 +198,18 @@ def test_behind_the_router_rank_0_moves_to_the_next_host(sizes, silent, capsys):
     assert "rank 0 served --metrics 0.0.0.0:9100 there" in capsys.readouterr().err and len(moved) == 1
 
 
-def test_mlx_launch_gets_a_hostfile_of_the_rest(sizes):
+def test_mlx_launch_gets_a_hostfile_of_the_rest_and_the_restart_count(sizes):
     config, tensor_sizes = sizes
     rest = drop_hosts(three(backend="jaccl", rdma=True), {1})
     starter = Starter(False)
     try:
-        ring = starter(rest, Planner(COMMAND, config, tensor_sizes, CONTEXT).lay_out(rest))()
+        make_ring = starter(rest, Planner(COMMAND, config, tensor_sizes, CONTEXT).lay_out(rest))
+        ring, again = make_ring(), make_ring()
         assert isinstance(ring, MlxLaunchRing)
+        # Remote ranks see only mlx.launch's --env values: each attempt's restart count goes there.
+        envs = lambda r: [r.cmd[i + 1] for i, a in enumerate(r.cmd) if a == "--env"]  # noqa: E731
+        assert "TRINITY_RESTARTS=0" in envs(ring) and "TRINITY_RESTARTS=1" in envs(again)
+        assert (ring.env["TRINITY_RESTARTS"], again.env["TRINITY_RESTARTS"]) == ("0", "1")
         path = ring.cmd[ring.cmd.index("--hostfile") + 1]
         written = hostfile.load(path)
         assert written.names == ["A", "C"] and written.backend == "jaccl"

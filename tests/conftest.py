@@ -18,6 +18,16 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN = str(ROOT / "run_trinity.py")
 
 
+def _stopped(signum, frame):
+    raise KeyboardInterrupt(f"pytest got {signal.Signals(signum).name}")
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI timeout, `kill`) stops pytest as Ctrl-C does, so fixtures still end the
+    processes they started (those run in sessions of their own and would outlive pytest)."""
+    signal.signal(signal.SIGTERM, _stopped)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory) -> Path:
     """HF layout, float32, per-expert keys, 8 layers (S S S F S S S F), window 16."""

@@ -112,7 +112,8 @@ def test_a_deadline_applies_while_the_request_waits_for_the_ring(launcher, undis
             list(call)
         assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error.value
     assert_still_down(launcher, back)  # they ended at their deadline, not when the ring came back
-    wait_until(lambda: held(launcher) == 0, "giving their places up")  # the router let them go, not only the client
+    wait_until(lambda: held(launcher) == 0, "giving their places up")
+    assert_still_down(launcher, back)  # the router let them go at their deadline, not only the client
     waiting = [Stream(launcher.stub, **fields) for fields in REQUESTS]
     wait_until(lambda: held(launcher) == BOUND, f"holding {BOUND} requests")
     assert_still_down(launcher, back)

@@ -2,6 +2,7 @@
 with the launcher's router in front of the ranks: what the router's tests
 (tests/launch/test_router.py, test_router_queue.py) start, watch and disturb."""
 
+import contextlib
 import os
 import re
 import signal
@@ -91,6 +92,16 @@ class Launcher:
 def assert_same(stream: Stream, ref: Stream):
     assert stream.result() == ref.result()
     assert max(abs(a - b) for a, b in zip(stream.logprobs, ref.logprobs)) < 1e-4
+
+
+@contextlib.contextmanager
+def serving(la: Launcher):
+    """The launcher once it serves; then stopped cleanly (close_cleanly)."""
+    try:
+        la.wait_serving()
+        yield la
+    finally:
+        close_cleanly(la)
 
 
 def close_cleanly(la: Launcher) -> None:

@@ -95,7 +95,8 @@ class RemoteScheduler:
 
     def _full(self, held: int) -> str:
         where = "running or waiting" if self.upstream.serving else "waiting for the ring to restart"
-        return f"{held} requests are already {where} (rank 0's max batch {self.max_batch} + --max-queue {self.max_queue})"
+        return (f"{held} requests are already {where} (rank 0's max batch {self.max_batch} "
+                f"+ --max-queue {self.max_queue})")
 
     def _emitter(self, handle: RemoteHandle):
         def emit(event) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from grpc_stream import Stream
 from reference import PROMPT
-from router_launcher import NOT_SERVING, SERVING, Launcher, assert_same, close_cleanly
+from router_launcher import NOT_SERVING, SERVING, Launcher, assert_same, serving
 
 LONG = 160  # tokens of the stream a kill interrupts (the tiny checkpoint's EOS comes at ~400)
 KILL_AFTER = 12  # tokens a stream has passed on before the kill
@@ -22,12 +22,8 @@ KILL_AFTER = 12  # tokens a stream has passed on before the kill
 
 @pytest.fixture(scope="module")
 def launcher(hf_checkpoint, tmp_path_factory):
-    la = Launcher(hf_checkpoint, tmp_path_factory.mktemp("router") / "launch.log", 3, "--restart", "8")
-    try:
-        la.wait_serving()
+    with serving(Launcher(hf_checkpoint, tmp_path_factory.mktemp("router") / "launch.log", 3, "--restart", "8")) as la:
         yield la
-    finally:
-        close_cleanly(la)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from distributed.serving.proto import generation_pb2 as pb
 from grpc_stream import Stream
 from reference import PROMPT
-from router_launcher import NOT_SERVING, SERVING, Launcher, assert_same, close_cleanly
+from router_launcher import NOT_SERVING, SERVING, Launcher, assert_same, serving
 
 MAX_BATCH, MAX_QUEUE = 2, 2
 BOUND = MAX_BATCH + MAX_QUEUE  # requests the router holds while the ring is down
@@ -33,12 +33,10 @@ REQUESTS = [dict(token_ids=PROMPT[i:], max_tokens=24, temperature=0.0) for i in 
 @pytest.fixture(scope="module")
 def launcher(hf_checkpoint, tmp_path_factory):
     la = Launcher(hf_checkpoint, tmp_path_factory.mktemp("router_queue") / "launch.log", 2, "--restart", "4",
-                  "--restart-delay", str(DELAY), serve_args=("--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE)))
-    try:
-        la.wait_serving()
+                  "--restart-delay", str(DELAY),
+                  serve_args=("--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE)))
+    with serving(la):
         yield la
-    finally:
-        close_cleanly(la)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +97,7 @@ def test_requests_wait_for_the_ring_and_beyond_the_bound_are_refused(launcher, u
     assert all(s.is_alive() and not s.tokens for s in waiting) and held(launcher) == BOUND
     for stream, ref in zip(waiting, undisturbed):  # the ring is back: each as if nothing had happened
         assert_same(stream, ref)
-    assert launcher.status() == SERVING and launcher.output().count(BACK) == back + 1
+    wait_until(lambda: launcher.status() == SERVING and launcher.output().count(BACK) == back + 1, "SERVING again")
 
 
 def test_a_deadline_applies_while_the_request_waits_for_the_ring(launcher, undisturbed):

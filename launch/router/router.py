@@ -74,8 +74,9 @@ class Router:
         if self._attached.is_set():
             self._refresh(epoch)
             self._serving()
-        waiting = sum(1 for f in self.scheduler.held() if f.started) if self.scheduler else 0
-        log(f"ring back after {down_for:.1f} s (rank 0 serving again); replaying {waiting} requests")
+        # Streams the failure cut (not those that only waited, which may have started by now).
+        cut = sum(1 for f in self.scheduler.held() if f.replays) if self.scheduler else 0
+        log(f"ring back after {down_for:.1f} s (rank 0 serving again); replaying {cut} requests")
 
     def _attach(self) -> None:
         """Rank 0 serves for the first time: the model facts, then SERVING."""

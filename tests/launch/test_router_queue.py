@@ -98,6 +98,8 @@ def test_requests_wait_for_the_ring_and_beyond_the_bound_are_refused(launcher, u
     for stream, ref in zip(waiting, undisturbed):  # the ring is back: each as if nothing had happened
         assert_same(stream, ref)
     wait_until(lambda: launcher.status() == SERVING and launcher.output().count(BACK) == back + 1, "SERVING again")
+    (line,) = [line for line in launcher.output().splitlines() if line.startswith(BACK)][back:]
+    assert line.endswith("; replaying 0 requests")  # none was cut: they only waited
 
 
 def test_a_deadline_applies_while_the_request_waits_for_the_ring(launcher, undisturbed):

@@ -208,6 +208,11 @@ class Replanner:
         self.host_set.replanned(rest.names, lost)
         return self.start(rest, layout)
 
+    @property
+    def give_up_reason(self) -> Optional[str]:
+        """Why it gave up, in one line for clients; None while it has not (launch/supervisor.py's Replan)."""
+        return self.host_set.unavailable
+
     def _give_up(self, reason: str) -> None:
         self.host_set.gave_up(reason)
         return None

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Protocol
 
 from distributed.startup.watchdog import EXIT_PEER_FAILED
 
@@ -52,6 +52,24 @@ def _peers_reported(codes: List[int]) -> bool:
     return len(codes) >= 2 and all(c == EXIT_PEER_FAILED for c in codes)
 
 
+class Replan(Protocol):
+    """What the Supervisor asks once the restarts are spent (launch/replan.py's Replanner)."""
+
+    give_up_reason: Optional[str]  # once it gave up: why, in one line for clients; else None
+
+    def __call__(self, failure: Optional[Failure]) -> Optional[Callable[[], Ring]]:
+        """make_ring for a new host set (with a fresh restart budget), or None to give up."""
+
+
+class NoReplan:
+    """Re-planning is off: always give up, with no reason beyond the failure."""
+
+    give_up_reason = None
+
+    def __call__(self, failure: Optional[Failure]) -> None:
+        return None
+
+
 @dataclass
 class Outcome:
     failure: Optional[Failure]
@@ -65,12 +83,10 @@ class Outcome:
 
 class Supervisor:
     def __init__(self, restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0,
-                 replan: Optional[Callable[[Optional[Failure]], Optional[Callable[[], Ring]]]] = None,
-                 observer=None):
+                 replan: Optional[Replan] = None, observer=None):
         self.restarts, self.grace, self.restart_delay = restarts, grace, restart_delay
-        # Once the restarts are spent: replan(failure) -> make_ring for a new host set, with a
-        # fresh budget, or None to give up (launch/replan.py).
-        self.replan = replan
+        # Asked once the restarts are spent (None: re-planning is off).
+        self.replan: Replan = replan if replan is not None else NoReplan()
         # Told of a stop signal (stopping(), from the signal handler) and of giving up
         # (give_up(why)): the launcher's router (launch/router/).
         self.observer = observer
@@ -116,14 +132,14 @@ class Supervisor:
                 log(f"attempt {attempt}/{attempts} failed: {failure.describe()}; "
                     + (f"no restarts left (--restart {self.restarts})" if self.restarts else "not restarting")
                     + f"; exit status {failure.status}")
-                replanned = self.replan(failure) if self.replan is not None else None
+                replanned = self.replan(failure)
                 if replanned is None:
                     # The line launch run has always printed (scripts and tests read it).
                     who = "a rank (mpirun's report above)" if failure.rank is None else f"rank {failure.rank}"
                     log(f"{who} failed with exit status {failure.status}")
                     if self.observer is not None:
-                        lost = getattr(getattr(self.replan, "host_set", None), "unavailable", None)
-                        self.observer.give_up(lost or f"{failure.describe()}; no restarts left")
+                        self.observer.give_up(self.replan.give_up_reason
+                                              or f"{failure.describe()}; no restarts left")
                     return failure.status
                 make_ring, attempt = replanned, 0
             else:

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from conftest import ROOT, RUN, free_port_range, mlx_launch
 from distributed.serving.proto import generation_pb2 as pb
@@ -224,3 +226,24 @@ def openssl_cert(directory: Path):
 
 
 TOKEN = "s3cret-token"
+
+
+def reflection_generate(channel, request_fields, call_credentials=None):
+    """Generate through server reflection alone: no generated stubs."""
+    database = ProtoReflectionDescriptorDatabase(channel)
+    services = set(database.get_services())
+    pool = descriptor_pool.DescriptorPool(database)
+    method = pool.FindServiceByName(SERVICE).methods_by_name["Generate"]
+    request_class = message_factory.GetMessageClass(method.input_type)
+    response_class = message_factory.GetMessageClass(method.output_type)
+    call = channel.unary_stream(f"/{SERVICE}/Generate", request_serializer=request_class.SerializeToString,
+                                response_deserializer=response_class.FromString)
+    responses = list(call(request_class(**request_fields), timeout=60, credentials=call_credentials))
+    return services, responses
+
+
+def client(*args, env_token=None):
+    """python -m distributed.client, as a user runs it."""
+    e = dict(env(), TRINITY_AUTH_TOKEN=env_token) if env_token else env()
+    return subprocess.run([sys.executable, "-m", "distributed.client", *args], capture_output=True, text=True,
+                          timeout=120, env=e, cwd=ROOT)

@@ -4,8 +4,10 @@ of rank 0's runtime Scheduler, answered by forwarding each request to rank 0
 
 Its bound is rank 0's own: up to max_batch requests running and --max-queue waiting
 (QueueFull beyond), whether the ring is up or restarting, so rank 0 never refuses
-what the router took. Once the launcher gives up (no restarts left) or stops, every
-request still held ends with an error naming why, and new ones get RingUnavailable.
+what the router took; the router sets max_batch afresh each time rank 0 serves again
+(a restarted rank 0 measures its memory again; a re-planned one holds other layers).
+Once the launcher gives up (no restarts left) or stops, every request still held ends
+with an error naming why, and new ones get RingUnavailable.
 """
 
 import queue
@@ -50,11 +52,16 @@ class RemoteScheduler:
     def __init__(self, upstream: Upstream, decode: Callable[[List[int]], str], max_queue: int, max_batch: int,
                  on_replay: Callable[[Forwarded, float], None] = lambda forwarded, paused: None):
         self.upstream, self.decode, self.on_replay = upstream, decode, on_replay
-        self.capacity = max_queue + max(1, max_batch)
         self.max_queue = max_queue
+        self.set_max_batch(max_batch)
         self.failure: Optional[str] = None
         self._active: set = set()
         self._lock = threading.Lock()
+
+    def set_max_batch(self, max_batch: int) -> None:
+        """Rank 0's max batch (GetModelInfo): with --max-queue, how many requests we hold."""
+        self.max_batch = max(1, max_batch)
+        self.capacity = self.max_queue + self.max_batch
 
     def _streaming(self) -> int:
         with self._lock:
@@ -81,10 +88,15 @@ class RemoteScheduler:
                                                  self.on_replay)
         with self._lock:
             if len(self._active) >= self.capacity:
-                raise QueueFull(f"{self.max_queue} requests are already waiting")
+                raise QueueFull(self._full(len(self._active)))
             self._active.add(forwarded)
         threading.Thread(target=forwarded.run, name="router-request", daemon=True).start()
         return handle
+
+    def _full(self, held: int) -> str:
+        where = "running or waiting" if self.upstream.serving else "waiting for the ring to restart"
+        return (f"{held} requests are already {where} (rank 0's max batch {self.max_batch} "
+                f"+ --max-queue {self.max_queue})")
 
     def _emitter(self, handle: RemoteHandle):
         def emit(event) -> None:

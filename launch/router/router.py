@@ -30,7 +30,7 @@ from distributed.serving.requests import ModelInfo
 
 from ..hostfile import Hostfile
 from .command import RouterPlan, serve_on_first_host
-from .remote_scheduler import RemoteScheduler
+from .remote_scheduler import RemoteScheduler, rank_rows
 from .replay import Forwarded
 from .upstream import Upstream
 
@@ -72,9 +72,11 @@ class Router:
             return threading.Thread(target=self._attach, name="router-attach", daemon=True).start()
         self.requests.metrics.ring_failed = False
         if self._attached.is_set():
+            self._refresh(epoch)
             self._serving()
-        waiting = sum(1 for f in self.scheduler.held() if f.started) if self.scheduler else 0
-        log(f"ring back after {down_for:.1f} s (rank 0 serving again); replaying {waiting} requests")
+        # Streams the failure cut (not those that only waited, which may have started by now).
+        cut = sum(1 for f in self.scheduler.held() if f.replays) if self.scheduler else 0
+        log(f"ring back after {down_for:.1f} s (rank 0 serving again); replaying {cut} requests")
 
     def _attach(self) -> None:
         """Rank 0 serves for the first time: the model facts, then SERVING."""
@@ -87,10 +89,7 @@ class Router:
             log(f"rank 0's GetModelInfo failed ({e.code().name}: {e.details()}); waiting for it")
             self.upstream.failed(self.upstream.epoch, e.details() or "")
             return self._retry_attach()
-        from .remote_scheduler import rank_rows
-
-        self.info = ModelInfo(model_id=m.model_id, vocab_size=m.vocab_size, max_context=m.max_context,
-                              max_tokens_cap=m.max_tokens_cap, ranks=rank_rows(m), max_batch=m.max_batch)
+        self.info = model_facts(m)
         tokenizer = self.tokenizer
         self.scheduler = RemoteScheduler(self.upstream, lambda ids: tokenizer.decode(ids),
                                          self.plan.options.max_queue, m.max_batch, on_replay=self._replayed)
@@ -108,9 +107,20 @@ class Router:
             return
         self._attach()
 
+    def _refresh(self, epoch: int) -> None:
+        """The restarted rank 0's facts: its max batch (our bound) and rank map may have changed."""
+        try:
+            m = self.upstream.model_info(timeout=5)
+        except grpc.RpcError as e:  # the old ones meanwhile: the next restart asks again
+            return log(f"rank 0's GetModelInfo failed ({e.code().name}: {e.details()}); keeping its earlier facts")
+        if self.upstream.epoch == epoch:
+            self.info = model_facts(m)
+            self.scheduler.set_max_batch(m.max_batch)
+            self.requests.metrics.attach(self.scheduler, self.info)
+
     def _serving(self) -> None:
         with self._stop_lock:
-            if self._stopped or self.upstream.closed is not None:
+            if self._stopped or self.upstream.closed is not None or not self.upstream.serving:
                 return
             for front_end in self.front_ends:
                 front_end.attach(self.scheduler, self.tokenizer, self.info)
@@ -184,3 +194,9 @@ class Router:
             self._stop_thread.join(timeout=15)
         else:
             self.stop()
+
+
+def model_facts(m) -> ModelInfo:
+    """Rank 0's GetModelInfo (pb.ModelInfo) as the front ends' ModelInfo."""
+    return ModelInfo(model_id=m.model_id, vocab_size=m.vocab_size, max_context=m.max_context,
+                     max_tokens_cap=m.max_tokens_cap, ranks=rank_rows(m), max_batch=m.max_batch)

@@ -142,6 +142,7 @@ def test_a_silent_host_is_planned_out_and_the_ring_restarts_without_it(sizes, si
     assert host_set.snapshot() == {"hosts": ["A", "C"], "unavailable": None, "lost": [
         {"host": "B", "rank": 1, "ip": "127.0.0.2", "reason": f"no answer at 127.0.0.2:{port} within 0.5 s"}]}
     assert r.hostfile.names == ["A", "C"]  # what the next re-plan starts from
+    assert r.give_up_reason is None
 
 
 def test_when_the_rest_cannot_hold_the_model_clients_are_told_why(sizes, silent, capsys):
@@ -157,6 +158,7 @@ def test_when_the_rest_cannot_hold_the_model_clients_are_told_why(sizes, silent,
     assert "): the model does not fit on the other 2 hosts: " in line and "missing" in line, line
     assert reasons == ["host B (rank 1) is gone and the model does not fit on the rest"]
     assert host_set.unavailable == reasons[0] and host_set.hosts == ["A", "B", "C"]
+    assert r.give_up_reason == reasons[0]  # what the Supervisor tells the router
 
 
 def test_rank_0_serving_host_gone_and_every_host_answering_give_up(sizes, silent, capsys):

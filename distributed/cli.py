@@ -94,7 +94,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
     serve.add_argument("--tls-cert", help="PEM certificate chain for TLS")
     serve.add_argument("--tls-key", help="PEM private key for TLS")
-    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get RESOURCE_EXHAUSTED")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this (and --max-batch running) get RESOURCE_EXHAUSTED")
     serve.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a client may ask for")
     serve.add_argument("--prefix-cache-bytes", type=int, default=None, metavar="N",
                        help="with --serve or --chat: KV caches kept across requests, so a prompt that extends an "
@@ -241,6 +241,7 @@ def serve_options(args) -> ServeOptions:
         grpc_address=args.serve, http_address=args.http, metrics_address=args.metrics,
         auth_token=args.auth_token, insecure=args.insecure,
         tls_cert=args.tls_cert, tls_key=args.tls_key, max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap,
+        max_batch=args.max_batch,
     ))
 
 

@@ -69,7 +69,10 @@ class Scheduler:
         self.prefix_cache = PrefixCache(pipeline, prefix_cache_bytes)  # 0: off
         self.batcher = Batcher(pipeline, tokenizer, max_batch, prefill_step_size, prefill_batch_tokens,
                                self.prefix_cache)
-        self._waiting: "queue.Queue[RequestHandle]" = queue.Queue(maxsize=max_queue)
+        # Bound: max_batch running + max_queue waiting. A burst within the batch's room is
+        # taken even before the loop moves it from this queue into the batch.
+        self.max_queue, self.capacity = max_queue, max_batch + max_queue
+        self._waiting: "queue.Queue[RequestHandle]" = queue.Queue()
         self._calls: "queue.Queue" = queue.Queue()  # (fn, future) to run between steps
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self.failure: Optional[str] = None
@@ -113,10 +116,12 @@ class Scheduler:
         if self.failure is not None:
             raise RingUnavailable(self.failure)
         handle = RequestHandle(request)
-        try:
+        with self._lock:
+            held = self._waiting.qsize() + self.batcher.sequences
+            if held >= self.capacity:
+                raise QueueFull(f"{held} requests are already running or waiting "
+                                f"(--max-batch {self.batcher.max_batch} + --max-queue {self.max_queue})")
             self._waiting.put_nowait(handle)
-        except queue.Full:
-            raise QueueFull(f"{self._waiting.maxsize} requests are already waiting") from None
         return handle
 
     def call(self, fn: Callable[[Pipeline], object]) -> object:

@@ -35,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from .. import TrinityError
 from ..runtime.request import FinishEvent, GenerationRequest, PromptEvent, RequestError
 from ..runtime.scheduler import QueueFull, RingUnavailable
+from ..shard.kv_budget import MAX_BATCH
 from .options import ServeOptions, split_address
 from .proto import generation_pb2 as pb
 from .proto import generation_pb2_grpc as pb_grpc
@@ -213,10 +214,12 @@ class GrpcFrontEnd:
     def __init__(self, options: ServeOptions, requests: Optional[RequestLog] = None):
         self.servicer = GenerationServicer(requests)
         self.health = health.HealthServicer()
-        # Each open stream holds a worker thread, queued ones included: room for
-        # a full queue, the running request and health / info calls besides.
+        # Each open stream holds a worker thread, queued ones included: room for a full
+        # batch and a full queue, and health / info calls besides (a stream beyond the
+        # pool would wait unseen in gRPC's own queue). Threads start only as calls come.
+        workers = (options.max_batch or MAX_BATCH) + options.max_queue + 32
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=options.max_queue + 32, thread_name_prefix="grpc"),
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
             interceptors=[BearerAuth(options.auth_token, self.servicer.requests)] if options.auth_token else [],
             options=[("grpc.so_reuseport", 0)],  # fail on a port in use instead of sharing it
         )

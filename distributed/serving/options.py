@@ -22,6 +22,7 @@ class ServeOptions:
     tls_key: Optional[str] = None
     max_queue: int = 64
     max_tokens_cap: int = 4096
+    max_batch: Optional[int] = None  # --max-batch; None: rank 0 sets it from memory (at most MAX_BATCH)
 
 
 def split_address(address: str, flag: str):

@@ -56,10 +56,12 @@ def plan_router(cmd: List[str], hf: Hostfile) -> Optional[RouterPlan]:
         return None
     _, token = take_flag(cmd, "--auth-token")
     _, max_queue = take_flag(cmd, "--max-queue")
+    _, max_batch = take_flag(cmd, "--max-batch")
     options = check_options(ServeOptions(
         grpc_address=values["--serve"], http_address=values["--http"], auth_token=token,
         insecure="--insecure" in cmd, tls_cert=values["--tls-cert"], tls_key=values["--tls-key"],
-        max_queue=int(max_queue) if max_queue and max_queue.lstrip("-").isdigit() else 64))
+        max_queue=int(max_queue) if max_queue and max_queue.lstrip("-").isdigit() else 64,
+        max_batch=int(max_batch) if max_batch and max_batch.isdigit() else None))
     envs = []
     host = internal_host(hf)
     token = options.auth_token

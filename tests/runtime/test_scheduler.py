@@ -69,18 +69,22 @@ def test_seeded_sampling_is_reproducible(scheduler):
 
 
 def test_queue_is_bounded(scheduler):
-    """While the loop is held busy nothing is admitted: max_queue=2 requests wait, the third is refused."""
+    """While the loop is held busy nothing is admitted, yet a burst as large as the batch's
+    room (max_batch 16) and the queue (max_queue 2) is taken: 18 requests, the 19th is refused."""
     import threading
 
     started, release = threading.Event(), threading.Event()
     blocker = threading.Thread(target=scheduler.call, args=(lambda _: (started.set(), release.wait()),))
     blocker.start()
-    started.wait(30)
-    handles = [scheduler.submit(GenerationRequest(PROMPT, max_tokens=50)) for _ in range(2)]
-    with pytest.raises(QueueFull):
-        scheduler.submit(GenerationRequest(PROMPT, max_tokens=50))
-    release.set()
-    blocker.join()
+    try:
+        started.wait(30)
+        handles = [scheduler.submit(GenerationRequest(PROMPT, max_tokens=50)) for _ in range(16 + 2)]
+        with pytest.raises(QueueFull, match=r"^18 requests are already running or waiting "
+                                            r"\(--max-batch 16 \+ --max-queue 2\)$"):
+            scheduler.submit(GenerationRequest(PROMPT, max_tokens=50))
+    finally:
+        release.set()
+        blocker.join()
     for h in handles:
         h.cancel()
         assert collect(h)[1].finish_reason == "cancelled"

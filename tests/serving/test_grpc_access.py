@@ -118,6 +118,37 @@ def test_queue_overflow_is_resource_exhausted(secure_server, reference):
     assert_matches(served[0], reference, 8)
 
 
+def test_a_full_batch_streams_at_once_beyond_32_threads(hf_checkpoint):
+    """--max-batch 40 with --max-queue 1: all 40 streams run together. (The server's thread
+    pool once held --max-queue + 32 calls: the 34th stream waited, unseen, in gRPC's own
+    queue until another ended.)"""
+    s = Server(hf_checkpoint, 1, SERVER_ARGS + ["--max-batch", "40", "--max-queue", "1"])
+    try:
+        s.wait_serving()
+        firsts, ends, errors = [], [], []
+
+        def stream():
+            try:
+                call = s.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=LONG), timeout=300)
+                next(call)
+                firsts.append(time.monotonic())
+                for _ in call:
+                    pass
+                ends.append(time.monotonic())
+            except grpc.RpcError as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=stream) for _ in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors and len(firsts) == len(ends) == 40, errors
+        assert max(firsts) < min(ends), "a stream had to wait for another to end before it started"
+    finally:
+        s.stop()
+
+
 # ---------------------------------------------------------------- health over the lifetime
 
 

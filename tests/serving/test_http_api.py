@@ -246,7 +246,8 @@ def wait_until(condition, timeout=30, interval=0.01):
 
 
 def test_queue_full_is_429(served, cli):
-    """The scheduler thread is held busy; two requests fill the queue (max_queue=2), the third gets 429."""
+    """The scheduler thread is held busy; requests fill the batch's room and the queue (max_batch 16
+    + max_queue 2, none admitted yet), the next gets 429 naming both."""
     started, release = threading.Event(), threading.Event()
     blocker = threading.Thread(target=served.scheduler.call, args=(lambda _: (started.set(), release.wait()),))
     blocker.start()
@@ -256,20 +257,22 @@ def test_queue_full_is_429(served, cli):
     def request():
         results.append(served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0))
 
-    waiting = [threading.Thread(target=request) for _ in range(2)]
+    bound = served.scheduler.capacity
+    waiting = [threading.Thread(target=request) for _ in range(bound)]
     try:
         for t in waiting:
             t.start()
-        wait_until(lambda: served.scheduler._waiting.qsize() == 2)
+        wait_until(lambda: served.scheduler.waiting == bound)
         with pytest.raises(openai.RateLimitError) as e:
             served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, stream=True)
         assert e.value.status_code == 429
+        assert f"{bound} requests are already running or waiting (--max-batch 16 + --max-queue 2)" in e.value.message
     finally:
         release.set()
         blocker.join()
         for t in waiting:
             t.join()
-    assert [r.choices[0].text for r in results] == [ids_reference(cli)["text"]] * 2
+    assert [r.choices[0].text for r in results] == [ids_reference(cli)["text"]] * bound
 
 
 @pytest.fixture

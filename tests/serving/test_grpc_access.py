@@ -159,11 +159,14 @@ def test_health_before_load_after_load_and_after_a_rank_dies(hf_checkpoint, refe
     with what rank 0 reports (see the next test)."""
     s = Server(hf_checkpoint, 2, SERVER_ARGS + ["--peer-timeout", "30"], manual=True)
     try:
-        # Rank 0 listens before loading; it cannot finish (startup check, rank map)
-        # while rank 1 is stopped, so "loading" lasts as long as the test needs.
-        s.wait_port()
+        # Rank 0 listens before it joins rank 1 and loads; it cannot finish (startup check,
+        # rank map) while rank 1 is stopped, so "loading" lasts as long as the test needs.
+        # Rank 1 stops at once: stopped only once rank 0's port was open, it had sometimes
+        # joined already, and rank 0 sat in the ring's init, which holds the GIL (health
+        # checks timed out).
         os.kill(s.procs[1].pid, signal.SIGSTOP)
         try:
+            s.wait_port()
             assert s.health_status() == NOT_SERVING and s.health_status("") == NOT_SERVING
             for call in (lambda: generate(s.stub, token_ids=PROMPT, max_tokens=4),
                          lambda: s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)):

@@ -19,6 +19,7 @@ RUN = str(ROOT / "run_trinity.py")
 
 
 def _stopped(signum, frame):
+    signal.signal(signum, signal.SIG_DFL)  # a second one ends pytest at once (a teardown may hang)
     raise KeyboardInterrupt(f"pytest got {signal.Signals(signum).name}")
 
 

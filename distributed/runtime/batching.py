@@ -228,7 +228,7 @@ class Batcher:
         with self.pipeline.stats.computing():  # rank 0 waits for its own computation (RankStats)
             mx.eval(tokens, chosen, *(top or ()))
         tops = top_logprobs(frame.sequences, top)
-        tokens, chosen = tokens.tolist(), chosen.reshape(-1).tolist()
+        tokens, chosen = tokens.tolist(), chosen.tolist()
         keep = []
         for row, (i, seq) in enumerate(in_slot):
             if seq.finished:
@@ -257,7 +257,9 @@ class Batcher:
         logits = self.pipeline.stage.head(h)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = self._sample(sequences, shaped_logprobs(sequences, logits, logprobs))
-        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
+        # Everything read after the eval is shaped here: an op on it made after the
+        # eval would queue behind the lookahead step sent meanwhile, and wait for it.
+        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
         return tokens, chosen, top_candidates(sequences, logprobs)
 
     @staticmethod

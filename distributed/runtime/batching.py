@@ -214,13 +214,16 @@ class Batcher:
         # filtered out of the caches since).
         in_slot = [(i, s) for i, s in enumerate(frame.sequences) if frame.kind == "first" or not s.finished]
         group = frame.group
-        if (group is not None and lookahead and in_slot and not self.ready
+        if (group is not None and lookahead and not self.ready
+                and any(s.count + 1 < s.request.max_tokens for _, s in in_slot)
                 and not any(s.logits.processors for _, s in in_slot)):
             # Lookahead (as mlx-lm's generate): the group's next step goes now, on the
             # tokens just sampled, still on the device; they are looked at while it
-            # runs. A row that finishes here costs one wasted row-step. Not while
-            # rows wait to join a group (they join between steps), nor with logits
-            # processors (their next draw needs this token in the history).
+            # runs. A row that finishes here costs one wasted row-step. Not when every
+            # row reaches max_tokens with this token (the step would only delay what
+            # comes next: a waiting prompt), nor while rows wait to join a group (they
+            # join between steps), nor with logits processors (their next draw needs
+            # this token in the history).
             rows = [i for i, _ in in_slot]
             self._send_step(group, tokens if len(rows) == len(frame.sequences) else tokens[mx.array(rows)])
         else:

@@ -55,17 +55,7 @@ class GenerationRequest:
         return self.prompt_logprobs and not self.resume_ids
 
     def validate(self, vocab_size: int, max_context: int, max_tokens_cap: Optional[int] = None) -> None:
-        if not self.prompt_ids:
-            raise RequestError("prompt", "the prompt is empty")
-        bad = next((t for t in self.prompt_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise RequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-        bad = next((t for t in self.logit_bias if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise RequestError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-        bad = next((t for t in self.resume_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise RequestError("resume_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        self.validate_token_ids(vocab_size)
         if self.resume_ids and len(self.resume_ids) >= self.max_tokens:
             raise RequestError("resume_token_ids", f"{len(self.resume_ids)} tokens already produced leave none of "
                                                    f"max_tokens ({self.max_tokens})")
@@ -78,6 +68,17 @@ class GenerationRequest:
                 f"prompt ({len(self.prompt_ids)} tokens) + max_tokens ({self.max_tokens}) "
                 f"exceeds the context of {max_context} tokens",
             )
+
+    def validate_token_ids(self, vocab_size: int) -> None:
+        """Every token id the model will look up is in its vocabulary (an id outside it
+        would make the embedding read out of bounds). The scheduler checks this too."""
+        if not self.prompt_ids:
+            raise RequestError("prompt", "the prompt is empty")
+        for name, ids in (("token_ids", self.prompt_ids), ("logit_bias", self.logit_bias),
+                          ("resume_token_ids", self.resume_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise RequestError(name, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
     def validate_sampling(self) -> None:
         """The checks that need no model (the command line runs them before loading)."""

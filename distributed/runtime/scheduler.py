@@ -113,8 +113,12 @@ class Scheduler:
         return self.batcher.sequences
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue `request`; raises RequestError for token ids outside the vocabulary
+        (the front ends validate everything first; this guards in-process callers),
+        QueueFull or RingUnavailable."""
         if self.failure is not None:
             raise RingUnavailable(self.failure)
+        request.validate_token_ids(self.pipeline.stage.args.vocab_size)
         handle = RequestHandle(request)
         with self._lock:
             held = self._waiting.qsize() + self.batcher.sequences

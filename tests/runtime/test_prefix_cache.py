@@ -167,11 +167,13 @@ def test_chat_turns_equal_a_cold_run(hf_checkpoint, split):
         got = run(warm, prompt)
         assert_same(got, run(cold, prompt))
         assert got[2].cached_tokens == fed
-        # What the next turn restores: all this turn fed, its last token too (the
-        # batcher's lookahead fed it before seeing that the turn had ended), an EOS
-        # too, which the next turn's prompt holds as a chat template would.
-        reply = got[0] + ([eos] if got[2].finish_reason == "stop" else [])
-        fed = len(prompt) + len(reply)
+        # What the next turn restores: all this turn fed. A turn that drew an EOS was
+        # fed it too (the batcher's lookahead fed it before seeing that the turn had
+        # ended), and the next turn's prompt holds it, as a chat template would. A turn
+        # that max_tokens ended was fed all but its last token (no step follows it).
+        stopped = got[2].finish_reason == "stop"
+        reply = got[0] + ([eos] if stopped else [])
+        fed = len(prompt) + len(reply) - (0 if stopped else 1)
         prompt = prompt + reply + other(10, turn)
     assert_every_rank_agrees(warm.prefix_cache)
 
@@ -198,7 +200,9 @@ def test_concurrent_requests_sharing_a_system_prompt(hf_checkpoint):
         handle = warm.submit(GenerationRequest(follow, max_tokens=8))
         got = split_events(list(handle.events()))
         assert_same(got, run(cold, follow, 8))
-        assert got[2].cached_tokens == len(prompts[1]) + max_tokens[1]
+        # It ran longest, alone at the end: no step followed its last token, so that
+        # token is prefilled again.
+        assert got[2].cached_tokens == len(prompts[1]) + max_tokens[1] - 1
     finally:
         warm.close()
     assert_every_rank_agrees(warm.prefix_cache)

@@ -31,11 +31,12 @@ def test_every_rank_counts_every_frame_and_its_caches(hf_checkpoint):
 
 def test_a_generation_is_counted_and_timed(hf_checkpoint):
     """6 tokens from a prompt that fits one chunk: the prompt but its last token (one frame),
-    its last token (the first token's frame), then at least 5 decode steps (the lookahead may
-    send one more). In one process the stages' layers are computed within rank 0's waits."""
+    its last token (the first token's frame), then 5 decode steps: none after the 6th token
+    (the lookahead sends no step that max_tokens makes useless). In one process the stages'
+    layers are computed within rank 0's waits."""
     pipeline, _ = in_process_pipeline(hf_checkpoint, (4, 4))
     out = generate(pipeline, hf_checkpoint, PROMPT, 6)
     reports = pipeline.rank_reports()
     assert len(out) == 6
-    assert reports[0]["forward_frames"] == reports[1]["forward_frames"] >= 1 + 1 + 5, reports
+    assert reports[0]["forward_frames"] == reports[1]["forward_frames"] == 1 + 1 + 5, reports
     assert reports[0]["forward_seconds"] > 0 and reports[0]["peak_memory_bytes"] > 0

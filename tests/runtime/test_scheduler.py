@@ -3,7 +3,7 @@
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from distributed.runtime.request import FinishEvent, GenerationRequest, TokenEvent
+from distributed.runtime.request import FinishEvent, GenerationRequest, RequestError, TokenEvent
 from distributed.runtime.scheduler import QueueFull, Scheduler
 from reference import PROMPT, mlx_lm_greedy
 from stages import in_process_pipeline
@@ -66,6 +66,23 @@ def test_seeded_sampling_is_reproducible(scheduler):
 
     assert run(5) == run(5)
     assert run(5) != run(6)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_and_serving_goes_on(scheduler, hf_checkpoint):
+    """An in-process caller that skipped validation: the embedding would read out of bounds
+    (MLX's gather does not check; it crashed the process). The request is refused by name
+    and the next one is served exactly."""
+    vocab = scheduler.pipeline.stage.args.vocab_size
+    for fields, name in [(dict(prompt_ids=PROMPT + [vocab]), "token_ids"),
+                         (dict(prompt_ids=[-1] + PROMPT), "token_ids"),
+                         (dict(prompt_ids=PROMPT, resume_ids=[vocab + 7]), "resume_token_ids"),
+                         (dict(prompt_ids=PROMPT, logit_bias={vocab: 1.0}), "logit_bias")]:
+        with pytest.raises(RequestError, match=rf"^{name}: token id -?\d+ is outside the vocabulary \[0, {vocab}\)$"):
+            scheduler.submit(GenerationRequest(max_tokens=5, **fields))
+    assert scheduler.waiting == 0 and scheduler.running == 0
+    ref, _ = mlx_lm_greedy(hf_checkpoint, PROMPT, 10, 8)
+    tokens, _, _ = collect(scheduler.submit(GenerationRequest(PROMPT, max_tokens=10)))
+    assert [t.token_id for t in tokens] == ref
 
 
 def test_queue_is_bounded(scheduler):

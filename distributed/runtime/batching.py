@@ -215,7 +215,7 @@ class Batcher:
         in_slot = [(i, s) for i, s in enumerate(frame.sequences) if frame.kind == "first" or not s.finished]
         group = frame.group
         if (group is not None and lookahead and not self.ready
-                and any(s.count + 1 < s.request.max_tokens for _, s in in_slot)
+                and not all(s.ends_at_next_token for _, s in in_slot)
                 and not any(s.logits.processors for _, s in in_slot)):
             # Lookahead (as mlx-lm's generate): the group's next step goes now, on the
             # tokens just sampled, still on the device; they are looked at while it

@@ -120,6 +120,11 @@ class Sequence:
         self._key, draw = mx.random.split(self._key)
         return mx.random.categorical(logprobs * (1 / self.request.temperature), key=draw)
 
+    @property
+    def ends_at_next_token(self) -> bool:
+        """The next token accepted reaches max_tokens: the request ends there, whatever it is."""
+        return self.count + 1 >= self.request.max_tokens
+
     def accept(self, token: int, logprob: float, top=None) -> Optional[str]:
         """Stream a decoded token (`top`: its top logprobs); returns the finish reason
         if the request is done."""

@@ -43,8 +43,13 @@ def describe(run: dict) -> str:
 
 
 def measure(spec: dict, client, name: str) -> dict:
-    """Per prompt length and stream count, one batch run and its first spec["check"] prompts
-    alone; then each long prompt's TTFT spec["reps"] times. Progress goes to stderr."""
+    """Per prompt length and stream count, a warm-up batch of the same shape (other prompts,
+    WARMUP_TOKENS each), one batch run and its first spec["check"] prompts alone; then each
+    long prompt's TTFT spec["reps"] times. Progress goes to stderr.
+
+    The warm-up runs every shape the measured run will (MLX on CUDA compiles its kernels per
+    shape on first use, up to a second each, and the runner's staggered admission makes more
+    shapes than one batched call): without it the measured run times compilation."""
     out = {"streams": {}, "long": {}}
 
     def say(text):
@@ -57,6 +62,7 @@ def measure(spec: dict, client, name: str) -> dict:
         for length in spec["prompt_lens"]:
             runs = out["streams"][str(length)] = {}
             for n in spec["streams"]:
+                client.batch(stream_prompts(n, length, tag=f"warmup-{length}-{n}"), WARMUP_TOKENS)
                 prompts = prompts_for(length, n)
                 run = client.batch(prompts, spec["max_tokens"])
                 run["alone"] = [client.alone(p, spec["max_tokens"]) for p in prompts[: spec["check"]]]

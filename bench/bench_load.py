@@ -24,8 +24,9 @@ One invocation measures every configuration, one after another, on the same weig
 
 For each prompt length (--prompt-lens) and stream count (--streams): that many distinct
 deterministic byte-token prompts (distinct per run too, so no prefix is shared with an earlier run)
-sent at once, --max-tokens greedy tokens each; for the runner one gRPC Generate stream per thread,
-released together. Reported: aggregate tok/s = generated tokens / (last stream's end - first
+sent at once, --max-tokens greedy tokens each, after an untimed warm-up batch of the same shape
+(other prompts; MLX on CUDA compiles kernels per shape on first use, load_measure.py); for the runner
+one gRPC Generate stream per thread, released together. Reported: aggregate tok/s = generated tokens / (last stream's end - first
 request sent); TTFT p50 / p99 over the streams = request sent -> first token, at the client
 (for mlx-lm: the call's start -> the step that yields the stream's first token). Exactness: the
 first --check streams of each run are run again alone on the same configuration (default 4;
@@ -48,8 +49,8 @@ $TMPDIR/trinity-bench/); 4-bit weights are slow there.
 On the GPU machine (see ../shared/DEVICE-MLX-CUDA.md for MLX there; `--make-mini` builds the
 Trinity-Mini shape with random 4-bit weights once, with bench/bench_gpu.py's `make`, ~30 s; write
 --out under $OUT to get the JSON back). One command may run 10 minutes: at the defaults one prompt
-length of the three configurations takes about 6 to 8 minutes (the first run on a fresh machine
-also compiles kernels, ~100 s), so run one prompt length per command (short of time: drop 128
+length of the three configurations takes about 7 to 10 minutes (the first process on a fresh
+machine also compiles kernels, 100 to 200 s), so run one prompt length per command (short of time: drop 128
 from --streams, or --check 1; --out keeps the configurations finished before a stop):
 
     # P=1 vs P=2 over NCCL (the collective transport)

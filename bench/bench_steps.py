@@ -2,11 +2,14 @@
 runner's Scheduler on one device (P=1), which is what bench_load.py measures less the gRPC layer.
 
     python bench/bench_steps.py --model PATH [--streams 8,32,64] [--prompt-len 128] [--max-tokens 64]
-                                [--prefill-step-sizes 512,2048] [--out PATH]
+                                [--prefill-step-sizes 512,2048] [--stagger S] [--prefill-batch-tokens N]
+                                [--consumers threads,inline] [--profile] [--out PATH]
 
 For each stream count B: B distinct prompts submitted at once, greedy, --max-tokens each; the
-runner admits them as one batch (--prefill-batch-tokens large enough), once per
---prefill-step-sizes value (prompt tokens per prefill frame).
+runner admits them as one batch (unless --prefill-batch-tokens is given), once per
+--prefill-step-sizes value (prompt tokens per prefill frame). --stagger S submits the first prompt
+alone and the rest S seconds later, as a burst arrives over gRPC (the first is admitted by itself),
+so that a gRPC run (bench_load.py) can be compared with the same arrivals in-process.
   prefill_s   submission to the last stream's first token
   decode_tps  steady-state tokens/s while all B streams decode: tokens generated between the
               moment every stream has its first token and the moment the first one finishes,
@@ -61,21 +64,23 @@ def mlx_lm_row(model, eos, prompts, max_tokens):
     return summarize([first[u] for u in uids], [done[u] for u in uids], stamps, start)
 
 
-def runner_row(pipeline, tokenizer, prompts, max_tokens, prefill_step_size, profile=False, consumers="threads"):
+def runner_row(pipeline, tokenizer, prompts, max_tokens, prefill_step_size, profile=False, consumers="threads",
+               stagger=0.0, batch_tokens=None):
     """consumers: "threads", a thread per stream reading its events, as the gRPC and HTTP
     servers have; "inline", events recorded as they are emitted, on the scheduler's thread
-    (what the runner costs without front-end threads contending for the GIL)."""
+    (what the runner costs without front-end threads contending for the GIL). stagger: the
+    first prompt alone, the others that many seconds later (as a burst over gRPC arrives: the
+    first is admitted by itself). batch_tokens: --prefill-batch-tokens (default: all in one batch)."""
     from distributed.runtime.request import GenerationRequest, TokenEvent
     from distributed.runtime.scheduler import Scheduler
 
     n = len(prompts)
     sched = Scheduler(pipeline, tokenizer, max_batch=n, max_queue=n, prefill_step_size=prefill_step_size,
-                      prefill_batch_tokens=n * (len(prompts[0]) + 1))
+                      prefill_batch_tokens=batch_tokens or n * (len(prompts[0]) + 1))
     profiler = StepProfile() if profile else None
     if profiler:
         profiler.__enter__()
-    start = time.perf_counter()
-    handles = [sched.submit(GenerationRequest(list(p), max_tokens=max_tokens)) for p in prompts]
+    handles, threads = [None] * n, []
     first, done, stamps = [None] * n, [None] * n, [[] for _ in range(n)]
 
     def consume(i):
@@ -88,9 +93,6 @@ def runner_row(pipeline, tokenizer, prompts, max_tokens, prefill_step_size, prof
                 stamps[i].append(now)
         done[i] = time.perf_counter()
 
-    if consumers == "inline":
-        for i, handle in enumerate(handles):
-            handle.emit = lambda e, i=i: record(i, e)
     left = [n]
 
     def record(i, e):
@@ -104,12 +106,29 @@ def runner_row(pipeline, tokenizer, prompts, max_tokens, prefill_step_size, prof
             if not left[0]:
                 sched.stop()
 
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(n)] if consumers == "threads" else []
-    for t in threads:
-        t.start()
+    def submit(indices):
+        for i in indices:
+            handles[i] = sched.submit(GenerationRequest(list(prompts[i]), max_tokens=max_tokens))
+            if consumers == "inline":
+                handles[i].emit = lambda e, i=i: record(i, e)  # its first event comes after a prefill
+            else:
+                threads.append(threading.Thread(target=consume, args=(i,)))
+                threads[-1].start()
+
+    def later():
+        if stagger:
+            time.sleep(stagger)
+            submit(range(1, n))
+        for t in list(threads):
+            t.join()
+        if threads:
+            sched.stop()
+
+    start = time.perf_counter()
+    submit(range(1) if stagger else range(n))
+    if stagger or threads:
+        threading.Thread(target=later).start()
     # The scheduler on this thread (a thread that used MLX must not end before the process).
-    if threads:
-        threading.Thread(target=lambda: ([t.join() for t in threads], sched.stop())).start()
     sched.serve_forever()
     row = summarize(first, done, [t for s in stamps for t in s], start)
     if profiler:
@@ -158,6 +177,10 @@ def main():
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prefill-step-sizes", default="512,2048")
     p.add_argument("--consumers", default="threads", help="threads and/or inline (see runner_row)")
+    p.add_argument("--stagger", type=float, default=0.0,
+                   help="runner: the first prompt alone, the rest this many seconds later (e.g. 0.03)")
+    p.add_argument("--prefill-batch-tokens", type=int, default=None,
+                   help="runner: --prefill-batch-tokens (default: every prompt in one prefill batch)")
     p.add_argument("--skip-mlx-lm", action="store_true")
     p.add_argument("--profile", action="store_true", help="time the runner's parts per frame (step_profile.py)")
     p.add_argument("--tight", action="store_true", help="also: decode steps in a bare loop, model vs stages")
@@ -190,7 +213,8 @@ def main():
             runner_row(pipeline, tokenizer, prompts, 8, step)
         runs = [] if args.skip_mlx_lm else [("mlx-lm", lambda: mlx_lm_row(model, eos, prompts, args.max_tokens))]
         runs += [(f"runner prefill step {k} {c}",
-                  lambda k=k, c=c: runner_row(pipeline, tokenizer, prompts, args.max_tokens, k, args.profile, c))
+                  lambda k=k, c=c: runner_row(pipeline, tokenizer, prompts, args.max_tokens, k, args.profile, c,
+                                             args.stagger, args.prefill_batch_tokens))
                  for k in steps for c in args.consumers.split(",")]
         for name, fn in runs:
             row = dict(streams=n, what=name, **fn())

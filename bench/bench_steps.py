@@ -3,7 +3,7 @@ runner's Scheduler on one device (P=1), which is what bench_load.py measures les
 
     python bench/bench_steps.py --model PATH [--streams 8,32,64] [--prompt-len 128] [--max-tokens 64]
                                 [--prefill-step-sizes 512,2048] [--stagger S] [--prefill-batch-tokens N]
-                                [--consumers threads,inline] [--profile] [--out PATH]
+                                [--consumers threads,inline] [--profile] [--timeline] [--out PATH]
 
 For each stream count B: B distinct prompts submitted at once, greedy, --max-tokens each; the
 runner admits them as one batch (unless --prefill-batch-tokens is given), once per
@@ -65,7 +65,7 @@ def mlx_lm_row(model, eos, prompts, max_tokens):
 
 
 def runner_row(pipeline, tokenizer, prompts, max_tokens, prefill_step_size, profile=False, consumers="threads",
-               stagger=0.0, batch_tokens=None):
+               stagger=0.0, batch_tokens=None, timeline=False):
     """consumers: "threads", a thread per stream reading its events, as the gRPC and HTTP
     servers have; "inline", events recorded as they are emitted, on the scheduler's thread
     (what the runner costs without front-end threads contending for the GIL). stagger: the
@@ -77,7 +77,7 @@ def runner_row(pipeline, tokenizer, prompts, max_tokens, prefill_step_size, prof
     n = len(prompts)
     sched = Scheduler(pipeline, tokenizer, max_batch=n, max_queue=n, prefill_step_size=prefill_step_size,
                       prefill_batch_tokens=batch_tokens or n * (len(prompts[0]) + 1))
-    profiler = StepProfile() if profile else None
+    profiler = StepProfile() if profile or timeline else None
     if profiler:
         profiler.__enter__()
     handles, threads = [None] * n, []
@@ -134,6 +134,8 @@ def runner_row(pipeline, tokenizer, prompts, max_tokens, prefill_step_size, prof
     if profiler:
         profiler.__exit__(None, None, None)
         row["per_frame_ms"] = profiler.per_frame_ms()
+        if timeline:
+            row["timeline"] = profiler.timeline()
     return row
 
 
@@ -183,6 +185,8 @@ def main():
                    help="runner: --prefill-batch-tokens (default: every prompt in one prefill batch)")
     p.add_argument("--skip-mlx-lm", action="store_true")
     p.add_argument("--profile", action="store_true", help="time the runner's parts per frame (step_profile.py)")
+    p.add_argument("--timeline", action="store_true",
+                   help="runner: every frame sent (step_profile.py timeline()) in the row's JSON")
     p.add_argument("--tight", action="store_true", help="also: decode steps in a bare loop, model vs stages")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "steps.json")
     args = p.parse_args()
@@ -214,7 +218,7 @@ def main():
         runs = [] if args.skip_mlx_lm else [("mlx-lm", lambda: mlx_lm_row(model, eos, prompts, args.max_tokens))]
         runs += [(f"runner prefill step {k} {c}",
                   lambda k=k, c=c: runner_row(pipeline, tokenizer, prompts, args.max_tokens, k, args.profile, c,
-                                             args.stagger, args.prefill_batch_tokens))
+                                             args.stagger, args.prefill_batch_tokens, args.timeline))
                  for k in steps for c in args.consumers.split(",")]
         for name, fn in runs:
             row = dict(streams=n, what=name, **fn())

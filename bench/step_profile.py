@@ -8,6 +8,9 @@ Batcher's parts, from wrappers installed around them for one run.
   eval    waiting for the device (mx.eval in Batcher._receive)
   accept  reading tokens, detokenizing, streaming events (Sequence.accept, Batcher._finish)
   other   the rest of Scheduler's loop
+
+timeline(): every frame sent, in order: [ms since the start, "chunk" or "tokens", rows, columns,
+ms in Pipeline.send] (with one rank a chunk is computed inside send; bench_steps.py --timeline).
 """
 
 import time
@@ -34,7 +37,7 @@ class _TimedMx:
         return getattr(self._mx, name)
 
 
-def _timed(owner, name, key, totals, count=None):
+def _timed(owner, name, key, totals, count=None, frames=None):
     original = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
@@ -48,6 +51,8 @@ def _timed(owner, name, key, totals, count=None):
             totals[k] += time.perf_counter() - tic
             if count and k == key:
                 totals[count] += 1
+            if frames is not None:  # Pipeline.send(self, tokens, reply, slot)
+                frames.append((tic, "chunk" if k != key else "tokens", *args[1].shape, time.perf_counter() - tic))
 
     setattr(owner, name, wrapper)
     return original
@@ -60,12 +65,14 @@ class StepProfile:
         from distributed.runtime.sequence import Sequence
 
         self.totals = defaultdict(float)
+        self.frames = []
         self._undo = [(batching, "mx", batching.mx)]
         batching.mx = _TimedMx(batching.mx, self.totals)
         for owner, name, key, count in [(Pipeline, "send", "send", "frames"), (batching.Batcher, "_pick", "pick", None),
                                         (Sequence, "accept", "accept", "tokens"),
                                         (batching.Batcher, "_finish", "accept", None)]:
-            self._undo.append((owner, name, _timed(owner, name, key, self.totals, count)))
+            frames = self.frames if owner is Pipeline else None
+            self._undo.append((owner, name, _timed(owner, name, key, self.totals, count, frames)))
         self.start = time.perf_counter()
         return self
 
@@ -81,3 +88,7 @@ class StepProfile:
         parts = {k: 1000 * t[k] / frames for k in ("send", "send_prefill", "pick", "async_eval", "eval", "accept")}
         parts["other"] = 1000 * t["wall"] / frames - sum(parts.values())
         return {"frames": int(t["frames"]), "tokens": int(t["tokens"]), **{k: round(v, 2) for k, v in parts.items()}}
+
+    def timeline(self) -> list:
+        return [[round(1000 * (t - self.start), 1), kind, rows, cols, round(1000 * dt, 1)]
+                for t, kind, rows, cols, dt in self.frames]

@@ -10,10 +10,11 @@ mlx-lm's generate does), so the host's work per step (reading the tokens,
 streaming them, building the next step) overlaps the device's.
 
 New sequences are admitted in batches (`prefill`): waiting prompts prefill
-together, in chunks that follow each other along the ring, and take their
-first token together. While groups are decoding, at most one prefill frame is
-in the ring, so prompts delay a decode step by one bounded frame at most. After
-their first token the batch's rows join the groups.
+together, in chunks that follow each other along the ring. While groups are
+decoding, at most one prefill frame is in the ring, so prompts delay a decode
+step by one bounded frame at most. Then the batch's rows join the groups, each
+with its last prompt token as its next input: its first decode step, beside
+the running rows' next one, gives its first token.
 """
 
 from collections import deque
@@ -59,7 +60,7 @@ class Group:
 class Outstanding:
     """A frame in the ring whose reply rank 0 waits for."""
 
-    kind: str  # "chunk" (prompt rows), "first" (the rows' last prompt tokens) or "step"
+    kind: str  # "chunk" (prompt rows, all but their last tokens) or "step" (a group's decode step)
     sequences: List[Sequence]  # the frame's rows, in order
     slot: int
     group: Optional[Group] = None
@@ -77,7 +78,7 @@ class Batcher:
         self.depth = ranks  # prompt chunks in the ring at once: enough to keep every rank busy
         self.prefix = prefix or PrefixHooks()
         self.admission = Admission(pipeline, self._new_slot, prefill_step_size, prefill_batch_tokens)
-        self.ready: deque = deque()  # PrefillBatch: rows with their first token, waiting for room in a group
+        self.ready: deque = deque()  # PrefillBatch: prefilled rows waiting to join a group
         self.outstanding: deque = deque()  # in the order their replies will come
         self.sequences = 0  # admitted and not finished
         self._next_slot = len(self.groups)  # slots below are the groups'
@@ -141,14 +142,29 @@ class Batcher:
             self._send_step(group)
 
     def _send_prefill(self) -> bool:
-        sent = self.admission.send_next()
-        if sent is not None:
-            kind, batch = sent
-            self._expect(Outstanding(kind, list(batch.members), batch.slot))
-        return sent is not None
+        batch = self.admission.send_next()
+        if batch is None:
+            return False
+        if batch.width:  # a chunk went (a batch of one-token prompts has none)
+            self._expect(Outstanding("chunk", list(batch.members), batch.slot))
+        if batch.done:
+            self._prefilled(batch)
+        return True
+
+    def _prefilled(self, batch: PrefillBatch) -> None:
+        """`batch` is in the ring but its rows' last tokens: its rows wait to join a
+        group. Rows cancelled while it was sent (already finished) go now."""
+        live = [i for i, s in enumerate(batch.members) if not s.finished]
+        if not live:
+            self.pipeline.release(batch.slot)
+            return
+        if len(live) < len(batch.members):
+            self.pipeline.filter(batch.slot, live)
+            batch.members = [batch.members[i] for i in live]
+        self.ready.append(batch)
 
     def _next_group(self) -> Optional[Group]:
-        """An idle group to step, after moving sequences with their first token
+        """An idle group to step, after moving prefilled sequences
         into it. A group takes newcomers up to its share of every running
         sequence, so groups stay even (and a batch's rows join at once)."""
         running = sum(len(g.members) for g in self.groups) + sum(len(b.members) for b in self.ready)
@@ -178,7 +194,7 @@ class Batcher:
         already here, lazily: sample from it now and start the device on it, so the
         host builds the next frame while this one computes (as mlx-lm's generate
         overlaps its steps)."""
-        if frame.kind != "chunk" and self.pipeline.transport is None:
+        if frame.kind == "step" and self.pipeline.transport is None:
             frame.picked = self._pick(frame.sequences, self.pipeline.take_local_reply())
             mx.async_eval(*frame.picked)
         self.outstanding.append(frame)
@@ -207,14 +223,14 @@ class Batcher:
                 return
             frame.picked = self._pick(frame.sequences, h)
         tokens, chosen, top = frame.picked
-        # The rows in the slot now, in order: a first-token frame's are all its rows
-        # (one cancelled while its batch prefilled goes below); a step's are those not
-        # finished, as with lookahead a step is sent before the previous one's tokens
-        # are looked at, so rows that finished there were in this step too (and were
-        # filtered out of the caches since).
-        in_slot = [(i, s) for i, s in enumerate(frame.sequences) if frame.kind == "first" or not s.finished]
+        # The rows in the slot now, in order: those not finished, as with lookahead a
+        # step is sent before the previous one's tokens are looked at, so rows that
+        # finished there were in this step too (and were filtered out of the caches since).
+        in_slot = [(i, s) for i, s in enumerate(frame.sequences) if not s.finished]
+        # Rows whose first token this is (their last prompt token was this step's input).
+        fresh = {id(s) for _, s in in_slot if s.first_at is None}
         group = frame.group
-        if (group is not None and lookahead and not self.ready
+        if (lookahead and not self.ready and not fresh
                 and not all(s.ends_at_next_token for _, s in in_slot)
                 and not any(s.logits.processors for _, s in in_slot)):
             # Lookahead (as mlx-lm's generate): the group's next step goes now, on the
@@ -223,7 +239,8 @@ class Batcher:
             # row reaches max_tokens with this token (the step would only delay what
             # comes next: a waiting prompt), nor while rows wait to join a group (they
             # join between steps), nor with logits processors (their next draw needs
-            # this token in the history).
+            # this token in the history), nor on a row's first token (the prefix cache
+            # keeps its caches as they are now: its whole prompt, nothing more).
             rows = [i for i, _ in in_slot]
             self._send_step(group, tokens if len(rows) == len(frame.sequences) else tokens[mx.array(rows)])
         else:
@@ -234,8 +251,6 @@ class Batcher:
         tokens, chosen = tokens.tolist(), chosen.tolist()
         keep = []
         for row, (i, seq) in enumerate(in_slot):
-            if seq.finished:
-                continue  # cancelled while its batch was prefilling: its row goes now
             reason = seq.accept(tokens[i], chosen[i], tops[i])
             if reason is None:
                 keep.append(row)
@@ -244,14 +259,11 @@ class Batcher:
         if len(keep) < len(in_slot):
             self.pipeline.filter(frame.slot, keep)
         kept = [in_slot[row][1] for row in keep]
-        if frame.kind == "first":
-            for row, seq in enumerate(kept):
+        for row, seq in enumerate(kept):
+            if id(seq) in fresh:
                 self.prefix.prefilled(seq, frame.slot, row)
-            if kept:
-                self.ready.append(PrefillBatch(frame.slot, kept))
-        else:
-            frame.group.members = kept
-            frame.group.busy = group is not None  # its next step is in the ring
+        frame.group.members = kept
+        frame.group.busy = group is not None  # its next step is in the ring
 
     def _pick(self, sequences: List[Sequence], h: mx.array) -> tuple:
         """(next tokens, their log-probabilities, the top candidates or None), lazily,

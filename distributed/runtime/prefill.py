@@ -1,4 +1,4 @@
-"""Batched admission: waiting prompts prefill together and take their first token together.
+"""Batched admission: waiting prompts prefill together, then decode with the running rows.
 
 As mlx-lm's BatchGenerator does (PromptProcessingBatch in mlx_lm/generate.py):
 the sequences' own slots, which may already hold histories of different
@@ -6,9 +6,13 @@ lengths (a restored prefix), are merged into one batch (mlx-lm's cache merge
 left-pads the shorter histories); each row's remaining prompt but its last
 token is right-padded to the longest, the caches are `prepare`d for that
 padding, the rows go through in chunks, and `finalize` turns the padding into
-left padding. Then one frame of every row's last token gives the first tokens.
-A batch of one sequence stays in its own slot with plain caches, exactly as
-mlx-lm's generate_step runs it.
+left padding. Each row's last prompt token is then the input of its first
+decode step: the rows join a decode group, whose next step gives their first
+tokens beside the running rows' next ones. (mlx-lm's BatchGenerator gives the
+last tokens a step of their own first; in a ring that step is a whole extra
+round, and the running rows wait behind it.) A batch of one sequence stays in
+its own slot with plain caches, as mlx-lm's generate_step runs it, until it
+joins a group.
 
 Admission takes every waiting sequence, in arrival order, while the batch's
 padded prompt tokens stay within a budget; a sequence arriving while a batch
@@ -38,10 +42,15 @@ class PrefillBatch:
     slot: int  # a batch slot, or the one member's own slot
     members: List[Sequence]  # its rows, in order
     rows: List[List[int]] = field(default_factory=list)  # each row's prompt tokens to prefill
-    width: int = 0  # the longest row: columns to send before the first-token frame
+    width: int = 0  # the longest row: columns to send (every prompt token but the last)
     sent: int = 0  # columns sent so far
     step: int = 1  # columns per frame
     padded: bool = False  # caches prepared for right padding: finalize before decoding
+
+    @property
+    def done(self) -> bool:
+        """Every chunk is sent."""
+        return self.sent >= self.width
 
     @property
     def live(self) -> List[Sequence]:
@@ -62,10 +71,12 @@ class Admission:
         """Sequences waiting or in the batch being sent."""
         return list(self.waiting) + (self.current.members if self.current else [])
 
-    def send_next(self) -> Optional[tuple]:
-        """Send the next prefill frame: a chunk of the current batch, or its
-        first-token frame, forming a batch first if needed. Returns (kind, batch)
-        with kind "chunk" or "first", or None if nothing waits."""
+    def send_next(self) -> Optional[PrefillBatch]:
+        """Send the next chunk of the current batch, forming a batch first if needed
+        (a batch of one-token prompts has no chunk to send). Returns the batch, or None
+        if nothing waits. Once `done`, the batch is no longer current: its prompts are
+        in the ring but each row's last token, the input of the row's first decode
+        step (its `next_token`)."""
         batch = self.current or self._form()
         if batch is None:
             return None
@@ -76,15 +87,13 @@ class Admission:
             # A scored prompt needs every position's output (logits.PromptScores).
             reply = Reply.ALL if batch.members[0].request.scores_prompt else Reply.ACK
             self.pipeline.send(mx.array(chunk, dtype=mx.uint32), reply, batch.slot)
-            return "chunk", batch
-        if batch.padded:
-            self.pipeline.finalize(batch.slot)
-        lasts = [[s.unsent[-1]] for s in batch.members]
-        for seq in batch.members:
-            seq.unsent = []
-        self.pipeline.send(mx.array(lasts, dtype=mx.uint32), Reply.LAST, batch.slot)
-        self.current = None
-        return "first", batch
+        if batch.done:
+            if batch.padded:
+                self.pipeline.finalize(batch.slot)
+            for seq in batch.members:
+                seq.next_token, seq.unsent = seq.unsent[-1], []
+            self.current = None
+        return batch
 
     def _form(self) -> Optional[PrefillBatch]:
         """The next batch: waiting sequences in arrival order while its padded tokens
@@ -123,8 +132,8 @@ class Admission:
 
     def drop_cancelled(self, finish: Callable[[Sequence], None]) -> None:
         """Cancelled sequences end now (`finish`). A waiting one frees its slot; a
-        row of the batch being sent stays until the first-token frame drops it,
-        unless no row is left, when the batch is abandoned."""
+        row of the batch being sent stays until the batch is done (the batcher drops
+        it then), unless no row is left, when the batch is abandoned."""
         for seq in [s for s in self.waiting if s.handle.cancelled]:
             self.waiting.remove(seq)
             self.pipeline.release(seq.slot)  # it may hold a restored prefix

@@ -1,5 +1,5 @@
-"""Batched admission: prompts admitted together prefill in one batch and take their first token in
-one frame, and each request still gets exactly what it gets alone."""
+"""Batched admission: prompts admitted together prefill in one batch, then take their first tokens in
+the decode groups' next steps, and each request still gets exactly what it gets alone."""
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -24,16 +24,21 @@ STEP = 16
 
 class FrameLog:
     """What rank 0 sends: each forward frame (slot, shape, reply, the kinds of frames then in the
-    ring, whether groups were decoding) and each cache op (op, slot, arg, values)."""
+    ring, whether groups were decoding), each cache op (op, slot, arg, values), and each decode
+    step that gives rows their first token (rows, those rows)."""
 
     def __init__(self, scheduler, on_send=None):
-        self.sends, self.ops = [], []
+        self.sends, self.ops, self.first = [], [], []
         pipeline, batcher = scheduler.pipeline, scheduler.batcher
         send, apply = pipeline.send, pipeline.caches.apply
 
         def logged_send(tokens, reply, slot=0):
             decoding = any(g.members for g in batcher.groups)
             self.sends.append((slot, tokens.shape, reply, [o.kind for o in batcher.outstanding], decoding))
+            group = next((g for g in batcher.groups if g.slot == slot), None)
+            fresh = sum(s.first_at is None for s in group.members) if group else 0
+            if fresh:
+                self.first.append((tokens.shape[0], fresh))
             if on_send is not None:
                 on_send(slot, tokens.shape, reply)
             return send(tokens, reply, slot)
@@ -49,8 +54,13 @@ class FrameLog:
         return [s for s in self.sends if s[0] >= self.ranks]
 
     def first_rows(self):
-        """Rows of each first-token frame, in order."""
-        return [shape[0] for slot, shape, reply, _, _ in self.prefill() if reply == Reply.LAST]
+        """Rows taking their first token in each decode step that has any, in order."""
+        return [fresh for _, fresh in self.first]
+
+    def batch_rows(self):
+        """Rows of each prefill batch, in order (from its first chunk)."""
+        return [shape[0] for slot, shape in dict((slot, shape) for slot, shape, *_ in reversed(self.prefill()))
+                .items()][::-1]
 
 
 def admitted_together(scheduler, requests):
@@ -104,9 +114,12 @@ def test_prompts_admitted_together_prefill_in_one_batch_and_stay_exact(hf_checkp
     results = run_admitted(scheduler, [GenerationRequest(p, max_tokens=20) for p in PROMPTS])
     for prompt, events in zip(PROMPTS, results):
         assert_alone(hf_checkpoint, prompt, events, 20)
-    assert log.first_rows() == [len(PROMPTS)], "one first-token frame for every prompt"
+    assert log.batch_rows() == [len(PROMPTS)]
+    assert not [s for s in log.prefill() if s[2] == Reply.LAST], "no frame of last prompt tokens alone"
+    # The rows join the groups, evenly, and their first steps give their first tokens.
+    assert log.first_rows() == [len(PROMPTS) // len(split)] * len(split)
     ops = [op for op, *_ in log.ops]
-    assert ops[:3] == [Op.MERGE, Op.PREPARE, Op.FINALIZE]
+    assert ops[:4] == [Op.MERGE, Op.PREPARE, Op.FINALIZE, Op.JOIN]
     chunks = [shape for _, shape, reply, _, _ in log.prefill() if reply == Reply.ACK]
     # Right-padded to the longest (69 tokens before its last) in 2-column chunks (6 rows x 2 <= 16),
     # plus one column of padding: a chunk of one column would be taken for a decode step.
@@ -128,7 +141,8 @@ def test_batch_token_budget_splits_in_arrival_order(hf_checkpoint):
     for prompt, events in zip(PROMPTS, results):
         assert_alone(hf_checkpoint, prompt, events, 6)
     # Padded sizes within 100 tokens, in arrival order: 5+17 (2x17), 40, 70, 9+33 (2x33).
-    assert log.first_rows() == [2, 1, 1, 2]
+    assert log.batch_rows() == [2, 1, 1, 2]
+    assert sum(log.first_rows()) == len(PROMPTS)
     assert_no_caches_left(scheduler.pipeline)
 
 
@@ -147,9 +161,34 @@ def test_arrival_during_a_batch_waits_for_the_next(hf_checkpoint):
         results = [list(h.events()) for h in [first] + late]
     finally:
         scheduler.close()
-    assert log.first_rows() == [1, 1]
+    assert log.batch_rows() == [1, 1]
     for prompt, events in zip([PROMPTS[3], PROMPTS[0]], results):
         assert_alone(hf_checkpoint, prompt, events, 6)
+
+
+@pytest.mark.parametrize("split", [(8,), (4, 4)])
+def test_a_prompt_arriving_while_others_decode_takes_its_first_token_in_their_step(hf_checkpoint, split):
+    late = []
+
+    def submit_late(slot, shape, reply):  # once the first requests decode
+        if slot < len(split) and not late:
+            late.append(scheduler.submit(GenerationRequest(PROMPTS[2], max_tokens=8)))
+
+    scheduler = scheduler_for(hf_checkpoint, split)
+    log = FrameLog(scheduler, submit_late)
+    scheduler.start()
+    try:
+        running = PROMPTS[3:3 + len(split)]  # one per decode group
+        handles = admitted_together(scheduler, [GenerationRequest(p, max_tokens=24) for p in running])
+        results = [list(h.events()) for h in handles + late]
+    finally:
+        scheduler.close()
+    for prompt, events in zip(running + [PROMPTS[2]], results):
+        assert_alone(hf_checkpoint, prompt, events, 24 if prompt is not PROMPTS[2] else 8)
+    # Its last prompt token went in a decode step of a running row, not in a frame of its own.
+    assert log.batch_rows() == [len(split), 1]
+    assert log.first[-1] == (2, 1)
+    assert_no_caches_left(scheduler.pipeline)
 
 
 class Preloaded(PrefixHooks):
@@ -176,7 +215,8 @@ def test_prefill_starts_from_histories_of_different_lengths(hf_checkpoint, split
     results = run_admitted(scheduler, [GenerationRequest(p, max_tokens=20) for p in PROMPTS])
     for prompt, events in zip(PROMPTS, results):
         assert_alone(hf_checkpoint, prompt, events, 20)
-    assert log.first_rows() == [len(PROMPTS)]
+    merged = [values for op, _, _, values in log.ops if op == Op.MERGE]  # (the restores' frames go first)
+    assert [len(m) for m in merged] == [len(PROMPTS)] and sum(log.first_rows()) == len(PROMPTS)
     chunks = [cols for _, (rows, cols), reply, _, _ in log.prefill() if reply == Reply.ACK and rows > 1]
     assert sum(chunks) == max(len(p) - cuts[len(p)] for p in PROMPTS) - 1  # only what is not restored
     assert_no_caches_left(scheduler.pipeline)
@@ -211,9 +251,14 @@ def test_cancelled_mid_prefill_leaves_the_batch_exact(hf_checkpoint):
     for i in (0, 1, 2, 4, 5):
         assert_alone(hf_checkpoint, PROMPTS[i], results[i], 12)
     assert_alone(hf_checkpoint, PROMPTS[1], after, 12)
-    # The first batch took its first tokens with the cancelled row still in it; the
-    # second, all cancelled, was abandoned before its first-token frame.
-    assert log.first_rows() == [6, 1]
+    # The first batch's cancelled row left it before its rows joined the groups; the second
+    # batch, all cancelled, was abandoned and never joined; then the later request joined.
+    assert log.batch_rows() == [6, 2, 1]
+    first_slot = log.sends[0][0]
+    dropped = [values for op, slot, _, values in log.ops if op == Op.FILTER and slot == first_slot]
+    joins = [(slot, arg) for op, slot, arg, _ in log.ops if op == Op.JOIN]
+    assert dropped == [[0, 1, 2, 4, 5]] and joins[0][1] == first_slot
+    assert sum(log.first_rows()) == 5 + 1
     assert_no_caches_left(scheduler.pipeline)
 
 

@@ -65,6 +65,7 @@ class Outstanding:
     slot: int
     group: Optional[Group] = None
     picked: Optional[tuple] = None  # what _pick gives; one rank: as the frame was sent
+    first: bool = False  # a step giving some rows their first token
 
 
 class Batcher:
@@ -136,8 +137,10 @@ class Batcher:
         if not decoding:  # prompt chunks fill the ring, one behind the other
             while len(self.outstanding) < self.depth and self._send_prefill():
                 pass
-        elif all(o.kind == "step" for o in self.outstanding):
-            self._send_prefill()  # one prefill frame at a time beside decoding
+        elif not self.ready and all(o.kind == "step" and not o.first for o in self.outstanding):
+            # One prefill frame at a time beside decoding, and none while prefilled rows
+            # wait to join a group or for their first token: that comes first.
+            self._send_prefill()
         while (group := self._next_group()) is not None:
             self._send_step(group)
 
@@ -187,7 +190,8 @@ class Batcher:
             tokens = mx.array([s.next_token for s in group.members], dtype=mx.uint32)
         self.pipeline.send(tokens[:, None], Reply.LAST, group.slot)
         group.busy = True
-        self._expect(Outstanding("step", list(group.members), group.slot, group))
+        first = any(s.first_at is None for s in group.members)
+        self._expect(Outstanding("step", list(group.members), group.slot, group, first=first))
 
     def _expect(self, frame: Outstanding) -> None:
         """`frame` was sent; its reply comes in order. With one rank the reply is

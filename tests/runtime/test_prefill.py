@@ -25,20 +25,24 @@ STEP = 16
 class FrameLog:
     """What rank 0 sends: each forward frame (slot, shape, reply, the kinds of frames then in the
     ring, whether groups were decoding), each cache op (op, slot, arg, values), and each decode
-    step that gives rows their first token (rows, those rows)."""
+    step that gives rows their first token (its index in sends, rows, those rows)."""
 
     def __init__(self, scheduler, on_send=None):
         self.sends, self.ops, self.first = [], [], []
+        self.unserved = []  # at each prefill frame: rows prefilled earlier still without their first token
         pipeline, batcher = scheduler.pipeline, scheduler.batcher
         send, apply = pipeline.send, pipeline.caches.apply
 
         def logged_send(tokens, reply, slot=0):
             decoding = any(g.members for g in batcher.groups)
+            if slot >= self.ranks:
+                self.unserved.append(sum(s.first_at is None for g in batcher.groups for s in g.members)
+                                     + sum(len(b.members) for b in batcher.ready))
             self.sends.append((slot, tokens.shape, reply, [o.kind for o in batcher.outstanding], decoding))
             group = next((g for g in batcher.groups if g.slot == slot), None)
             fresh = sum(s.first_at is None for s in group.members) if group else 0
             if fresh:
-                self.first.append((tokens.shape[0], fresh))
+                self.first.append((len(self.sends) - 1, tokens.shape[0], fresh))
             if on_send is not None:
                 on_send(slot, tokens.shape, reply)
             return send(tokens, reply, slot)
@@ -47,15 +51,22 @@ class FrameLog:
             self.ops.append((op, slot, arg, list(values)))
             return apply(op, slot, arg, values)
 
-        pipeline.send, pipeline.caches.apply = logged_send, logged_apply
         self.ranks = pipeline.num_ranks
+        pipeline.send, pipeline.caches.apply = logged_send, logged_apply
 
     def prefill(self):
         return [s for s in self.sends if s[0] >= self.ranks]
 
     def first_rows(self):
         """Rows taking their first token in each decode step that has any, in order."""
-        return [fresh for _, fresh in self.first]
+        return [fresh for _, _, fresh in self.first]
+
+    def order(self):
+        """Each prefill batch's slot as its chunks go, and "first" for each step giving
+        rows their first token (other steps left out; repeats merged)."""
+        first = {i for i, _, _ in self.first}
+        marks = ["first" if i in first else s[0] for i, s in enumerate(self.sends) if i in first or s[0] >= self.ranks]
+        return [m for i, m in enumerate(marks) if i == 0 or m != marks[i - 1]]
 
     def batch_rows(self):
         """Rows of each prefill batch, in order (from its first chunk)."""
@@ -143,6 +154,8 @@ def test_batch_token_budget_splits_in_arrival_order(hf_checkpoint):
     # Padded sizes within 100 tokens, in arrival order: 5+17 (2x17), 40, 70, 9+33 (2x33).
     assert log.batch_rows() == [2, 1, 1, 2]
     assert sum(log.first_rows()) == len(PROMPTS)
+    # Each batch's rows take their first tokens before the next batch's chunks go.
+    assert log.order()[1::2] == ["first"] * 4, log.order()
     assert_no_caches_left(scheduler.pipeline)
 
 
@@ -187,7 +200,32 @@ def test_a_prompt_arriving_while_others_decode_takes_its_first_token_in_their_st
         assert_alone(hf_checkpoint, prompt, events, 24 if prompt is not PROMPTS[2] else 8)
     # Its last prompt token went in a decode step of a running row, not in a frame of its own.
     assert log.batch_rows() == [len(split), 1]
-    assert log.first[-1] == (2, 1)
+    assert log.first[-1][1:] == (2, 1)
+    assert_no_caches_left(scheduler.pipeline)
+
+
+def test_a_prefilled_batch_takes_its_first_tokens_before_the_next_batch_prefills(hf_checkpoint):
+    late = []
+
+    def submit_late(slot, shape, reply):  # once the first request decodes: two batches (budget)
+        if slot == 0 and not late:
+            late.extend(scheduler.submit(GenerationRequest(p, max_tokens=8)) for p in (PROMPTS[2], PROMPTS[5]))
+
+    scheduler = scheduler_for(hf_checkpoint, (8,), prefill_batch_tokens=40)
+    log = FrameLog(scheduler, submit_late)
+    scheduler.start()
+    try:
+        first = scheduler.submit(GenerationRequest(PROMPTS[3], max_tokens=40))
+        results = [list(h.events()) for h in [first] + late]
+    finally:
+        scheduler.close()
+    for prompt, events, n in zip([PROMPTS[3], PROMPTS[2], PROMPTS[5]], results, [40, 8, 8]):
+        assert_alone(hf_checkpoint, prompt, events, n)
+    # The second batch's chunks wait until the first batch's rows have joined the running
+    # row's group and taken their first token (which a chunk sent first would delay).
+    batches = [m for m in log.order() if m != "first"]
+    assert len(batches) == 3 and log.order() == [batches[0], "first", batches[1], "first", batches[2], "first"]
+    assert log.unserved == [0] * len(log.unserved), log.unserved
     assert_no_caches_left(scheduler.pipeline)
 
 

@@ -82,7 +82,7 @@ class StepProfile:
             setattr(owner, name, original)
 
     def per_frame_ms(self) -> dict:
-        """Per frame that gives tokens (decode steps and first-token frames)."""
+        """Per frame that gives tokens (decode steps, first tokens included)."""
         t = self.totals
         frames = max(1, t["frames"])
         parts = {k: 1000 * t[k] / frames for k in ("send", "send_prefill", "pick", "async_eval", "eval", "accept")}

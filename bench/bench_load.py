@@ -4,7 +4,7 @@
         [--streams 1,8,32,64,128 | none] [--prompt-lens 8,128] [--max-tokens 128] [--ps 1,2]
         [--backend ring|nccl|mlx-launch-ring] [--gpu-per-rank] [--check N|all]
         [--long 2048,8192,32768] [--reps 3] [--prefill-step-size 2048] [--max-batch N]
-        [--runner-arg=--flag=value ...] [--blas reference|openblas] [--timeout S]
+        [--runner-arg=--flag=value ...] [--baseline DIR] [--blas reference|openblas] [--timeout S]
 
 One invocation measures every configuration, one after another, on the same weights, greedy:
 
@@ -21,6 +21,11 @@ One invocation measures every configuration, one after another, on the same weig
                 decode together, as in mlx-lm), --max-queue (at least that), --prefill-step-size,
                 then every --runner-arg (later flags win, e.g. --runner-arg=--max-batch=16 or
                 --runner-arg=--prefix-cache-bytes=0).
+  baseline P=k  with --baseline DIR: the same, with DIR/run_trinity.py (another checkout, e.g.
+                `git worktree add --detach DIR main`), right after runner P=k, so that a code
+                change is measured against its base on the same machine (GPU machines differ by
+                several percent); the runner rows get "x base": their tok/s / the baseline's at
+                the same P.
 
 For each prompt length (--prompt-lens) and stream count (--streams): that many distinct
 deterministic byte-token prompts (distinct per run too, so no prefix is shared with an earlier run)
@@ -117,6 +122,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, help="run_trinity.py --max-batch (default: the largest stream count)")
     p.add_argument("--runner-arg", action="append", default=[], metavar="ARG",
                    help="extra run_trinity.py argument, e.g. --runner-arg=--prefix-cache-bytes=0 (repeatable)")
+    p.add_argument("--baseline", type=Path, metavar="DIR",
+                   help="another checkout: its run_trinity.py is measured too, after each P (runner / baseline)")
     p.add_argument("--blas", choices=["reference", "openblas"], default="reference",
                    help="openblas preloads the system OpenBLAS (CPU: much faster prefill on Linux)")
     p.add_argument("--timeout", type=float, default=1800,
@@ -132,6 +139,8 @@ def parse_args() -> argparse.Namespace:
     for flag in ("streams", "prompt_lens", "ps", "long"):
         if any(v < 1 for v in getattr(args, flag)):
             p.error(f"--{flag.replace('_', '-')}: every value must be at least 1")
+    if args.baseline and not (args.baseline / "run_trinity.py").exists():
+        p.error(f"--baseline {args.baseline}: no run_trinity.py there")
     if args.streams and not args.prompt_lens:
         p.error("--prompt-lens: give at least one length")
     if args.model and args.make_mini:
@@ -173,8 +182,10 @@ def run_mlx_lm(spec: dict, env: dict, timeout: float) -> dict:
         os.unlink(path)
 
 
-def run_runner(ranks: int, args, runner_args: list, env: dict, spec: dict) -> tuple:
-    server = RunnerServer(ranks, args.backend, runner_args, env, args.gpu_per_rank, args.timeout)
+def run_runner(ranks: int, args, runner_args: list, env: dict, spec: dict, checkout: Path = ROOT) -> tuple:
+    name = "runner" if checkout == ROOT else "baseline"
+    server = RunnerServer(ranks, args.backend, runner_args, env, args.gpu_per_rank, args.timeout,
+                          run=str(checkout / "run_trinity.py"), name=name)
     try:
         with server:
             out = measure(spec, GrpcClient(server, args.timeout), server.label)
@@ -216,7 +227,7 @@ def main() -> None:
     results, loads = {}, {}
     out = Path(args.out or ROOT / "bench" / "results" / ("load_smoke.json" if args.smoke else "load.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = dict(vars(args), model=str(model), runner_args=runner_args, config=config, cpus=os.cpu_count(),
+    settings = dict(vars(args), model=str(model), baseline=args.baseline and str(args.baseline), runner_args=runner_args, config=config, cpus=os.cpu_count(),
                     loadavg_at_start=loads)
 
     def save() -> dict:
@@ -234,13 +245,15 @@ def main() -> None:
         save()
         print(f"mlx-lm: {results[BASELINE].get('error') or 'done'} ({time.perf_counter() - tic:.0f} s)",
               file=sys.stderr, flush=True)
+    checkouts = [ROOT] + ([args.baseline.resolve()] if args.baseline else [])
     for ranks in args.ps:
-        tic, load = time.perf_counter(), os.getloadavg()[0]
-        name, results[name] = run_runner(ranks, args, runner_args, env, spec)
-        loads[name] = load
-        save()
-        print(f"{name}: {results[name].get('error', 'done').splitlines()[0]} ({time.perf_counter() - tic:.0f} s)",
-              file=sys.stderr, flush=True)
+        for checkout in checkouts:
+            tic, load = time.perf_counter(), os.getloadavg()[0]
+            name, results[name] = run_runner(ranks, args, runner_args, env, spec, checkout)
+            loads[name] = load
+            save()
+            print(f"{name}: {results[name].get('error', 'done').splitlines()[0]} ({time.perf_counter() - tic:.0f} s)",
+                  file=sys.stderr, flush=True)
 
     summary = save()
     print(f"\n{header}\n{os.cpu_count()} CPUs, load average {min(loads.values()):.1f}-{max(loads.values()):.1f} "

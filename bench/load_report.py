@@ -1,5 +1,6 @@
 """bench_load.py's summary: per configuration, prompt length and stream count the aggregate tok/s,
-TTFT p50 / p99, the exactness counts and the ratios against mlx-lm and against P=1; the TTFT
+TTFT p50 / p99, the exactness counts and the ratios against mlx-lm, against P=1 (of the same
+checkout) and, with --baseline, of this checkout against the other at the same P; the TTFT
 under load against TTFT alone; the long prompts' TTFT. Every number here comes from the raw
 results, which go to the JSON file as they are."""
 
@@ -32,22 +33,30 @@ def pick(counts: list, wanted: int):
     return wanted if wanted in counts else (max(counts) if counts else None)
 
 
+def p1_of(name: str, names) -> str:
+    """The P=1 configuration of `name`'s checkout ("runner P=2 (ring)" -> "runner P=1"), if measured."""
+    prefix = name.split(" P=")[0] + " P=1"
+    return next((n for n in names if n.startswith(prefix)), None)
+
+
 def summarize(results: dict, spec: dict) -> dict:
     """results: config name -> load_measure output. Returns the table, the per-length TTFT
     ratios, the long-prompt rows and the exactness against mlx-lm, all JSON-ready."""
-    p1 = next((name for name in results if name.startswith("runner P=1")), None)
     table = []
     for name, res in results.items():
+        p1 = p1_of(name, results)
+        other = name.replace("runner", "baseline", 1) if name.startswith("runner") else None  # --baseline
         for length in spec["prompt_lens"]:
             for n in spec["streams"]:
                 row = stream_row(res.get("streams", {}).get(str(length), {}).get(str(n)))
                 if row is None:
                     continue
-                base = stream_row(results.get(BASELINE, {}).get("streams", {}).get(str(length), {}).get(str(n)))
-                one = stream_row(results.get(p1, {}).get("streams", {}).get(str(length), {}).get(str(n))) if p1 else None
+                base, one, theirs = (stream_row(results.get(c, {}).get("streams", {}).get(str(length), {}).get(str(n)))
+                                     for c in (BASELINE, p1, other))
                 row.update(config=name, prompt_len=length, streams=n,
                            vs_mlx_lm=ratio(row["tok_s"], base and base["tok_s"]) if name != BASELINE else None,
-                           vs_p1=ratio(row["tok_s"], one and one["tok_s"]) if name not in (BASELINE, p1) else None)
+                           vs_p1=ratio(row["tok_s"], one and one["tok_s"]) if name not in (BASELINE, p1) else None,
+                           vs_base=ratio(row["tok_s"], theirs and theirs["tok_s"]))
                 table.append(row)
     at, burst = pick(spec["streams"], 64), pick(spec["streams"], 32)
     load = []
@@ -112,14 +121,18 @@ def print_report(summary: dict, results: dict, spec: dict) -> None:
 
 def print_streams(summary: dict, spec: dict) -> None:
     print()
-    print_table(["config", "prompt", "streams", "tok/s", "TTFT p50 ms", "p99 ms", "exact", "x mlx-lm", "x P=1"],
+    rows = summary["table"]
+    with_base = any(r.get("vs_base") is not None for r in rows)
+    print_table(["config", "prompt", "streams", "tok/s", "TTFT p50 ms", "p99 ms", "exact", "x mlx-lm", "x P=1"]
+                + (["x base"] if with_base else []),
                 [[r["config"], str(r["prompt_len"]), str(r["streams"]), num(r["tok_s"], ".1f"), num(r["p50_ms"], ".0f"),
                   num(r["p99_ms"], ".0f"), "%d/%d" % tuple(r["exact"]), num(r["vs_mlx_lm"], ".2f"),
-                  num(r["vs_p1"], ".2f")] for r in summary["table"]])
+                  num(r["vs_p1"], ".2f")] + ([num(r.get("vs_base"), ".2f")] if with_base else []) for r in rows])
     print("  tok/s = generated tokens / (last stream's end - first request); TTFT = request sent -> first token "
           "(client side); p99 is nearest-rank (the max below 100 streams); exact = streams whose greedy tokens "
           f"equal the same prompt run alone on that config (the first {spec['check']} of each run); "
-          "x mlx-lm, x P=1: tok/s ratios")
+          "x mlx-lm, x P=1" + (", x base (this checkout / --baseline's at the same P)" if with_base else "")
+          + ": tok/s ratios")
     load = summary["ttft_under_load"]
     if load:
         at, burst = load[0]["at"], load[0]["burst"]
@@ -130,17 +143,17 @@ def print_streams(summary: dict, spec: dict) -> None:
 
 
 def short(name: str) -> str:
-    """"runner P=2 (nccl)" -> "P=2"."""
-    return name.split()[1] if name.startswith("runner ") else name
+    """"runner P=2 (nccl)" -> "P=2"; "baseline P=2 (nccl)" -> "baseline P=2"."""
+    return name.split()[1] if name.startswith("runner ") else " ".join(name.split()[:2])
 
 
 def print_long(rows: list, names: list, spec: dict) -> None:
-    p1 = next((n for n in names if n.startswith("runner P=1")), None)
+    p1 = p1_of("runner", names)
     vs_base = p1 if p1 and BASELINE in names else None
-    others = [n for n in names if n not in (BASELINE, p1)] if p1 else []
+    others = [n for n in names if n != BASELINE and p1_of(n, names) not in (None, n)]  # against their P=1
     print(f"\nlong prompt alone, TTFT ms (max_tokens 1, prefill step {spec['prefill_step_size']}, "
           f"median of {spec['reps']})")
     head = ["tokens", *names] + (["P=1 / mlx-lm"] if vs_base else []) + [f"{short(n)} / P=1" for n in others]
     print_table(head, [[str(r["prompt_len"]), *(num(r[n], ".0f") for n in names)] +
                        ([num(ratio(r[p1], r[BASELINE]), ".2f")] if vs_base else []) +
-                       [num(ratio(r[n], r[p1]), ".2f") for n in others] for r in rows])
+                       [num(ratio(r[n], r[p1_of(n, names)]), ".2f") for n in others] for r in rows])

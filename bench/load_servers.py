@@ -26,10 +26,12 @@ BACKENDS = ("ring", "nccl", "mlx-launch-ring")
 
 
 class RunnerServer:
-    def __init__(self, ranks: int, backend: str, args: list, env: dict, gpu_per_rank: bool, timeout: float):
+    def __init__(self, ranks: int, backend: str, args: list, env: dict, gpu_per_rank: bool, timeout: float,
+                 run: str = RUN, name: str = "runner"):
         self.ranks, self.backend, self.args, self.env = ranks, backend, args, env
         self.gpu_per_rank, self.timeout = gpu_per_rank, timeout
-        self.label = f"runner P={ranks}" + (f" ({backend})" if ranks > 1 else "")
+        self.run = run  # run_trinity.py: this checkout's, or another's (bench_load.py --baseline)
+        self.label = f"{name} P={ranks}" + (f" ({backend})" if ranks > 1 else "")
         self.procs, self.names, self.hostfile, self.channel, self.files, self.logs = [], [], None, None, [], []
         self.logdir = tempfile.mkdtemp(prefix="bench-load-")
 
@@ -47,7 +49,7 @@ class RunnerServer:
 
     def _start(self):
         self.target = f"127.0.0.1:{free_ports(1)[0]}"
-        cmd = [PY, RUN, "--serve", self.target, *self.args]
+        cmd = [PY, self.run, "--serve", self.target, *self.args]
         if self.ranks == 1 or self.backend == "ring":
             self.logs = [os.path.join(self.logdir, f"rank{r}.log") for r in range(self.ranks)]
             self.files = [open(path, "w") for path in self.logs]

@@ -167,9 +167,9 @@ class Batcher:
         self.ready.append(batch)
 
     def _next_group(self) -> Optional[Group]:
-        """An idle group to step, after moving prefilled sequences
-        into it. A group takes newcomers up to its share of every running
-        sequence, so groups stay even (and a batch's rows join at once)."""
+        """An idle group to step, after moving prefilled sequences into it. A group
+        takes newcomers up to its share of every running sequence, so groups stay
+        even (and a batch's rows join at once)."""
         running = sum(len(g.members) for g in self.groups) + sum(len(b.members) for b in self.ready)
         share = min(self.group_cap, -(-running // len(self.groups)))
         for group in sorted((g for g in self.groups if not g.busy), key=lambda g: len(g.members)):

@@ -4,7 +4,7 @@
         [--streams 1,8,32,64,128 | none] [--prompt-lens 8,128] [--max-tokens 128] [--ps 1,2]
         [--backend ring|nccl|mlx-launch-ring] [--gpu-per-rank] [--check N|all]
         [--long 2048,8192,32768] [--reps 3] [--prefill-step-size 2048] [--max-batch N]
-        [--runner-arg=--flag=value ...] [--baseline DIR] [--blas reference|openblas] [--timeout S]
+        [--mixed] [--runner-arg=--flag=value ...] [--baseline DIR] [--blas reference|openblas] [--timeout S]
 
 One invocation measures every configuration, one after another, on the same weights, greedy:
 
@@ -37,6 +37,9 @@ request sent); TTFT p50 / p99 over the streams = request sent -> first token, at
 first --check streams of each run are run again alone on the same configuration (default 4;
 `all`), and their greedy tokens compared: counts are reported, never failed on (bf16 near-ties
 on a GPU may differ); the runner's alone tokens are also compared with mlx-lm generate_step's.
+--mixed: each stream's max_tokens spread evenly over [--max-tokens / 2, 3 --max-tokens / 2] (fixed
+order, about the same total), so rows finish at different steps, as in real traffic; the alone
+runs use each stream's own max_tokens.
 --long: TTFT of each long prompt alone (max_tokens 1), median of --reps, after a warm-up.
 
 Printed: one row per configuration x prompt length x stream count (tok/s, TTFT p50, p99, exact,
@@ -109,6 +112,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--streams", type=int_list, help="concurrent stream counts, or none (default 1,8,32,64,128)")
     p.add_argument("--prompt-lens", type=int_list, help="prompt lengths of the streams (default 8,128)")
     p.add_argument("--max-tokens", type=int, help="greedy tokens per stream (default 128)")
+    p.add_argument("--mixed", action="store_true",
+                   help="max_tokens spread over [max/2, 3 max/2] across the streams: rows finish at different steps")
     p.add_argument("--ps", type=int_list, help="runner rank counts (default 1,2)")
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baseline (runner ratios only)")
     p.add_argument("--backend", choices=BACKENDS, default="ring", help="how P > 1 ranks start (default ring)")
@@ -209,17 +214,20 @@ def main() -> None:
     config = json.loads((model / "config.json").read_text())
     context = config.get("max_position_embeddings") or 2**31
     for length in args.prompt_lens + args.long:
-        need = length + (args.max_tokens if length in args.prompt_lens else 1)
+        most = round(args.max_tokens * 1.5) if args.mixed else args.max_tokens
+        need = length + (most if length in args.prompt_lens else 1)
         if need > context:
             sys.exit(f"a {length}-token prompt needs {need} positions, beyond the model's context ({context})")
     max_batch = args.max_batch or max(args.streams or [1])
-    runner_args = ["--model", str(model), "--max-tokens-cap", str(max(4096, args.max_tokens)),
+    runner_args = ["--model", str(model), "--max-tokens-cap", str(max(4096, 2 * args.max_tokens)),
                    "--max-queue", str(max(64, *args.streams or [1])), "--max-batch", str(max_batch),
                    "--prefill-step-size", str(args.prefill_step_size), *args.runner_arg]
     spec = {"model": str(model), "streams": args.streams, "prompt_lens": args.prompt_lens,
-            "max_tokens": args.max_tokens, "check": args.check, "long": args.long, "reps": args.reps,
+            "max_tokens": args.max_tokens, "mixed": args.mixed, "check": args.check, "long": args.long, "reps": args.reps,
             "prefill_step_size": args.prefill_step_size}
-    header = (f"{describe(model, config)}; {args.max_tokens} greedy tokens a stream; prefill step "
+    tokens = (f"{round(args.max_tokens / 2)} to {round(args.max_tokens * 1.5)} greedy tokens a stream (--mixed)"
+              if args.mixed else f"{args.max_tokens} greedy tokens a stream")
+    header = (f"{describe(model, config)}; {tokens}; prefill step "
               f"{args.prefill_step_size}; runner: --max-batch {max_batch}, P>1 via {args.backend}"
               f"{' (a GPU per rank)' if args.gpu_per_rank else ''}; extra runner args: {args.runner_arg or 'none'}")
     print(header, file=sys.stderr, flush=True)

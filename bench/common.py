@@ -261,8 +261,9 @@ def grpc_generate(stub, token_ids: List[int], max_tokens: int, timeout: Optional
     return out
 
 
-def concurrent_streams(stub, prompts: list, max_tokens: int, timeout: float) -> dict:
-    """len(prompts) threads, one greedy Generate stream each, released together. Aggregate =
+def concurrent_streams(stub, prompts: list, max_tokens, timeout: float) -> dict:
+    """len(prompts) threads, one greedy Generate stream each (max_tokens: one for all, or a
+    list with one per prompt), released together. Aggregate =
     generated tokens / (last stream's end - first request sent); `ttfts_s`: each stream's
     request sent -> first token (None if it got none)."""
     n = len(prompts)
@@ -272,7 +273,8 @@ def concurrent_streams(stub, prompts: list, max_tokens: int, timeout: float) -> 
     def one(i):
         try:
             barrier.wait()
-            runs[i] = grpc_generate(stub, prompts[i], max_tokens, timeout)
+            limit = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+            runs[i] = grpc_generate(stub, prompts[i], limit, timeout)
         except Exception as e:  # reported with the result
             runs[i] = {"error": f"{type(e).__name__}: {e.details() if hasattr(e, 'details') else e}"}
 

@@ -1,7 +1,8 @@
 """What bench_load.py measures on every configuration (mlx-lm in its child process, or a runner
 served over gRPC), in one order, through a client with three calls:
 
-    batch(prompts, max_tokens)  all prompts at once: {"aggregate_tps", "wall_s", "tokens",
+    batch(prompts, max_tokens)  all prompts at once (max_tokens: one for all, or one per prompt):
+                                {"aggregate_tps", "wall_s", "tokens",
                                 "ttfts_s" (one per prompt, request -> first token), "token_ids"}
     alone(prompt, max_tokens)   the prompt by itself: its greedy token ids
     first_token(prompt)         seconds from the request to the first token (max_tokens 1)
@@ -24,6 +25,16 @@ def prompts_for(length: int, streams: int) -> list:
     """The prompts of one run: distinct per stream and per run (a prefix cache finds nothing
     from an earlier run, as mlx-lm's batch_generate, which keeps none, would not)."""
     return stream_prompts(streams, length, tag=f"load-{length}-{streams}")
+
+
+def budgets(streams: int, max_tokens: int, mixed: bool):
+    """max_tokens of each stream: all the same, or (mixed) spread evenly over [max_tokens / 2,
+    3 max_tokens / 2] in a fixed shuffled order, about the same total, so rows finish at different
+    steps, as in real traffic (each finish changes a batch: mlx-lm's and the runner's filters)."""
+    if not mixed or streams == 1:
+        return max_tokens
+    spread = [max(1, round(max_tokens * (0.5 + i / (streams - 1)))) for i in range(streams)]
+    return [spread[(i * 7919) % streams] if math.gcd(7919, streams) == 1 else spread[i] for i in range(streams)]
 
 
 def long_prompt(length: int) -> list:
@@ -66,8 +77,10 @@ def measure(spec: dict, client, name: str) -> dict:
             for n in spec["streams"]:
                 client.batch(stream_prompts(n, length, tag=f"warmup-{length}-{n}"), WARMUP_TOKENS)
                 prompts = prompts_for(length, n)
-                run = client.batch(prompts, spec["max_tokens"])
-                run["alone"] = [client.alone(p, spec["max_tokens"]) for p in prompts[: spec["check"]]]
+                limits = budgets(n, spec["max_tokens"], spec.get("mixed", False))
+                run = client.batch(prompts, limits)
+                each = limits if isinstance(limits, list) else [limits] * n
+                run["alone"] = [client.alone(p, m) for p, m in zip(prompts[: spec["check"]], each)]
                 runs[str(n)] = run
                 say(f"{length}-token prompts, {n} streams: {describe(run)}")
         if spec["long"]:

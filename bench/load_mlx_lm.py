@@ -35,7 +35,7 @@ class MlxLm:
         gen = BatchGenerator(self.model, stop_tokens=[[t] for t in self.eos], completion_batch_size=n,
                              prefill_batch_size=n, prefill_step_size=self.pss)
         start = time.perf_counter()
-        uids = gen.insert(prompts, [max_tokens] * n)
+        uids = gen.insert(prompts, max_tokens if isinstance(max_tokens, list) else [max_tokens] * n)
         tokens, first = {u: [] for u in uids}, {}
         while responses := gen.next_generated():
             now = time.perf_counter()

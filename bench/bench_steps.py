@@ -208,13 +208,14 @@ def main():
     runner_row(pipeline, tokenizer, warm, 4, steps[0])
     for n in [int(x) for x in args.streams.split(",")]:
         prompts = stream_prompts(n, args.prompt_len, "steps")
-        # Each batch shape once untimed (the first call of a shape compiles kernels on GPU).
+        # Each batch shape once untimed (the first call of a shape compiles kernels on GPU), the
+        # runner's with the same arrivals and batch budget (a staggered burst makes other shapes).
         mlx_lm_row(model, eos, prompts, 8)
         if args.tight:
             tight(model, stage, prompts)
             print(json.dumps({"streams": n, "tight_ms_per_step": tight(model, stage, prompts)}), flush=True)
         for step in steps:
-            runner_row(pipeline, tokenizer, prompts, 8, step)
+            runner_row(pipeline, tokenizer, prompts, 8, step, stagger=args.stagger, batch_tokens=args.prefill_batch_tokens)
         runs = [] if args.skip_mlx_lm else [("mlx-lm", lambda: mlx_lm_row(model, eos, prompts, args.max_tokens))]
         runs += [(f"runner prefill step {k} {c}",
                   lambda k=k, c=c: runner_row(pipeline, tokenizer, prompts, args.max_tokens, k, args.profile, c,

@@ -92,7 +92,10 @@ class SlotCaches:
 
     def join(self, batch_slot: int, source_slot: int, rows: List[int]) -> None:
         """Append rows `rows` (in that order) of `source_slot` to `batch_slot`'s batch;
-        the source keeps its other rows, and is gone once none are left."""
+        the source keeps its other rows, and is gone once none are left. A source no
+        frame has reached yet (a one-token prompt: nothing to prefill) joins with
+        fresh caches."""
+        self.get(source_slot)
         rest = [r for r in range(self.rows(source_slot)) if r not in rows]
         source = self.slots[source_slot]
         if not rest:
@@ -138,9 +141,10 @@ class SlotCaches:
             cache.filter(rows)
 
     def length(self, slot: int, row: int = 0) -> int:
-        """Tokens the sequence in row `row` of `slot` has been fed."""
-        cache = self.slots[slot][0]
-        return cache.offset[row].item() if is_batch(self.slots[slot]) else cache.offset
+        """Tokens the sequence in row `row` of `slot` has been fed (none in a slot no
+        frame has reached)."""
+        caches = self.get(slot)
+        return caches[0].offset[row].item() if is_batch(caches) else caches[0].offset
 
     def snapshot(self, slot: int, entry: int, row: int = 0) -> Tuple[int, int]:
         """Keep a copy of row `row` of `slot` as prefix-cache entry `entry`.

@@ -171,7 +171,7 @@ def test_arrival_during_a_batch_waits_for_the_next(hf_checkpoint):
     scheduler.start()
     try:
         first = admitted_together(scheduler, [GenerationRequest(PROMPTS[3], max_tokens=6)])[0]
-        results = [list(h.events()) for h in [first] + late]
+        results = [list(first.events())] + [list(h.events()) for h in late]  # late: sent while first ran
     finally:
         scheduler.close()
     assert log.batch_rows() == [1, 1]
@@ -193,7 +193,8 @@ def test_a_prompt_arriving_while_others_decode_takes_its_first_token_in_their_st
     try:
         running = PROMPTS[3:3 + len(split)]  # one per decode group
         handles = admitted_together(scheduler, [GenerationRequest(p, max_tokens=24) for p in running])
-        results = [list(h.events()) for h in handles + late]
+        results = [list(h.events()) for h in handles]
+        results += [list(h.events()) for h in late]  # submitted while those ran
     finally:
         scheduler.close()
     for prompt, events in zip(running + [PROMPTS[2]], results):
@@ -216,7 +217,7 @@ def test_a_prefilled_batch_takes_its_first_tokens_before_the_next_batch_prefills
     scheduler.start()
     try:
         first = scheduler.submit(GenerationRequest(PROMPTS[3], max_tokens=40))
-        results = [list(h.events()) for h in [first] + late]
+        results = [list(first.events())] + [list(h.events()) for h in late]  # late: sent while first ran
     finally:
         scheduler.close()
     for prompt, events, n in zip([PROMPTS[3], PROMPTS[2], PROMPTS[5]], results, [40, 8, 8]):
@@ -226,6 +227,63 @@ def test_a_prefilled_batch_takes_its_first_tokens_before_the_next_batch_prefills
     batches = [m for m in log.order() if m != "first"]
     assert len(batches) == 3 and log.order() == [batches[0], "first", batches[1], "first", batches[2], "first"]
     assert log.unserved == [0] * len(log.unserved), log.unserved
+    assert_no_caches_left(scheduler.pipeline)
+
+
+@pytest.mark.parametrize("split", [(8,), (4, 4)])
+def test_one_token_prompts_alone_and_beside_running_rows(hf_checkpoint, split):
+    """A batch of one one-token prompt sends no chunk: its row joins a group with fresh caches."""
+    one = [PROMPTS[0][2]]
+    late = []
+
+    def submit_late(slot, shape, reply):  # once the running request decodes
+        if slot < len(split) and not late and running:
+            late.append(scheduler.submit(GenerationRequest(one, max_tokens=8)))
+
+    scheduler = scheduler_for(hf_checkpoint, split)
+    running = []
+    log = FrameLog(scheduler, submit_late)
+    scheduler.start()
+    try:
+        alone = list(scheduler.submit(GenerationRequest(one, max_tokens=8)).events())
+        running.append(scheduler.submit(GenerationRequest(PROMPTS[3], max_tokens=24)))
+        results = [alone] + [list(h.events()) for h in running]
+        results += [list(h.events()) for h in late]  # submitted while that ran
+    finally:
+        scheduler.close()
+    for prompt, events, n in zip([one, PROMPTS[3], one], results, [8, 24, 8]):
+        assert_alone(hf_checkpoint, prompt, events, n)
+    # The late one shares the running row's group with one rank; with two, it takes the empty one.
+    assert log.first[0][1:] == (1, 1) and log.first[-1][1:] == ((2, 1) if len(split) == 1 else (1, 1))
+    assert_no_caches_left(scheduler.pipeline)
+
+
+def test_a_one_token_prompt_cancelled_before_it_joins_a_group(hf_checkpoint):
+    """Its row waits to join (the group's step is in flight) and is cancelled there: with the
+    prefix cache on, the cancel stores nothing from a slot no frame has reached."""
+    scheduler = scheduler_for(hf_checkpoint, (8,), prefix_cache_bytes=1 << 30)
+    batcher, late = scheduler.batcher, []
+    prefilled = batcher._prefilled
+
+    def cancel_while_waiting(batch):  # the late prompt's batch is done: cancel it before it joins
+        prefilled(batch)
+        if batch.members[0].handle in late:
+            late[0].cancel()
+
+    def submit_late(slot, shape, reply):  # once the running request decodes
+        if slot == 0 and not late:
+            late.append(scheduler.submit(GenerationRequest([PROMPTS[0][2]], max_tokens=8)))
+
+    batcher._prefilled = cancel_while_waiting
+    FrameLog(scheduler, submit_late)
+    scheduler.start()
+    try:
+        running = list(scheduler.submit(GenerationRequest(PROMPTS[3], max_tokens=24)).events())
+        cancelled = list(late[0].events())  # submitted while `running` decoded
+    finally:
+        scheduler.close()
+    assert_alone(hf_checkpoint, PROMPTS[3], running, 24)
+    assert tokens_of(cancelled) == [] and cancelled[-1].finish_reason == "cancelled"
     assert_no_caches_left(scheduler.pipeline)
 
 

@@ -270,8 +270,11 @@ def test_a_one_token_prompt_cancelled_before_it_joins_a_group(hf_checkpoint):
         if batch.members[0].handle in late:
             late[0].cancel()
 
-    def submit_late(slot, shape, reply):  # once the running request decodes
-        if slot == 0 and not late:
+    steps = []
+
+    def submit_late(slot, shape, reply):  # at the running request's third step: the group stays busy
+        steps.append(slot)
+        if steps.count(0) == 3:
             late.append(scheduler.submit(GenerationRequest([PROMPTS[0][2]], max_tokens=8)))
 
     batcher._prefilled = cancel_while_waiting

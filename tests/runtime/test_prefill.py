@@ -1,122 +1,18 @@
 """Batched admission: prompts admitted together prefill in one batch, then take their first tokens in
 the decode groups' next steps, and each request still gets exactly what it gets alone."""
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import pytest
-from mlx_lm.utils import load_tokenizer
 
 from distributed.runtime.batching import PrefixHooks
 from distributed.runtime.caches import SlotCaches, is_batch
-from distributed.runtime.request import FinishEvent, GenerationRequest, TokenEvent
-from distributed.runtime.scheduler import Scheduler
+from distributed.runtime.request import FinishEvent, GenerationRequest
 from distributed.transport import Op, Reply
+from prefill_frames import (EOS_FIRST, PROMPTS, STEP, FrameLog, admitted_together, assert_alone,
+                            assert_no_caches_left, run_admitted, scheduler_for, tokens_of)
 from reference import mlx_lm_greedy
-from stages import in_process_pipeline
-
-# Different lengths: shorter and longer than the 16-token window and than a 16-token prefill step.
-PROMPTS = [[(k * i + 5 * k) % 250 + 1 for i in range(n)] for k, n in [(3, 5), (7, 17), (11, 40), (13, 70), (17, 9), (19, 33)]]
-EOS_FIRST = [96, 2, 158]  # the tiny model's first greedy token after this prompt is EOS
-STEP = 16
-
-
-class FrameLog:
-    """What rank 0 sends: each forward frame (slot, shape, reply, the kinds of frames then in the
-    ring, whether groups were decoding), each cache op (op, slot, arg, values), and each decode
-    step that gives rows their first token (its index in sends, rows, those rows)."""
-
-    def __init__(self, scheduler, on_send=None):
-        self.sends, self.ops, self.first = [], [], []
-        self.unserved = []  # at each prefill frame: rows prefilled earlier still without their first token
-        pipeline, batcher = scheduler.pipeline, scheduler.batcher
-        send, apply = pipeline.send, pipeline.caches.apply
-
-        def logged_send(tokens, reply, slot=0):
-            decoding = any(g.members for g in batcher.groups)
-            if slot >= self.ranks:
-                self.unserved.append(sum(s.first_at is None for g in batcher.groups for s in g.members)
-                                     + sum(len(b.members) for b in batcher.ready))
-            self.sends.append((slot, tokens.shape, reply, [o.kind for o in batcher.outstanding], decoding))
-            group = next((g for g in batcher.groups if g.slot == slot), None)
-            fresh = sum(s.first_at is None for s in group.members) if group else 0
-            if fresh:
-                self.first.append((len(self.sends) - 1, tokens.shape[0], fresh))
-            if on_send is not None:
-                on_send(slot, tokens.shape, reply)
-            return send(tokens, reply, slot)
-
-        def logged_apply(op, slot, arg, values):
-            self.ops.append((op, slot, arg, list(values)))
-            return apply(op, slot, arg, values)
-
-        self.ranks = pipeline.num_ranks
-        pipeline.send, pipeline.caches.apply = logged_send, logged_apply
-
-    def prefill(self):
-        return [s for s in self.sends if s[0] >= self.ranks]
-
-    def first_rows(self):
-        """Rows taking their first token in each decode step that has any, in order."""
-        return [fresh for _, _, fresh in self.first]
-
-    def order(self):
-        """Each prefill batch's slot as its chunks go, and "first" for each step giving
-        rows their first token (other steps left out; repeats merged)."""
-        first = {i for i, _, _ in self.first}
-        marks = ["first" if i in first else s[0] for i, s in enumerate(self.sends) if i in first or s[0] >= self.ranks]
-        return [m for i, m in enumerate(marks) if i == 0 or m != marks[i - 1]]
-
-    def batch_rows(self):
-        """Rows of each prefill batch, in order (from its first chunk)."""
-        return [shape[0] for slot, shape in dict((slot, shape) for slot, shape, *_ in reversed(self.prefill()))
-                .items()][::-1]
-
-
-def admitted_together(scheduler, requests):
-    """Submit while the scheduler loop is held, so every request is admitted in one turn."""
-    started, release = threading.Event(), threading.Event()
-    blocker = threading.Thread(target=scheduler.call, args=(lambda _: (started.set(), release.wait()),))
-    blocker.start()
-    started.wait(30)
-    handles = [scheduler.submit(r) for r in requests]
-    release.set()
-    blocker.join()
-    return handles
-
-
-def run_admitted(scheduler, requests):
-    """Start the loop, admit `requests` in one turn, take every request's events, stop."""
-    scheduler.start()
-    try:
-        return [list(h.events()) for h in admitted_together(scheduler, requests)]
-    finally:
-        scheduler.close()
-
-
-def tokens_of(events):
-    return [e.token_id for e in events if isinstance(e, TokenEvent)]
-
-
-def assert_alone(path, prompt, events, max_tokens):
-    ref_tokens, ref_logprobs = mlx_lm_greedy(path, prompt, max_tokens, STEP)
-    assert tokens_of(events) == ref_tokens
-    logprobs = [e.logprob for e in events if isinstance(e, TokenEvent)]
-    assert max((abs(a - b) for a, b in zip(logprobs, ref_logprobs)), default=0) < 1e-4
-
-
-def assert_no_caches_left(pipeline):
-    assert pipeline.caches.slots == {}
-    for handler in getattr(pipeline.transport, "handlers", []):
-        assert handler.__self__.caches.slots == {}
-
-
-def scheduler_for(path, split, **kw):
-    pipeline, _ = in_process_pipeline(path, split)
-    kw = dict(dict(prefill_step_size=STEP, max_batch=6), **kw)
-    return Scheduler(pipeline, load_tokenizer(path), **kw)
-
 
 @pytest.mark.parametrize("split", [(8,), (4, 4), (3, 1, 4)])
 def test_prompts_admitted_together_prefill_in_one_batch_and_stay_exact(hf_checkpoint, split):

@@ -4,7 +4,7 @@
         [--streams 1,8,32,64,128 | none] [--prompt-lens 8,128] [--max-tokens 128] [--ps 1,2]
         [--backend ring|nccl|mlx-launch-ring] [--gpu-per-rank] [--check N|all]
         [--long 2048,8192,32768] [--reps 3] [--prefill-step-size 2048] [--max-batch N]
-        [--mixed] [--runner-arg=--flag=value ...] [--baseline DIR] [--blas reference|openblas] [--timeout S]
+        [--mixed] [--arrival-gap S] [--runner-arg=--flag=value ...] [--baseline DIR] [--blas reference|openblas] [--timeout S]
 
 One invocation measures every configuration, one after another, on the same weights, greedy:
 
@@ -40,9 +40,15 @@ on a GPU may differ); the runner's alone tokens are also compared with mlx-lm ge
 --mixed: each stream's max_tokens spread evenly over [--max-tokens / 2, 3 --max-tokens / 2] (fixed
 order, about the same total), so rows finish at different steps, as in real traffic; the alone
 runs use each stream's own max_tokens.
+--arrival-gap S: stream i is sent S * i seconds after the first instead of all at once, so prompts
+arrive while others decode (their chunks ride in the decode steps: chunked prefill); the
+inter-token latency (ITL p50 / p99 over every gap between a stream's tokens) shows how long the
+running streams stall meanwhile. mlx-lm's batch call cannot take arrivals: it needs --no-mlx-lm;
+compare with another checkout through --baseline.
 --long: TTFT of each long prompt alone (max_tokens 1), median of --reps, after a warm-up.
 
-Printed: one row per configuration x prompt length x stream count (tok/s, TTFT p50, p99, exact,
+Printed: one row per configuration x prompt length x stream count (tok/s, TTFT p50, p99, the
+runners' ITL p50, p99, exact,
 tok/s ratios runner / mlx-lm and P=k / P=1), TTFT p50 at 64 streams and TTFT p50 (32 at once) /
 TTFT (1 alone) (the largest count measured where 64 or 32 is not), the long-prompt TTFTs and their
 ratios. --out gets every raw number (each stream's TTFT and tokens), rewritten after every
@@ -114,6 +120,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, help="greedy tokens per stream (default 128)")
     p.add_argument("--mixed", action="store_true",
                    help="max_tokens spread over [max/2, 3 max/2] across the streams: rows finish at different steps")
+    p.add_argument("--arrival-gap", type=float, default=0.0, metavar="S",
+                   help="stream i arrives S * i seconds after the first, instead of all at once (prompts arriving "
+                        "while others decode; runners only: needs --no-mlx-lm)")
     p.add_argument("--ps", type=int_list, help="runner rank counts (default 1,2)")
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baseline (runner ratios only)")
     p.add_argument("--backend", choices=BACKENDS, default="ring", help="how P > 1 ranks start (default ring)")
@@ -148,6 +157,10 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--baseline {args.baseline}: no run_trinity.py there")
     if args.streams and not args.prompt_lens:
         p.error("--prompt-lens: give at least one length")
+    if args.arrival_gap < 0:
+        p.error("--arrival-gap: must be at least 0")
+    if args.arrival_gap and not args.no_mlx_lm:
+        p.error("--arrival-gap needs --no-mlx-lm: mlx-lm's batch_generate takes every prompt at once")
     if args.model and args.make_mini:
         p.error("--model and --make-mini: give one")
     return args
@@ -223,10 +236,12 @@ def main() -> None:
                    "--max-queue", str(max(64, *args.streams or [1])), "--max-batch", str(max_batch),
                    "--prefill-step-size", str(args.prefill_step_size), *args.runner_arg]
     spec = {"model": str(model), "streams": args.streams, "prompt_lens": args.prompt_lens,
-            "max_tokens": args.max_tokens, "mixed": args.mixed, "check": args.check, "long": args.long, "reps": args.reps,
+            "max_tokens": args.max_tokens, "mixed": args.mixed, "arrival_gap": args.arrival_gap, "check": args.check, "long": args.long, "reps": args.reps,
             "prefill_step_size": args.prefill_step_size}
     tokens = (f"{round(args.max_tokens / 2)} to {round(args.max_tokens * 1.5)} greedy tokens a stream (--mixed)"
               if args.mixed else f"{args.max_tokens} greedy tokens a stream")
+    if args.arrival_gap:
+        tokens += f", stream i arriving {args.arrival_gap} s x i after the first"
     header = (f"{describe(model, config)}; {tokens}; prefill step "
               f"{args.prefill_step_size}; runner: --max-batch {max_batch}, P>1 via {args.backend}"
               f"{' (a GPU per rank)' if args.gpu_per_rank else ''}; extra runner args: {args.runner_arg or 'none'}")

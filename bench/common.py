@@ -8,6 +8,7 @@ stays light; the functions that need them import them.
 
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -240,16 +241,18 @@ def wait_serving(target: str, procs: List[subprocess.Popen], timeout: float = 60
 def grpc_generate(stub, token_ids: List[int], max_tokens: int, timeout: Optional[float] = 600) -> dict:
     """One greedy Generate of raw token ids, timed at the client (time.perf_counter):
     `sent` (the call), `first` / `last` (the first / last response carrying tokens, None if
-    none), `done` (the stream ended); `token_ids`, `finish_reason`, and the server's `usage`."""
+    none), `times` (each response carrying tokens), `done` (the stream ended); `token_ids`,
+    `finish_reason`, and the server's `usage`."""
     from distributed.serving.proto import generation_pb2 as pb
 
     request = pb.GenerateRequest(token_ids=token_ids, max_tokens=max_tokens, temperature=0.0)
-    out = {"token_ids": [], "first": None, "last": None, "finish_reason": None, "usage": None}
+    out = {"token_ids": [], "first": None, "last": None, "times": [], "finish_reason": None, "usage": None}
     out["sent"] = time.perf_counter()
     for response in stub.Generate(request, timeout=timeout):
         if response.token_ids:
             out["last"] = time.perf_counter()
             out["first"] = out["first"] or out["last"]
+            out["times"].append(out["last"])
             out["token_ids"] += list(response.token_ids)
         if response.finish_reason:
             u = response.usage
@@ -261,11 +264,12 @@ def grpc_generate(stub, token_ids: List[int], max_tokens: int, timeout: Optional
     return out
 
 
-def concurrent_streams(stub, prompts: list, max_tokens, timeout: float) -> dict:
+def concurrent_streams(stub, prompts: list, max_tokens, timeout: float, gap: float = 0.0) -> dict:
     """len(prompts) threads, one greedy Generate stream each (max_tokens: one for all, or a
-    list with one per prompt), released together. Aggregate =
-    generated tokens / (last stream's end - first request sent); `ttfts_s`: each stream's
-    request sent -> first token (None if it got none)."""
+    list with one per prompt), released together, or (gap) stream i `gap` * i seconds after
+    the first. Aggregate = generated tokens / (last stream's end - first request sent);
+    `ttfts_s`: each stream's request sent -> first token (None if it got none); `itl_s`: the
+    inter-token latency (gaps between a stream's token responses, all streams) at p50, p99, max."""
     n = len(prompts)
     barrier = threading.Barrier(n)
     runs = [None] * n
@@ -273,6 +277,7 @@ def concurrent_streams(stub, prompts: list, max_tokens, timeout: float) -> dict:
     def one(i):
         try:
             barrier.wait()
+            time.sleep(gap * i)
             limit = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
             runs[i] = grpc_generate(stub, prompts[i], limit, timeout)
         except Exception as e:  # reported with the result
@@ -290,7 +295,10 @@ def concurrent_streams(stub, prompts: list, max_tokens, timeout: float) -> dict:
     wall = max(r["done"] for r in runs) - min(r["sent"] for r in runs)
     ttfts = [r["first"] - r["sent"] if r["first"] is not None else None for r in runs]
     got = [t for t in ttfts if t is not None]
-    return {"streams": n, "wall_s": wall, "tokens": tokens, "aggregate_tps": tokens / wall,
+    itls = sorted(b - a for r in runs for a, b in zip(r["times"], r["times"][1:]))
+    itl = {q: itls[max(0, math.ceil(q / 100 * len(itls)) - 1)] for q in (50, 99, 100)} if itls else {}
+    return {"streams": n, "wall_s": wall, "tokens": tokens, "aggregate_tps": tokens / wall, "arrival_gap_s": gap,
+            "itl_s": {"p50": itl.get(50), "p99": itl.get(99), "max": itl.get(100)},
             "mean_ttft_s": sum(got) / len(got) if got else None, "max_ttft_s": max(got) if got else None,
             "ttfts_s": ttfts, "token_ids": [r["token_ids"] for r in runs],
             "finish_reasons": [r["finish_reason"] for r in runs]}

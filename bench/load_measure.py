@@ -1,9 +1,12 @@
 """What bench_load.py measures on every configuration (mlx-lm in its child process, or a runner
 served over gRPC), in one order, through a client with three calls:
 
-    batch(prompts, max_tokens)  all prompts at once (max_tokens: one for all, or one per prompt):
+    batch(prompts, max_tokens[, gap])
+                                all prompts at once (max_tokens: one for all, or one per prompt;
+                                a runner also takes `gap`: prompt i arrives gap * i s after the first):
                                 {"aggregate_tps", "wall_s", "tokens",
-                                "ttfts_s" (one per prompt, request -> first token), "token_ids"}
+                                "ttfts_s" (one per prompt, request -> first token), "token_ids",
+                                a runner's "itl_s" (inter-token latency p50 / p99 / max)}
     alone(prompt, max_tokens)   the prompt by itself: its greedy token ids
     first_token(prompt)         seconds from the request to the first token (max_tokens 1)
 
@@ -48,9 +51,10 @@ def percentile(values: list, q: float):
 
 
 def describe(run: dict) -> str:
-    ttfts = run["ttfts_s"]
+    ttfts, itl = run["ttfts_s"], run.get("itl_s") or {}
+    gaps = f", ITL p50 {itl['p50'] * 1e3:.0f} ms p99 {itl['p99'] * 1e3:.0f} ms" if itl.get("p99") is not None else ""
     return (f"{run['aggregate_tps']:.1f} tok/s, TTFT p50 {percentile(ttfts, 50) * 1e3:.0f} ms "
-            f"p99 {percentile(ttfts, 99) * 1e3:.0f} ms ({run['tokens']} tokens in {run['wall_s']:.2f} s)")
+            f"p99 {percentile(ttfts, 99) * 1e3:.0f} ms{gaps} ({run['tokens']} tokens in {run['wall_s']:.2f} s)")
 
 
 def measure(spec: dict, client, name: str) -> dict:
@@ -78,7 +82,8 @@ def measure(spec: dict, client, name: str) -> dict:
                 client.batch(stream_prompts(n, length, tag=f"warmup-{length}-{n}"), WARMUP_TOKENS)
                 prompts = prompts_for(length, n)
                 limits = budgets(n, spec["max_tokens"], spec.get("mixed", False))
-                run = client.batch(prompts, limits)
+                gap = spec.get("arrival_gap", 0.0)
+                run = client.batch(prompts, limits, gap) if gap else client.batch(prompts, limits)
                 each = limits if isinstance(limits, list) else [limits] * n
                 run["alone"] = [client.alone(p, m) for p, m in zip(prompts[: spec["check"]], each)]
                 runs[str(n)] = run

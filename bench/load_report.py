@@ -15,9 +15,9 @@ def stream_row(run: dict) -> dict:
         return None
     alone = run.get("alone", [])
     same = sum(run["token_ids"][k] == tokens for k, tokens in enumerate(alone))
-    ttfts = run["ttfts_s"]
+    ttfts, itl = run["ttfts_s"], run.get("itl_s") or {}
     return {"tok_s": run["aggregate_tps"], "p50_ms": ms(percentile(ttfts, 50)), "p99_ms": ms(percentile(ttfts, 99)),
-            "exact": [same, len(alone)]}
+            "itl_p50_ms": ms(itl.get("p50")), "itl_p99_ms": ms(itl.get("p99")), "exact": [same, len(alone)]}
 
 
 def ms(seconds):
@@ -123,13 +123,17 @@ def print_streams(summary: dict, spec: dict) -> None:
     print()
     rows = summary["table"]
     with_base = any(r.get("vs_base") is not None for r in rows)
-    print_table(["config", "prompt", "streams", "tok/s", "TTFT p50 ms", "p99 ms", "exact", "x mlx-lm", "x P=1"]
-                + (["x base"] if with_base else []),
+    print_table(["config", "prompt", "streams", "tok/s", "TTFT p50 ms", "p99 ms", "ITL p50 ms", "p99 ms", "exact",
+                 "x mlx-lm", "x P=1"] + (["x base"] if with_base else []),
                 [[r["config"], str(r["prompt_len"]), str(r["streams"]), num(r["tok_s"], ".1f"), num(r["p50_ms"], ".0f"),
-                  num(r["p99_ms"], ".0f"), "%d/%d" % tuple(r["exact"]), num(r["vs_mlx_lm"], ".2f"),
+                  num(r["p99_ms"], ".0f"), num(r.get("itl_p50_ms"), ".0f"), num(r.get("itl_p99_ms"), ".0f"),
+                  "%d/%d" % tuple(r["exact"]), num(r["vs_mlx_lm"], ".2f"),
                   num(r["vs_p1"], ".2f")] + ([num(r.get("vs_base"), ".2f")] if with_base else []) for r in rows])
+    gap = spec.get("arrival_gap") or 0
     print("  tok/s = generated tokens / (last stream's end - first request); TTFT = request sent -> first token "
-          "(client side); p99 is nearest-rank (the max below 100 streams); exact = streams whose greedy tokens "
+          "(client side); ITL = the gaps between a stream's tokens, all streams (runners; mlx-lm's batch "
+          "call has none)" + (f"; stream i arrived {gap} s x i after the first (--arrival-gap)" if gap else "")
+          + "; p99 is nearest-rank (the max below 100 streams); exact = streams whose greedy tokens "
           f"equal the same prompt run alone on that config (the first {spec['check']} of each run); "
           "x mlx-lm, x P=1" + (", x base (this checkout / --baseline's at the same P)" if with_base else "")
           + ": tok/s ratios")

@@ -134,8 +134,8 @@ class GrpcClient:
             raise RuntimeError(self.server.why("a server process exited"))
         return out
 
-    def batch(self, prompts: list, max_tokens: int) -> dict:
-        return self._call(concurrent_streams, self.stub, prompts, max_tokens, self.timeout)
+    def batch(self, prompts: list, max_tokens: int, gap: float = 0.0) -> dict:
+        return self._call(concurrent_streams, self.stub, prompts, max_tokens, self.timeout, gap)
 
     def alone(self, prompt: list, max_tokens: int) -> list:
         return self._call(grpc_generate, self.stub, prompt, max_tokens, self.timeout)["token_ids"]

@@ -7,6 +7,7 @@ from mlx_lm.utils import load_tokenizer
 
 from distributed.runtime.scheduler import Scheduler
 from distributed.runtime.request import TokenEvent
+from distributed.transport import Reply
 from reference import mlx_lm_greedy
 from stages import in_process_pipeline
 
@@ -18,35 +19,46 @@ STEP = 16
 
 class FrameLog:
     """What rank 0 sends: each forward frame (slot, shape, reply, the kinds of frames then in the
-    ring, whether groups were decoding), each cache op (op, slot, arg, values), and each decode
-    step that gives rows their first token (its index in sends, rows, those rows)."""
+    ring, whether groups were decoding; a mixed frame is logged as its chunk, then its step), each
+    cache op (op, slot, arg, values), and each decode step that gives rows their first token (its
+    index in sends, rows, those rows)."""
 
     def __init__(self, scheduler, on_send=None):
         self.sends, self.ops, self.first = [], [], []
         self.unserved = []  # at each prefill frame: rows prefilled earlier still without their first token
+        self.mixed = []  # indices in sends of the chunks that rode in a decode step's frame (the step follows)
         pipeline, batcher = scheduler.pipeline, scheduler.batcher
-        send, apply = pipeline.send, pipeline.caches.apply
+        send, send_mixed, apply = pipeline.send, pipeline.send_mixed, pipeline.caches.apply
 
-        def logged_send(tokens, reply, slot=0):
+        def log(shape, reply, slot):
             decoding = any(g.members for g in batcher.groups)
             if slot >= self.ranks:
                 self.unserved.append(sum(s.first_at is None for g in batcher.groups for s in g.members)
                                      + sum(len(b.members) for b in batcher.ready))
-            self.sends.append((slot, tokens.shape, reply, [o.kind for o in batcher.outstanding], decoding))
+            self.sends.append((slot, shape, reply, [o.kind for o in batcher.outstanding], decoding))
             group = next((g for g in batcher.groups if g.slot == slot), None)
             fresh = sum(s.first_at is None for s in group.members) if group else 0
             if fresh:
-                self.first.append((len(self.sends) - 1, tokens.shape[0], fresh))
+                self.first.append((len(self.sends) - 1, shape[0], fresh))
             if on_send is not None:
-                on_send(slot, tokens.shape, reply)
+                on_send(slot, shape, reply)
+
+        def logged_send(tokens, reply, slot=0):
+            log(tokens.shape, reply, slot)
             return send(tokens, reply, slot)
+
+        def logged_send_mixed(tokens, slot, chunk, chunk_slot):
+            self.mixed.append(len(self.sends))
+            log(chunk.shape, Reply.ACK, chunk_slot)
+            log(tokens.shape, Reply.LAST, slot)
+            return send_mixed(tokens, slot, chunk, chunk_slot)
 
         def logged_apply(op, slot, arg, values):
             self.ops.append((op, slot, arg, list(values)))
             return apply(op, slot, arg, values)
 
         self.ranks = pipeline.num_ranks
-        pipeline.send, pipeline.caches.apply = logged_send, logged_apply
+        pipeline.send, pipeline.send_mixed, pipeline.caches.apply = logged_send, logged_send_mixed, logged_apply
 
     def prefill(self):
         return [s for s in self.sends if s[0] >= self.ranks]

@@ -11,10 +11,12 @@ streaming them, building the next step) overlaps the device's.
 
 New sequences are admitted in batches (`prefill`): waiting prompts prefill
 together, in chunks that follow each other along the ring. While groups are
-decoding, at most one prefill frame is in the ring, so prompts delay a decode
-step by one bounded frame at most. Then the batch's rows join the groups, each
-with its last prompt token as its next input: its first decode step, beside
-the running rows' next one, gives its first token.
+decoding, each chunk rides in a group's decode step, in the same frame
+(chunked prefill, as vLLM and Sarathi-Serve mix them: Stage.mixed runs the
+MoE over both), so the running rows take a token per chunk, and a step is
+delayed by one bounded chunk at most. Then the batch's rows join the groups,
+each with its last prompt token as its next input: its first decode step,
+beside the running rows' next one, gives its first token.
 """
 
 from collections import deque
@@ -66,6 +68,7 @@ class Outstanding:
     group: Optional[Group] = None
     picked: Optional[tuple] = None  # what _pick gives; one rank: as the frame was sent
     first: bool = False  # a step giving some rows their first token
+    chunk: bool = False  # a step carrying a prefill chunk in its frame
 
 
 class Batcher:
@@ -137,12 +140,19 @@ class Batcher:
         if not decoding:  # prompt chunks fill the ring, one behind the other
             while len(self.outstanding) < self.depth and self._send_prefill():
                 pass
-        elif not self.ready and all(o.kind == "step" and not o.first for o in self.outstanding):
-            # One prefill frame at a time beside decoding, and none while prefilled rows
-            # wait to join a group or for their first token: that comes first.
-            self._send_prefill()
         while (group := self._next_group()) is not None:
             self._send_step(group)
+        # Beside decoding, chunks ride in the groups' steps (_send_step). One goes in a frame
+        # of its own only if a rank would idle otherwise (fewer frames in the ring than ranks),
+        # one at a time, and so does a scored prompt's (its reply is every position's).
+        if (decoding and self._prefill_may_go() and len(self.outstanding) < self.depth
+                and not any(o.kind == "chunk" or o.chunk for o in self.outstanding)):
+            self._send_prefill()
+
+    def _prefill_may_go(self) -> bool:
+        """No prefill while prefilled rows wait to join a group or for their first token
+        (a chunk in the ring would delay it: the first token comes first)."""
+        return not self.ready and not any(o.first for o in self.outstanding)
 
     def _send_prefill(self) -> bool:
         batch = self.admission.send_next()
@@ -186,12 +196,29 @@ class Batcher:
         return None
 
     def _send_step(self, group: Group, tokens: Optional[mx.array] = None) -> None:
+        """Send `group`'s decode step, with the next prefill chunk in its frame if one
+        waits (chunked prefill, as vLLM and Sarathi-Serve mix them): the chunk's tokens
+        share the step's pass over the expert weights, and the running rows go on
+        decoding while prompts prefill, one chunk per step at most."""
         if tokens is None:
             tokens = mx.array([s.next_token for s in group.members], dtype=mx.uint32)
-        self.pipeline.send(tokens[:, None], Reply.LAST, group.slot)
-        group.busy = True
         first = any(s.first_at is None for s in group.members)
-        self._expect(Outstanding("step", list(group.members), group.slot, group, first=first))
+        carried = []
+
+        def carry(chunk: mx.array, chunk_slot: int) -> None:
+            self.pipeline.send_mixed(tokens[:, None], group.slot, chunk, chunk_slot)
+            carried.append(chunk_slot)
+
+        batch = None
+        if (not first and self._prefill_may_go() and self.admission.pending
+                and not self.admission.next_scored):
+            batch = self.admission.send_next(carry)
+        if not carried:
+            self.pipeline.send(tokens[:, None], Reply.LAST, group.slot)
+        group.busy = True
+        self._expect(Outstanding("step", list(group.members), group.slot, group, first=first, chunk=bool(carried)))
+        if batch is not None and batch.done:
+            self._prefilled(batch)
 
     def _expect(self, frame: Outstanding) -> None:
         """`frame` was sent; its reply comes in order. With one rank the reply is

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..shard.loader import parameter_bytes
-from ..shard.stage import Stage
+from ..shard.stage import Stage, flatten
 from ..transport import Header, Op, Reply, Transport
 from . import rank_info
 from .caches import SlotCaches
@@ -135,6 +135,26 @@ class Pipeline:
                 self._local.append((Header(Op.FORWARD, Reply.ACK, slot), None))
         else:
             self._local.append((Header(Op.FORWARD, reply, slot), h[:, -1:, :] if reply == Reply.LAST else h))
+
+    def send_mixed(self, tokens: mx.array, slot: int, chunk: mx.array, chunk_slot: int) -> None:
+        """Start a decode step, tokens (rows, 1) of `slot`, and a prefill chunk, (rows,
+        columns) of `chunk_slot`, through all stages as one frame (Stage.mixed: the
+        chunk's tokens share the step's pass over the expert weights). The reply is the
+        step's (Reply.LAST); the chunk's outputs are only kept in its caches."""
+        h, c = self.stage.mixed([(self.stage.embed(tokens), self.caches.get(slot)),
+                                 (self.stage.embed(chunk), self.caches.get(chunk_slot))])
+        self.stats.forward_frames += 1
+        self.stats.mixed_frames += 1
+        if self.transport is None:
+            self._local.append((Header(Op.FORWARD, Reply.LAST, slot), h))
+            return
+        payload = flatten([h, c])
+        rows, length = chunk.shape
+        self._send(Header.for_payload(Op.FORWARD, payload, reply=Reply.LAST, slot=slot, chunk_slot=chunk_slot,
+                                      chunk_rows=rows, chunk_length=length), payload)
+        if self.time_sends:
+            self._computing = payload
+            self.stats.dispatched()
 
     def recv(self) -> Tuple[Header, Optional[mx.array]]:
         """The reply to the oldest frame sent that asked for one: final hidden

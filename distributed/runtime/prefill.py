@@ -71,12 +71,24 @@ class Admission:
         """Sequences waiting or in the batch being sent."""
         return list(self.waiting) + (self.current.members if self.current else [])
 
-    def send_next(self) -> Optional[PrefillBatch]:
+    @property
+    def pending(self) -> bool:
+        """A batch is being sent or a sequence waits for one."""
+        return self.current is not None or bool(self.waiting)
+
+    @property
+    def next_scored(self) -> bool:
+        """The next chunk is a scored prompt's (its frame needs a reply of its own)."""
+        seq = self.current.members[0] if self.current else self.waiting[0] if self.waiting else None
+        return seq is not None and seq.request.scores_prompt
+
+    def send_next(self, carry: Optional[Callable[[mx.array, int], None]] = None) -> Optional[PrefillBatch]:
         """Send the next chunk of the current batch, forming a batch first if needed
         (a batch of one-token prompts has no chunk to send). Returns the batch, or None
         if nothing waits. Once `done`, the batch is no longer current: its prompts are
         in the ring but each row's last token, the input of the row's first decode
-        step (its `next_token`)."""
+        step (its `next_token`). With `carry`, the chunk goes through carry(tokens, slot)
+        instead, to ride in a decode step's frame (never a scored prompt's: see next_scored)."""
         batch = self.current or self._form()
         if batch is None:
             return None
@@ -86,7 +98,11 @@ class Admission:
             batch.sent += n
             # A scored prompt needs every position's output (logits.PromptScores).
             reply = Reply.ALL if batch.members[0].request.scores_prompt else Reply.ACK
-            self.pipeline.send(mx.array(chunk, dtype=mx.uint32), reply, batch.slot)
+            if carry is not None:
+                assert reply == Reply.ACK, "a scored prompt's chunk goes alone (see next_scored)"
+                carry(mx.array(chunk, dtype=mx.uint32), batch.slot)
+            else:
+                self.pipeline.send(mx.array(chunk, dtype=mx.uint32), reply, batch.slot)
         if batch.done:
             if batch.padded:
                 self.pipeline.finalize(batch.slot)

@@ -1,5 +1,5 @@
-"""What a rank counts about its own work, for rank 0's metrics: forward frames, the
-time of its own forward computation, and the bytes its KV caches hold.
+"""What a rank counts about its own work, for rank 0's metrics: forward frames (and
+how many carried a prefill chunk beside a decode step), the time of its own forward computation, and the bytes its KV caches hold.
 
 Other ranks evaluate each frame apart from its send (which may wait for the next
 rank) and do nothing else meanwhile: their time is their whole computation. Rank
@@ -31,6 +31,7 @@ class RankStats:
         self.caches = caches
         self.forward_seconds = 0.0
         self.forward_frames = 0
+        self.mixed_frames = 0  # of those, decode steps that carried a prefill chunk (Stage.mixed)
         self._since: Optional[float] = None  # rank 0: since when work of its own is in flight
 
     def dispatched(self) -> None:
@@ -59,6 +60,7 @@ class RankStats:
         return {
             "forward_seconds": self.forward_seconds,
             "forward_frames": self.forward_frames,
+            "mixed_frames": self.mixed_frames,
             "kv_cache_bytes": sum(c.nbytes for caches in slots for c in caches),
             "prefix_cache_bytes": sum(c.nbytes for caches in entries for c in caches),
             "peak_memory_bytes": mx.get_peak_memory(),

@@ -5,7 +5,7 @@ from typing import Callable, Optional, Tuple
 import mlx.core as mx
 
 from ..shard.loader import parameter_bytes
-from ..shard.stage import Stage
+from ..shard.stage import Stage, flatten, unflatten
 from ..transport import Header, Op, Reply, Transport
 from . import rank_info
 from .caches import CACHE_OPS, SlotCaches
@@ -44,6 +44,8 @@ class StageWorker:
 
     def _forward(self, header: Header, h: mx.array) -> Optional[Frame]:
         self.stats.forward_frames += 1
+        if header.mixed:
+            return self._forward_mixed(header, h)
         h = self.stage(h, self.caches.get(header.slot))
         if self.is_last:
             if header.reply in (Reply.NONE, Reply.ACK):
@@ -52,6 +54,23 @@ class StageWorker:
             if header.reply == Reply.LAST:
                 h = h[:, -1:, :]
         return Header.for_payload(Op.FORWARD, h, reply=header.reply, slot=header.slot), h
+
+    def _forward_mixed(self, header: Header, h: mx.array) -> Optional[Frame]:
+        """A decode step and a prefill chunk in one frame (Pipeline.send_mixed)."""
+        self.stats.mixed_frames += 1
+        chunk = (header.chunk_rows, header.chunk_length, header.width)
+        step = (header.length - chunk[0] * chunk[1], 1, header.width)
+        parts = unflatten(h, [step, chunk])
+        outs = self.stage.mixed([(parts[0], self.caches.get(header.slot)),
+                                 (parts[1], self.caches.get(header.chunk_slot))])
+        if self.is_last:
+            # The step's reply. Evaluating it evaluates the chunk's caches too: each layer's
+            # MLP / MoE ran over both parts, so the chunk's attention is upstream of it.
+            return Header.for_payload(Op.FORWARD, outs[0], reply=header.reply, slot=header.slot), outs[0]
+        payload = flatten(outs)
+        return Header.for_payload(Op.FORWARD, payload, reply=header.reply, slot=header.slot,
+                                  chunk_slot=header.chunk_slot, chunk_rows=header.chunk_rows,
+                                  chunk_length=header.chunk_length), payload
 
     def serve(self, transport: Transport) -> None:
         """Loop until rank 0 sends STOP."""

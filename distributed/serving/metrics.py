@@ -108,6 +108,8 @@ class _RingCollector:
                                          "ranks' as of their last heartbeat (about 1 s old at most)", labels=labels)),
             ("forward_frames", _counter("rank_forward_frames", "Forward frames (prompt chunks, decode steps) each "
                                         "rank computed", labels=labels)),
+            ("mixed_frames", _counter("rank_mixed_frames", "Forward frames each rank computed that carried a "
+                                      "prompt chunk beside a decode step (chunked prefill)", labels=labels)),
             ("kv_cache_bytes", _gauge("kv_cache_bytes", "Bytes of KV cache each rank holds for running requests",
                                       labels=labels)),
             ("prefix_cache_bytes", _gauge("prefix_cache_bytes", "Bytes of prefix-cache entries each rank holds",

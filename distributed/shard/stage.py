@@ -6,7 +6,7 @@ the tail (final norm, lm_head or the tied embedding); the others hold neither.
 """
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,14 +55,50 @@ class Stage(nn.Module):
     def __call__(self, h: mx.array, cache: Optional[List] = None) -> mx.array:
         if cache is None:
             cache = [None] * len(self.layers)
-        # Masks come from this stage's own caches: a stage may hold no
-        # full-attention layer, or no sliding one.
-        full_cache = next((c for l, c in zip(self.layers, cache) if not l.use_sliding), None)
-        sliding_cache = next((c for l, c in zip(self.layers, cache) if l.use_sliding), None)
-        full_mask = create_attention_mask(h, full_cache)
-        sliding_mask = create_attention_mask(
-            h, sliding_cache, window_size=self.args.sliding_window
-        )
+        full_mask, sliding_mask = self._masks(h, cache)
         for layer, c in zip(self.layers, cache):
             h = layer(h, sliding_mask if layer.use_sliding else full_mask, cache=c)
         return h
+
+    def mixed(self, parts: List[Tuple[mx.array, List]]) -> List[mx.array]:
+        """Several batches, each (hidden states, its caches), through the layers in one
+        pass: attention per batch, with its own caches and masks, and the MLP or MoE
+        over all their tokens together, so the expert weights are read once for all
+        (a decode step and a prefill chunk in one frame). Each layer is mlx-lm's
+        DecoderLayer.__call__ with the attention half taken per batch."""
+        masks = [self._masks(h, cache) for h, cache in parts]
+        hs = [h for h, _ in parts]
+        for i, layer in enumerate(self.layers):
+            hs = [
+                h + layer.post_attention_layernorm(
+                    layer.self_attn(layer.input_layernorm(h), m[1] if layer.use_sliding else m[0], cache[i]))
+                for h, m, (_, cache) in zip(hs, masks, parts)
+            ]
+            flat = flatten(hs)
+            flat = flat + layer.post_mlp_layernorm(layer.mlp(layer.pre_mlp_layernorm(flat)))
+            hs = unflatten(flat, [h.shape for h in hs])
+        return hs
+
+    def _masks(self, h: mx.array, cache: List) -> Tuple:
+        """(full-attention mask, sliding-window mask) for `h` after `cache`. They come
+        from this stage's own caches: a stage may hold no full-attention layer, or no
+        sliding one."""
+        full_cache = next((c for l, c in zip(self.layers, cache) if not l.use_sliding), None)
+        sliding_cache = next((c for l, c in zip(self.layers, cache) if l.use_sliding), None)
+        return (create_attention_mask(h, full_cache),
+                create_attention_mask(h, sliding_cache, window_size=self.args.sliding_window))
+
+
+def flatten(hs: List[mx.array]) -> mx.array:
+    """Arrays (rows, length, hidden) as one (1, tokens, hidden), their tokens in order."""
+    return mx.concatenate([h.reshape(1, -1, h.shape[-1]) for h in hs], axis=1)
+
+
+def unflatten(flat: mx.array, shapes: List[Tuple[int, ...]]) -> List[mx.array]:
+    """Split (1, tokens, hidden) back into arrays of `shapes` (their tokens in order)."""
+    out, start = [], 0
+    for shape in shapes:
+        n = shape[0] * shape[1]
+        out.append(flat[:, start:start + n].reshape(shape))
+        start += n
+    return out

@@ -53,8 +53,13 @@ class Header:
     width: int = 0
     dtype: int = 0
     arg: int = 0  # op-specific: JOIN's source slot, PARK's number
+    # A FORWARD that also carries a prefill chunk (Pipeline.send_mixed): the chunk's
+    # slot, rows and columns. Its tokens follow the decode rows' in the payload.
+    chunk_slot: int = 0
+    chunk_rows: int = 0
+    chunk_length: int = 0
 
-    SIZE = 8
+    SIZE = 11
 
     def to_array(self) -> mx.array:
         return mx.array(astuple(self), dtype=mx.int32)
@@ -77,6 +82,11 @@ class Header:
 
     def payload_dtype(self) -> mx.Dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def mixed(self) -> bool:
+        """A FORWARD carrying a prefill chunk beside its decode rows."""
+        return self.chunk_rows > 0
 
 
 class Transport(ABC):

@@ -126,6 +126,37 @@ def test_a_prefilled_batch_takes_its_first_tokens_before_the_next_batch_prefills
     assert_no_caches_left(scheduler.pipeline)
 
 
+@pytest.mark.parametrize("split", [(8,), (4, 4), (3, 1, 4)])
+def test_prompts_arriving_while_others_decode_prefill_inside_their_steps(hf_checkpoint, split):
+    """Chunked prefill beside decoding: each chunk rides in a running group's decode step, in its
+    frame, so the running rows take a token per chunk, and every request stays exact."""
+    late = []
+
+    def submit_late(slot, shape, reply):  # once the running requests decode
+        if slot < len(split) and not late:
+            late.extend(scheduler.submit(GenerationRequest(p, max_tokens=8)) for p in (PROMPTS[3], PROMPTS[2]))
+
+    scheduler = scheduler_for(hf_checkpoint, split)
+    log = FrameLog(scheduler, submit_late)
+    scheduler.start()
+    try:
+        running = [PROMPTS[4], PROMPTS[5], PROMPTS[0]][:len(split)]  # one per decode group
+        handles = admitted_together(scheduler, [GenerationRequest(p, max_tokens=40) for p in running])
+        results = [list(h.events()) for h in handles] + [list(h.events()) for h in late]
+    finally:
+        scheduler.close()
+    for prompt, events, n in zip(running + [PROMPTS[3], PROMPTS[2]], results, [40] * len(split) + [8, 8]):
+        assert_alone(hf_checkpoint, prompt, events, n)
+    late_slot = log.prefill()[-1][0]
+    chunks = [i for i, s in enumerate(log.sends) if s[0] == late_slot]
+    # The late pair (69 and 39 tokens before their last) in 2-row chunks of 8 columns: 9 chunks,
+    # each logged just before the decode step whose frame carried it.
+    assert len(chunks) == 9 and chunks == log.mixed
+    assert all(log.sends[i + 1][0] < len(split) for i in chunks)
+    assert [log.sends[i][1] for i in chunks] == [(2, 8)] * 8 + [(2, 5)]
+    assert_no_caches_left(scheduler.pipeline)
+
+
 @pytest.mark.parametrize("split", [(8,), (4, 4)])
 def test_one_token_prompts_alone_and_beside_running_rows(hf_checkpoint, split):
     """A batch of one one-token prompt sends no chunk: its row joins a group with fresh caches."""

@@ -11,6 +11,15 @@ def test_header_round_trip_and_payload_shape():
     assert back == header
     assert back.payload_shape() == (2, 5, 64) and back.payload_dtype() == mx.bfloat16
     assert not Header(Op.RESET).has_payload
+    assert not header.mixed
+
+
+def test_a_mixed_frame_header_carries_its_chunk():
+    h = mx.zeros((1, 3 + 2 * 8, 64))  # a 3-row decode step, then a 2 x 8 chunk
+    header = Header.for_payload(Op.FORWARD, h, reply=Reply.LAST, slot=1, chunk_slot=9, chunk_rows=2, chunk_length=8)
+    back = Header.from_array(header.to_array())
+    assert back == header and back.mixed
+    assert (back.chunk_slot, back.chunk_rows, back.chunk_length) == (9, 2, 8)
 
 
 def test_local_ring_chains_handlers_in_order():

@@ -18,6 +18,7 @@ from distributed.runtime.scheduler import Scheduler
 from distributed.serving.proto import generation_pb2 as pb
 from distributed.transport import Reply
 from grpc_server import SERVER_ARGS, Server
+from prefill_frames import FrameLog
 from stages import in_process_pipeline
 
 WINDOW = 16  # the tiny model's sliding window: prompts longer than this wrap it
@@ -206,6 +207,34 @@ def test_concurrent_requests_sharing_a_system_prompt(hf_checkpoint):
     finally:
         warm.close()
     assert_every_rank_agrees(warm.prefix_cache)
+
+
+def test_a_restored_turn_prefills_inside_a_running_requests_steps(hf_checkpoint):
+    """Chunked prefill on a restored history: a chat's next turn arrives while another request
+    decodes on two ranks; its new tokens ride in that request's steps, after the restored
+    entry, and both equal a cold run."""
+    pipeline, _ = in_process_pipeline(hf_checkpoint, (3, 5))
+    warm = Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=8, prefix_cache_bytes=1 << 30)
+    log = FrameLog(warm)
+    first = SYSTEM + other(6)
+    warm.start()
+    try:
+        reply = split_events(list(warm.submit(GenerationRequest(first, max_tokens=4)).events()))
+        follow = first + reply[0] + other(20, 5)
+        running = warm.submit(GenerationRequest(other(9, 3), max_tokens=40))
+        events, late = [], None
+        for event in running.events():
+            events.append(event)
+            if late is None and isinstance(event, TokenEvent):
+                late = warm.submit(GenerationRequest(follow, max_tokens=8))
+        got = split_events(list(late.events()))
+    finally:
+        warm.close()
+    cold = cold_scheduler(hf_checkpoint, (3, 5))
+    assert_same(split_events(events), run(cold, other(9, 3), 40))
+    assert_same(got, run(cold, follow, 8))
+    assert got[2].cached_tokens >= len(first)
+    assert len(log.mixed) >= 2, "its 20-odd new tokens went in 8-token chunks beside the running steps"
 
 
 def test_eviction_under_a_small_budget(hf_checkpoint):

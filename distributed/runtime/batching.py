@@ -144,18 +144,25 @@ class Batcher:
 
     def _fill(self) -> None:
         decoding = bool(self.ready) or any(g.members for g in self.groups)
-        alone = not any(o.kind == "chunk" or o.chunk for o in self.outstanding)  # no chunk in the ring
         if not decoding:  # prompt chunks fill the ring, one behind the other
             while len(self.outstanding) < self.depth and self._send_prefill():
                 pass
-        elif not self.mix and alone and self._prefill_may_go():
-            self._send_prefill()  # one rank: one chunk at a time, in a frame of its own, first
+        elif not self.mix:
+            self._send_prefill_beside()  # one rank: before the step
         while (group := self._next_group()) is not None:
             self._send_step(group)
-        # Several ranks: chunks ride in the groups' steps (_send_step). One goes in a frame of
-        # its own only if a rank would idle otherwise (fewer frames in the ring than ranks),
-        # one at a time, and so does a scored prompt's (its reply is every position's).
-        if self.mix and decoding and alone and self._prefill_may_go() and len(self.outstanding) < self.depth:
+        if decoding and self.mix:
+            self._send_prefill_beside()  # several: after the steps, which carry chunks
+
+    def _send_prefill_beside(self) -> None:
+        """A chunk in a frame of its own beside decoding: one at a time, and none while
+        prefilled rows wait to join a group or for their first token (that comes first).
+        With one rank every chunk goes so; with several (they ride in the steps) only
+        while a rank would idle otherwise (fewer frames in the ring than ranks), or a
+        scored prompt's (its reply is every position's, so it cannot ride in a step)."""
+        if any(o.kind == "chunk" or o.chunk for o in self.outstanding) or not self._prefill_may_go():
+            return
+        if not self.mix or self.admission.next_scored or len(self.outstanding) < self.depth:
             self._send_prefill()
 
     def _prefill_may_go(self) -> bool:

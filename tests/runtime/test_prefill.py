@@ -160,6 +160,36 @@ def test_prompts_arriving_while_others_decode_prefill_inside_their_steps(hf_chec
     assert_no_caches_left(scheduler.pipeline)
 
 
+def test_a_scored_prompt_arriving_while_two_ranks_decode_goes_in_frames_of_its_own(hf_checkpoint):
+    """A prompt whose logprobs are asked for needs every position back: its chunks cannot ride in
+    a step, and go beside decoding (not once the running rows are done) in frames of their own."""
+    late = []
+
+    def submit_late(slot, shape, reply):  # once the running requests decode
+        if slot < 2 and not late:
+            late.append(scheduler.submit(GenerationRequest(PROMPTS[2], max_tokens=4, prompt_logprobs=True)))
+            submitted.append(len(log.sends) - 1)
+
+    submitted = []
+    scheduler = scheduler_for(hf_checkpoint, (4, 4))
+    log = FrameLog(scheduler, submit_late)
+    scheduler.start()
+    try:
+        running = [PROMPTS[4], PROMPTS[5]]
+        handles = admitted_together(scheduler, [GenerationRequest(p, max_tokens=40) for p in running])
+        results = [list(h.events()) for h in handles] + [list(late[0].events())]
+    finally:
+        scheduler.close()
+    for prompt, events, n in zip(running + [PROMPTS[2]], results, [40, 40, 4]):
+        assert_alone(hf_checkpoint, prompt, events, n)
+    # Its 39 tokens before the last in chunks of 16, right after it came (the two running steps
+    # in the ring at once would otherwise leave no room for a frame until they ended).
+    scored = [i for i, s in enumerate(log.sends) if s[2] == Reply.ALL]
+    assert [log.sends[i][1] for i in scored] == [(1, 16), (1, 16), (1, 7)] and log.mixed == []
+    assert all(log.sends[i][4] for i in scored) and scored[-1] - submitted[0] <= 12, (submitted, scored)
+    assert_no_caches_left(scheduler.pipeline)
+
+
 @pytest.mark.parametrize("split", [(8,), (4, 4)])
 def test_one_token_prompts_alone_and_beside_running_rows(hf_checkpoint, split):
     """A batch of one one-token prompt sends no chunk: its row joins a group with fresh caches."""

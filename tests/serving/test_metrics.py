@@ -181,13 +181,17 @@ def test_gauges_while_a_request_runs(ring, served):
 
 
 def test_a_prompt_arriving_while_one_decodes_rides_in_its_steps(ring, served):
-    """Chunked prefill over the real ring: a new prompt's chunk goes in the running request's decode
-    step (a mixed frame, which both ranks count), and its tokens are those it gets alone."""
+    """Chunked prefill over the real ring: with a request decoding in each group (both ranks busy),
+    a new prompt's chunk goes in a decode step (a mixed frame, which both ranks count), and its
+    tokens are those it gets alone."""
     fresh = list(reversed(PROMPT))  # not in the prefix cache: its prompt has chunks to send
-    call = ring.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_tokens=LONG), timeout=120)
-    next(call)
+    calls = [ring.stub.Generate(pb.GenerateRequest(token_ids=PROMPT[k:], max_tokens=LONG), timeout=120)
+             for k in (0, 1)]
+    for call in calls:
+        next(call)
     beside = generate(ring.stub, token_ids=fresh, max_tokens=8)
-    call.cancel()
+    for call in calls:
+        call.cancel()
     alone = generate(ring.stub, token_ids=fresh, max_tokens=8)
     assert beside["token_ids"] == alone["token_ids"]
     assert max(abs(a - b) for a, b in zip(beside["logprobs"], alone["logprobs"])) < 1e-4
@@ -219,8 +223,8 @@ def test_a_killed_rank_turns_health_down_and_counts_a_ring_failure(ring, served)
     output = ring.output(10**7)
     stop = re.search(r"trinity: server stopped \(the pipeline is down: rank 1 \(host .*\) stopped responding.*\): "
                      r"up [\d.]+ s, served (\d+) requests", output)
-    # It counts the request the failure ended (+ the four before it), logged before it.
-    assert stop and int(stop.group(1)) == len(served) + 5, output[-3000:]
+    # It counts the request the failure ended (+ the five before it), logged before it.
+    assert stop and int(stop.group(1)) == len(served) + 6, output[-3000:]
     failed = access_lines(output[: stop.start()])[-1]
     assert (failed["status"], failed["outcome"]) == ("UNAVAILABLE", "error"), failed
     assert int(failed["completion_tokens"]) == received, failed  # what the client got before the error

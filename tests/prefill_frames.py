@@ -33,11 +33,11 @@ class FrameLog:
         def log(shape, reply, slot):
             decoding = any(g.members for g in batcher.groups)
             if slot >= self.ranks:
-                self.unserved.append(sum(s.first_at is None for g in batcher.groups for s in g.members)
+                self.unserved.append(sum(s.awaiting_first for g in batcher.groups for s in g.members)
                                      + sum(len(b.members) for b in batcher.ready))
             self.sends.append((slot, shape, reply, [o.kind for o in batcher.outstanding], decoding))
             group = next((g for g in batcher.groups if g.slot == slot), None)
-            fresh = sum(s.first_at is None for s in group.members) if group else 0
+            fresh = sum(s.awaiting_first for s in group.members) if group else 0
             if fresh:
                 self.first.append((len(self.sends) - 1, shape[0], fresh))
             if on_send is not None:

@@ -218,7 +218,7 @@ class Batcher:
         go on decoding while prompts prefill, one chunk per step at most."""
         if tokens is None:
             tokens = mx.array([s.next_token for s in group.members], dtype=mx.uint32)
-        first = any(s.first_at is None for s in group.members)
+        first = any(s.awaiting_first for s in group.members)
         carried = []
 
         def carry(chunk: mx.array, chunk_slot: int) -> None:
@@ -275,7 +275,7 @@ class Batcher:
         # finished there were in this step too (and were filtered out of the caches since).
         in_slot = [(i, s) for i, s in enumerate(frame.sequences) if not s.finished]
         # Rows whose first token this is (their last prompt token was this step's input).
-        fresh = {id(s) for _, s in in_slot if s.first_at is None}
+        fresh = {id(s) for _, s in in_slot if s.awaiting_first}
         group = frame.group
         if (lookahead and not self.ready and not fresh
                 and not all(s.ends_at_next_token for _, s in in_slot)

@@ -121,6 +121,11 @@ class Sequence:
         return mx.random.categorical(logprobs * (1 / self.request.temperature), key=draw)
 
     @property
+    def awaiting_first(self) -> bool:
+        """No token accepted yet: its next decode step gives its first token."""
+        return self.first_at is None
+
+    @property
     def ends_at_next_token(self) -> bool:
         """The next token accepted reaches max_tokens: the request ends there, whatever it is."""
         return self.count + 1 >= self.request.max_tokens

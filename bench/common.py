@@ -264,6 +264,12 @@ def grpc_generate(stub, token_ids: List[int], max_tokens: int, timeout: Optional
     return out
 
 
+def percentile(values: list, q: float):
+    """Nearest-rank percentile (q in 0..100): an observed value; p99 of fewer than 100 is the max."""
+    values = sorted(v for v in values if v is not None)
+    return values[max(0, math.ceil(q / 100 * len(values)) - 1)] if values else None
+
+
 def concurrent_streams(stub, prompts: list, max_tokens, timeout: float, gap: float = 0.0) -> dict:
     """len(prompts) threads, one greedy Generate stream each (max_tokens: one for all, or a
     list with one per prompt), released together, or (gap) stream i `gap` * i seconds after
@@ -295,8 +301,8 @@ def concurrent_streams(stub, prompts: list, max_tokens, timeout: float, gap: flo
     wall = max(r["done"] for r in runs) - min(r["sent"] for r in runs)
     ttfts = [r["first"] - r["sent"] if r["first"] is not None else None for r in runs]
     got = [t for t in ttfts if t is not None]
-    itls = sorted(b - a for r in runs for a, b in zip(r["times"], r["times"][1:]))
-    itl = {q: itls[max(0, math.ceil(q / 100 * len(itls)) - 1)] for q in (50, 99, 100)} if itls else {}
+    itls = [b - a for r in runs for a, b in zip(r["times"], r["times"][1:])]
+    itl = {q: percentile(itls, q) for q in (50, 99, 100)}
     return {"streams": n, "wall_s": wall, "tokens": tokens, "aggregate_tps": tokens / wall, "arrival_gap_s": gap,
             "itl_s": {"p50": itl.get(50), "p99": itl.get(99), "max": itl.get(100)},
             "mean_ttft_s": sum(got) / len(got) if got else None, "max_ttft_s": max(got) if got else None,

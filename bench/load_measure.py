@@ -19,7 +19,7 @@ import math
 import statistics
 import sys
 
-from common import stream_prompts
+from common import percentile, stream_prompts
 
 WARMUP_TOKENS = 4
 
@@ -42,12 +42,6 @@ def budgets(streams: int, max_tokens: int, mixed: bool):
 
 def long_prompt(length: int) -> list:
     return stream_prompts(1, length, tag=f"long-{length}")[0]
-
-
-def percentile(values: list, q: float):
-    """Nearest-rank percentile (q in 0..100): an observed value; p99 of fewer than 100 is the max."""
-    values = sorted(v for v in values if v is not None)
-    return values[max(0, math.ceil(q / 100 * len(values)) - 1)] if values else None
 
 
 def describe(run: dict) -> str:

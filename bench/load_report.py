@@ -4,7 +4,7 @@ checkout) and, with --baseline, of this checkout against the other at the same P
 under load against TTFT alone; the long prompts' TTFT. Every number here comes from the raw
 results, which go to the JSON file as they are."""
 
-from load_measure import percentile
+from common import percentile
 
 BASELINE = "mlx-lm"
 

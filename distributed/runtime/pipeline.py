@@ -140,14 +140,12 @@ class Pipeline:
         """Start a decode step, tokens (rows, 1) of `slot`, and a prefill chunk, (rows,
         columns) of `chunk_slot`, through all stages as one frame (Stage.mixed: the
         chunk's tokens share the step's pass over the expert weights). The reply is the
-        step's (Reply.LAST); the chunk's outputs are only kept in its caches."""
+        step's (Reply.LAST); the chunk's outputs are only kept in its caches. Several
+        ranks only (the batcher mixes nothing with one: Batcher.mix)."""
         h, c = self.stage.mixed([(self.stage.embed(tokens), self.caches.get(slot)),
                                  (self.stage.embed(chunk), self.caches.get(chunk_slot))])
         self.stats.forward_frames += 1
         self.stats.mixed_frames += 1
-        if self.transport is None:
-            self._local.append((Header(Op.FORWARD, Reply.LAST, slot), h))
-            return
         payload = flatten([h, c])
         rows, length = chunk.shape
         self._send(Header.for_payload(Op.FORWARD, payload, reply=Reply.LAST, slot=slot, chunk_slot=chunk_slot,

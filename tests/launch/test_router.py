@@ -37,6 +37,8 @@ def kill_mid_stream(launcher, streams, rank, sig=signal.SIGKILL, health=None):
     for s in streams:
         s.wait_tokens(KILL_AFTER)
     ranks = launcher.ranks()
+    if health is not None:
+        health.append(launcher.status())  # before the kill: the launcher may notice it before our first poll
     os.kill(ranks[rank], sig)
     if health is not None:
         end = time.monotonic() + 120

@@ -69,8 +69,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="how hidden states move between ranks: point-to-point send/recv, or collectives "
                    "(for backends without send/recv, such as NCCL); auto picks collective under NCCL")
     p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE,
-                   help="tokens per prefill frame (a batch of B prompts: N/B each; riding in a decode step, "
-                   "the step's rows count too); several ranks work on successive chunks at once")
+                   help="prompt tokens per prefill frame (a batch of B prompts: N/B each); "
+                   "several ranks work on successive chunks at once")
     p.add_argument("--max-batch", type=int, default=None,
                    help="sequences decoding together (split into one micro-batch per rank); default: as many "
                    f"as fit beside the weights on the tightest rank, each with a --max-context-token KV cache "

@@ -179,7 +179,7 @@ def test_help_shows_defaults_and_names_readme_sections_that_exist(capsys):
     assert e.value.code == 0 and "DESIGN.md" not in out
     flat = " ".join(out.split())
     for default in ("--max-tokens MAX_TOKENS tokens to generate (per turn with --chat) (default: 100)",
-                    "--prefill-step-size PREFILL_STEP_SIZE tokens per prefill frame",
+                    "--prefill-step-size PREFILL_STEP_SIZE prompt tokens per prefill frame",
                     "(default: 2048)", "(default: 5.0)", "(default: 64)", "(default: auto)",
                     "--seed SEED sampling seed (default: random)"):
         assert default in flat, default

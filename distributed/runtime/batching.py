@@ -215,8 +215,7 @@ class Batcher:
         """Send `group`'s decode step; with several ranks, with the next prefill chunk in
         its frame if one waits (chunked prefill, as vLLM and Sarathi-Serve mix them): the
         chunk's tokens share the step's pass over the expert weights, and the running rows
-        go on decoding while prompts prefill, one chunk per step at most, within the frame's
-        token budget (--prefill-step-size: the step's rows and the chunk's tokens together)."""
+        go on decoding while prompts prefill, one chunk per step at most."""
         if tokens is None:
             tokens = mx.array([s.next_token for s in group.members], dtype=mx.uint32)
         first = any(s.awaiting_first for s in group.members)
@@ -229,7 +228,7 @@ class Batcher:
         batch = None
         if (self.mix and not first and self._prefill_may_go() and self.admission.pending
                 and not self.admission.next_scored):
-            batch = self.admission.send_next(carry, room=self.admission.prefill_step_size - tokens.shape[0])
+            batch = self.admission.send_next(carry)
         if not carried:
             self.pipeline.send(tokens[:, None], Reply.LAST, group.slot)
         group.busy = True

@@ -17,8 +17,8 @@ joins a group.
 Admission takes every waiting sequence, in arrival order, while the batch's
 padded prompt tokens stay within a budget; a sequence arriving while a batch
 is being sent waits for the next one. Each frame carries at most
-`prefill_step_size` tokens: a chunk's prompt tokens (padding included), and the
-decode rows of a step it rides in, so a chunk delays decoding by a bounded amount.
+`prefill_step_size` prompt tokens (padding included), so a prefill frame beside
+decode steps delays them by a bounded amount.
 """
 
 from collections import deque
@@ -31,7 +31,7 @@ from ..transport import Reply
 from .pipeline import Pipeline
 from .sequence import Sequence
 
-# Tokens per prefill frame (--prefill-step-size), as mlx-lm's generate and
+# Prompt tokens per prefill frame (--prefill-step-size), as mlx-lm's generate and
 # BatchGenerator: on an H200 a batch of 64 prompts prefilled 1.4x faster in frames
 # of 2048 tokens than of 512 (bench/bench_steps.py).
 PREFILL_STEP_SIZE = 2048
@@ -82,20 +82,18 @@ class Admission:
         seq = self.current.members[0] if self.current else self.waiting[0] if self.waiting else None
         return seq is not None and seq.request.scores_prompt
 
-    def send_next(self, carry: Optional[Callable[[mx.array, int], None]] = None,
-                  room: Optional[int] = None) -> Optional[PrefillBatch]:
+    def send_next(self, carry: Optional[Callable[[mx.array, int], None]] = None) -> Optional[PrefillBatch]:
         """Send the next chunk of the current batch, forming a batch first if needed
         (a batch of one-token prompts has no chunk to send). Returns the batch, or None
         if nothing waits. Once `done`, the batch is no longer current: its prompts are
         in the ring but each row's last token, the input of the row's first decode
         step (its `next_token`). With `carry`, the chunk goes through carry(tokens, slot)
-        instead, to ride in a decode step's frame (never a scored prompt's: see next_scored);
-        `room`: the tokens the frame has left for it (see _columns)."""
+        instead, to ride in a decode step's frame (never a scored prompt's: see next_scored)."""
         batch = self.current or self._form()
         if batch is None:
             return None
         if batch.sent < batch.width:
-            n = self._columns(batch, room)
+            n = min(batch.step, batch.width - batch.sent)
             chunk = [(row[batch.sent:batch.sent + n] + [0] * n)[:n] for row in batch.rows]  # right-padded
             batch.sent += n
             # A scored prompt needs every position's output (logits.PromptScores).
@@ -112,19 +110,6 @@ class Admission:
                 seq.next_token, seq.unsent = seq.unsent[-1], []
             self.current = None
         return batch
-
-    @staticmethod
-    def _columns(batch: PrefillBatch, room: Optional[int]) -> int:
-        """Columns of the batch's next chunk: `step`, or fewer to keep its tokens within
-        `room` (a frame's token budget, less the decode rows riding in it, as vLLM's
-        max_num_batched_tokens counts both). One column at least, two for a padded batch,
-        which must not be left with a last chunk of one column either (see _form)."""
-        left = batch.width - batch.sent
-        n = batch.step if room is None else min(batch.step, room // len(batch.rows))
-        n = min(left, max(n, 2 if batch.padded else 1))
-        if batch.padded and left - n == 1:
-            n = n + 1 if n == 2 else n - 1
-        return n
 
     def _form(self) -> Optional[PrefillBatch]:
         """The next batch: waiting sequences in arrival order while its padded tokens

@@ -63,9 +63,9 @@ def cut_mid_stream(hosts, name: str, client: RouterClient, stream: Stream, until
     cut, the health states and the cut's time."""
     stream.wait_tokens(CUT_AFTER)
     before = len(stream.tokens)
+    health = [client.status()]  # before the cut: the router may notice it before our first poll
     hosts.cut(name)
     cut_at = time.monotonic()
-    health = []
     while time.monotonic() < cut_at + timeout and not until(health) and stream.is_alive():
         status = client.status()
         if not health or health[-1] != status:

@@ -1,8 +1,8 @@
 """The prefix cache: KV caches kept across requests, so a prompt that extends an
 earlier one (a chat's next turn, a shared system prompt) prefills only the rest.
 
-Distributed like the KV cache: rank 0 keeps the index (token prefix -> entry,
-LRU, bounded in bytes) and every rank keeps its layers' slice of each entry
+Distributed like the KV cache: rank 0 keeps the index (prefix_index.py: token
+prefix -> entry, LRU, bounded in bytes) and every rank keeps its layers' slice of each entry
 (caches.py), through ring ops that need no reply (pipeline.py: snapshot,
 restore, evict). As in mlx-lm's server (LRUPromptCache) an entry is stored when
 a sequence finishes (prompt and the generated tokens fed through the model) and
@@ -17,13 +17,12 @@ of its tokens; an entry shorter than the window (or a model without sliding
 layers) can be cut to any common prefix (mlx-lm's can_trim_prompt_cache).
 """
 
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence
 
 import numpy as np
 
 from .pipeline import Pipeline
+from .prefix_index import Entry, PrefixIndex
 
 DEFAULT_SHARE = 4  # the default budget: 1/DEFAULT_SHARE of the tightest rank's memory beside its weights
 
@@ -33,79 +32,6 @@ def default_budget(free_bytes: Sequence[int]) -> int:
     rank's memory left beside its weights (shard.kv_budget's free_bytes): a quarter
     of the tightest rank's."""
     return max(0, min(free_bytes) // DEFAULT_SHARE)
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
-
-
-@dataclass
-class Entry:
-    id: int
-    tokens: np.ndarray  # the tokens its caches cover
-    trimmable: bool  # can be cut to a shorter prefix
-    nbytes: List[int]  # what each rank keeps
-
-
-class PrefixIndex:
-    """Rank 0's index: entries by token prefix, least recently used first, bounded
-    so that no rank keeps more than `budget` bytes of entries."""
-
-    def __init__(self, budget: int, ranks: int):
-        self.budget = budget
-        self.entries: "OrderedDict[int, Entry]" = OrderedDict()
-        self.bytes = [0] * ranks  # per rank
-
-    def find(self, prompt: np.ndarray) -> Tuple[Optional[Entry], int]:
-        """The entry that saves the most of `prompt`, and how many tokens it covers
-        (at most all but the last prompt token); (None, 0) if none helps."""
-        best, best_tokens = None, 0
-        for entry in self.entries.values():
-            common = common_prefix(entry.tokens, prompt)
-            if common == len(entry.tokens) < len(prompt):
-                tokens = common  # the whole entry, as it is
-            elif entry.trimmable:
-                tokens = min(common, len(prompt) - 1)
-            else:
-                continue
-            if tokens > best_tokens:
-                best, best_tokens = entry, tokens
-        if best is not None:
-            self.entries.move_to_end(best.id)
-        return best, best_tokens
-
-    def covered(self, tokens: np.ndarray) -> bool:
-        """An entry already serves whatever one for `tokens` would (the same tokens,
-        or a trimmable entry that extends them); it counts as used."""
-        for entry in self.entries.values():
-            same = common_prefix(entry.tokens, tokens) == len(tokens)
-            if same and (len(entry.tokens) == len(tokens) or entry.trimmable):
-                self.entries.move_to_end(entry.id)
-                return True
-        return False
-
-    def insert(self, entry: Entry) -> List[int]:
-        """Add `entry` (most recently used); returns the ids of the entries dropped:
-        those it makes useless (it is trimmable and extends them), then the least
-        recently used while a rank is over budget."""
-        dropped = []
-        if entry.trimmable:
-            dropped = [e.id for e in self.entries.values()
-                       if common_prefix(e.tokens, entry.tokens) == len(e.tokens) <= len(entry.tokens)]
-        for entry_id in dropped:
-            self._remove(entry_id)
-        self.entries[entry.id] = entry
-        self.bytes = [a + b for a, b in zip(self.bytes, entry.nbytes)]
-        while max(self.bytes) > self.budget and len(self.entries) > 1:
-            dropped.append(self._remove(next(iter(self.entries))))
-        return dropped
-
-    def _remove(self, entry_id: int) -> int:
-        entry = self.entries.pop(entry_id)
-        self.bytes = [a - b for a, b in zip(self.bytes, entry.nbytes)]
-        return entry_id
 
 
 class PrefixCache:

@@ -2,14 +2,14 @@
 earlier one (a chat's next turn, a shared system prompt) prefills only the rest.
 
 Distributed like the KV cache: rank 0 keeps the index (prefix_index.py: token
-prefix -> entry, LRU, bounded in bytes) and every rank keeps its layers' slice of each entry
-(caches.py), through ring ops that need no reply (pipeline.py: snapshot,
+prefix -> entry, LRU, bounded in bytes) and every rank keeps its layers' slice
+of each entry (caches.py), through ring ops that need no reply (pipeline.py: snapshot,
 restore, evict). As in mlx-lm's server (LRUPromptCache) an entry is stored when
 a sequence finishes (prompt and the generated tokens fed through the model) and
-at the end of its prompt (all but the last token, so the same prompt again, or
-any extension of it, hits); also where its prompt stops agreeing with an entry
-or a waiting prompt (a shared system prompt). A hit restores the entry into the
-new sequence's slot; at least the prompt's last token is always computed.
+once it holds its whole prompt (so a chat's next turn hits, and the same prompt
+again where the entry can be cut, see below). A hit restores the entry into the new sequence's slot, cut to the
+common prefix if it can be (a shared system prompt); at least the prompt's last
+token is always computed.
 
 A sliding-window layer's cache that has wrapped (entry of `window` tokens or
 more) cannot be cut back, so such an entry serves only prompts that extend all

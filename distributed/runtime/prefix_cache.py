@@ -7,9 +7,9 @@ of each entry (caches.py), through ring ops that need no reply (pipeline.py: sna
 restore, evict). As in mlx-lm's server (LRUPromptCache) an entry is stored when
 a sequence finishes (prompt and the generated tokens fed through the model) and
 once it holds its whole prompt (so a chat's next turn hits, and the same prompt
-again where the entry can be cut, see below). A hit restores the entry into the new sequence's slot, cut to the
-common prefix if it can be (a shared system prompt); at least the prompt's last
-token is always computed.
+again where the entry can be cut, see below). A hit restores the entry into the
+new sequence's slot, cut to the common prefix if it can be (a shared system
+prompt); at least the prompt's last token is always computed.
 
 A sliding-window layer's cache that has wrapped (entry of `window` tokens or
 more) cannot be cut back, so such an entry serves only prompts that extend all

@@ -85,7 +85,7 @@ class PrefixIndex:
         if matched < len(tokens):
             return False
         end = below or (path[-1][0] if path else self._root)
-        entry = end.entry if below is None and end.entry is not None else None
+        entry = end.entry if below is None else None  # the same tokens
         if entry is None and end.trimmable:
             entry = self._trimmable_under(end)
         if entry is not None:
@@ -125,7 +125,7 @@ class PrefixIndex:
             child = node.children.get(int(tokens[depth]))
             if child is None:
                 return path, depth, None
-            n = common_prefix(child.run, tokens[depth:depth + len(child.run)])
+            n = common_prefix(child.run, tokens[depth:])
             if n < len(child.run):
                 return path, depth + n, child
             node, depth = child, depth + n

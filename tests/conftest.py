@@ -29,6 +29,12 @@ def pytest_configure(config):
     signal.signal(signal.SIGTERM, _stopped)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Slow modules first: under xdist a module runs on one worker (--dist loadscope), so a long
+    one handed out last would end the run alone while the other workers sit idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory) -> Path:
     """HF layout, float32, per-expert keys, 8 layers (S S S F S S S F), window 16."""

@@ -11,6 +11,8 @@ from distributed.cli import parse_args
 from reference import PROMPT, mlx_lm_greedy
 from shard.test_loader import checkpoint_bytes
 
+pytestmark = pytest.mark.slow  # the command line across 1-4 ranks and three backends
+
 IDS = ",".join(map(str, PROMPT))
 COMMON = ["--prompt-ids", IDS, "--max-tokens", "64", "--prefill-step-size", "8"]
 

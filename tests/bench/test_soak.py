@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a two-minute soak of 4 ranks
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

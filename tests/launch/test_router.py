@@ -16,6 +16,8 @@ from grpc_stream import Stream
 from reference import PROMPT
 from router_launcher import NOT_SERVING, SERVING, Launcher, assert_same, serving
 
+pytestmark = pytest.mark.slow  # rings killed and frozen under the launcher, then restarted
+
 LONG = 160  # tokens of the stream a kill interrupts (the tiny checkpoint's EOS comes at ~400)
 KILL_AFTER = 12  # tokens a stream has passed on before the kill
 

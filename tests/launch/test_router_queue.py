@@ -20,6 +20,8 @@ from grpc_stream import Stream
 from reference import PROMPT
 from router_launcher import NOT_SERVING, SERVING, Launcher, assert_same, serving
 
+pytestmark = pytest.mark.slow  # requests waiting out ring restarts and deadlines
+
 MAX_BATCH, MAX_QUEUE = 2, 2
 BOUND = MAX_BATCH + MAX_QUEUE  # requests the router holds while the ring is down
 DELAY = 20  # --restart-delay: seconds the ring stays down at least, far more than the test's acts take

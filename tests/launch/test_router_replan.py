@@ -24,6 +24,8 @@ from grpc_stream import Stream
 from reference import PROMPT, mlx_lm_greedy
 from netns_hosts import RANK_ARGS, Launcher, assert_nothing_left, namespace_hosts, tight_memory_gb
 
+pytestmark = pytest.mark.slow  # hosts cut off in network namespaces, rings replanned
+
 LONG = 160  # tokens of the stream the cut interrupts
 CUT_AFTER = 12  # tokens the stream has passed on before the cut
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

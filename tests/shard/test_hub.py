@@ -17,6 +17,8 @@ from conftest import ROOT, free_port_range, mlx_launch, one_error_line, run_json
 from distributed.shard.loader import INDEX_FILE, local_files, weight_map
 from distributed.shard.tiny_checkpoint import make_checkpoint
 
+pytestmark = pytest.mark.slow  # a real hub mirror serving every rank's downloads
+
 ARGS = ["--prompt-ids", "1,2,3", "--max-tokens", "2"]
 GEN = ["--prompt-ids", "1,2,3,4,5", "--max-tokens", "6", "--json"]
 LAYOUTS = ("hf", "mlx")

@@ -19,6 +19,8 @@ from netns_hosts import CONTEXT, RANK_ARGS, Hosts, Launcher, assert_nothing_left
     tight_memory_gb
 from reference import PROMPT, mlx_lm_greedy
 
+pytestmark = pytest.mark.slow  # hosts cut off in network namespaces, rings replanned
+
 MAX_TOKENS = 8
 
 CLIENT = """
@@ -26,9 +28,6 @@ import json, sys, time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from distributed.serving.proto import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
-
-pytestmark = pytest.mark.slow  # hosts cut off in network namespaces, rings replanned
-
 address, prompt, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 channel = grpc.insecure_channel(address)
 health, stub = health_pb2_grpc.HealthStub(channel), pb_grpc.GenerationStub(channel)

@@ -64,8 +64,8 @@ def cut_mid_stream(hosts, name: str, client: RouterClient, stream: Stream, until
     health states until until(health) or the stream's end. Returns the tokens before the
     cut, the health states and the cut's time."""
     stream.wait_tokens(CUT_AFTER)
-    before = len(stream.tokens)
     health = [client.status()]  # before the cut: the router may notice it before our first poll
+    before = len(stream.tokens)  # after the health call, which the stream outruns on a busy machine
     hosts.cut(name)
     cut_at = time.monotonic()
     while time.monotonic() < cut_at + timeout and not until(health) and stream.is_alive():

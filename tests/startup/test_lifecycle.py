@@ -20,9 +20,9 @@ from distributed.serving.proto import generation_pb2_grpc as pb_grpc
 from distributed.startup.lifecycle import EXIT_STOP_TIMEOUT
 from reference import PROMPT
 from stop_paths import (MLX_LAUNCH_PORTS, RUN, STOP_PATHS, Launch, describe, free_port, mlx_launch, ports_in_use,
+                        serve_launch_run, serve_mlx_launch, tagged, who_holds)
 
 pytestmark = pytest.mark.slow  # every way of stopping a real ring
-                        serve_launch_run, serve_mlx_launch, tagged, who_holds)
 
 GONE_WITHIN_S = 30  # the stop deadline is 10 s; a hang never ends
 OUR_TRACEBACK = re.compile(r'File ".*(run_trinity\.py|/distributed/|/launch/)')

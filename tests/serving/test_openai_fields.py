@@ -245,7 +245,7 @@ def test_neutral_values_hints_and_roles_are_accepted(served):
                                                     {"role": "assistant", "content": "ok"}], add_generation_prompt=True)
     assert out.usage.prompt_tokens == len(system)  # "developer" reached the template as "system"
     assert served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, best_of=1, suffix="",
-                                            user="u").usage.completion_tokens == 2
+                                            user="u", temperature=0).usage.completion_tokens == 2
 
 
 def test_stream_options_need_stream(served):

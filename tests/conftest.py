@@ -72,19 +72,32 @@ def system_mpirun() -> str:
     return "/usr/bin/mpirun" if Path("/usr/bin/mpirun").exists() else "mpirun"
 
 
+def trinity_launch(ranks: int) -> list:
+    """Our launcher's local ring (launch/ring.py DirectRing), the command as it is: no
+    planned split, no router. What most multi-rank tests start: mlx.launch's output
+    loop keeps a core and a half busy for as long as its ranks run (bench_launcher_cpu),
+    which on this 2-core machine slows every test beside it. The tests of mlx.launch
+    itself (its backends, its stdin, its stops) name it."""
+    return [sys.executable, "-m", "launch", "run", "--single-host", str(ranks), "--no-plan", "--no-router", "--"]
+
+
 def run_cli(args, ranks: int = 1, backend: str = "ring", timeout: int = 180) -> subprocess.CompletedProcess:
-    """Run run_trinity.py as `ranks` real processes: `mlx.launch` with the ring
-    backend ("ring") or the MPI one ("mlx-mpi", Open MPI 5 from PyPI), or the
-    system's `mpirun` directly ("mpirun")."""
+    """Run run_trinity.py as `ranks` real processes: a ring of the ring backend started
+    by our launcher ("ring") or by `mlx.launch` ("mlx.launch"), `mlx.launch` with the
+    MPI backend ("mlx-mpi", Open MPI 5 from PyPI), or the system's `mpirun` directly
+    ("mpirun")."""
     if ranks == 1:
         cmd = [sys.executable, RUN, *args]
     elif backend == "mpirun":
         cmd = [system_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", str(ranks), sys.executable, RUN, *args]
     elif backend == "mlx-mpi":
         cmd = [mlx_launch(), "--backend", "mpi", "--mpi-arg=--oversubscribe", "-n", str(ranks), sys.executable, RUN, *args]
-    else:
+    elif backend == "mlx.launch":
         cmd = [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks)),
                sys.executable, RUN, *args]
+    else:
+        assert backend == "ring", backend
+        cmd = [*trinity_launch(ranks), sys.executable, RUN, *args]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     # The environment's own bin first, so mlx.launch finds the mpirun that pip installed.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

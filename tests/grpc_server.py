@@ -17,7 +17,7 @@ from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from conftest import ROOT, RUN, free_port_range, mlx_launch
+from conftest import ROOT, RUN, free_port_range, mlx_launch, trinity_launch
 from distributed.serving.proto import generation_pb2 as pb
 from distributed.serving.proto import generation_pb2_grpc as pb_grpc
 from reference import PROMPT
@@ -56,11 +56,12 @@ def children(pid: int):
 
 
 class Server:
-    """run_trinity.py --serve as real processes: 1 process, `mlx.launch -n N`, or
-    N processes started by hand (`manual`: MLX_RANK/MLX_HOSTFILE, as mlx.launch
-    sets them, but without a launcher that stops every rank when one dies)."""
+    """run_trinity.py --serve as real processes: 1 process, N ranks under a launcher (ours,
+    `trinity-launch run --single-host N --no-router`, or `mlx.launch -n N`), or N
+    processes started by hand (`manual`: MLX_RANK/MLX_HOSTFILE, as mlx.launch sets them,
+    but without a launcher that stops every rank when one dies)."""
 
-    def __init__(self, model, ranks=1, extra=(), manual=False, credentials=None):
+    def __init__(self, model, ranks=1, extra=(), manual=False, credentials=None, launcher="trinity-launch"):
         # Port 0: the server picks a free port and logs it, so nothing can take it meanwhile.
         args = [sys.executable, RUN, "--model", str(model), "--serve", "127.0.0.1:0", *extra]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="trinity-serve-", suffix=".log")
@@ -81,11 +82,14 @@ class Server:
                 for r in range(ranks):
                     self.procs.append(subprocess.Popen(
                         args, env=dict(env(), MLX_RANK=str(r), MLX_HOSTFILE=self.hostfile.name), **popen))
-            else:
+            elif launcher == "mlx.launch":
                 cmd = [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks + 1)), *args]
                 self.procs.append(subprocess.Popen(cmd, env=env(), **popen))
+            else:
+                cmd = [*trinity_launch(ranks), *args]
+                self.procs.append(subprocess.Popen(cmd, env=env(), **popen))
         self.credentials = credentials
-        self.launcher = ranks > 1 and not manual
+        self.launcher = (launcher if ranks > 1 and not manual else None)  # its name, if any
         self.address = self.channel = None  # known once the server logs its port
 
     def rank_pid(self, rank: int):
@@ -161,6 +165,8 @@ class Server:
         if self.channel is not None:
             self.channel.close()
         rank0 = self.rank_pid(0)
+        # Our launcher starts each rank in a session of its own, so its group is not theirs.
+        ranks = children(self.procs[0].pid) if self.launcher else []
         try:
             if rank0:
                 os.kill(rank0, signal.SIGTERM)
@@ -168,6 +174,14 @@ class Server:
                 p.wait(timeout=10)
         except (subprocess.TimeoutExpired, ProcessLookupError):
             pass
+        for pid in ranks:
+            try:
+                if b"MLX_RANK=" not in Path(f"/proc/{pid}/environ").read_bytes():
+                    continue  # gone, and its pid taken since
+
+                os.kill(pid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
         for p in self.procs:
             try:
                 os.killpg(p.pid, signal.SIGKILL)

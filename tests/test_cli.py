@@ -1,4 +1,5 @@
-"""run_trinity.py as real processes: 1 rank, --stages N, mlx.launch ring, OpenMPI."""
+"""run_trinity.py as real processes: 1 rank, --stages N, rings of the ring backend (started by
+our launcher and by mlx.launch), OpenMPI."""
 
 import json
 import re
@@ -21,7 +22,7 @@ LAUNCHES = [
     (1, None, [], [[0, 8]]),
     (1, None, ["--stages", "3", "--split", "3,1,4"], [[0, 3], [3, 4], [4, 8]]),
     (2, "ring", [], [[0, 4], [4, 8]]),
-    (3, "ring", ["--split", "3,1,4"], [[0, 3], [3, 4], [4, 8]]),
+    (3, "mlx.launch", ["--split", "3,1,4"], [[0, 3], [3, 4], [4, 8]]),
     (4, "ring", ["--split", "3,1,3,1"], [[0, 3], [3, 4], [4, 7], [7, 8]]),
     (2, "mpirun", ["--split", "1,7"], [[0, 1], [1, 8]]),
     (3, "mlx-mpi", ["--split", "2,5,1"], [[0, 2], [2, 7], [7, 8]]),
@@ -143,7 +144,7 @@ def test_missing_shard_file_single_process(hf_checkpoint, tmp_path):
 def test_missing_shard_on_one_rank_stops_every_rank(hf_checkpoint, tmp_path):
     # With --split 3,5, only rank 1 needs model-00002 (layers 3-5).
     bad = _broken_copy(hf_checkpoint, tmp_path / "ckpt", remove_file="model-00002-of-00003.safetensors")
-    proc = run_cli(["--model", str(bad), "--prompt", "hi", "--split", "3,5"], ranks=2, timeout=60)
+    proc = run_cli(["--model", str(bad), "--prompt", "hi", "--split", "3,5"], ranks=2, backend="mlx.launch", timeout=60)
     assert "weight file model-00002-of-00003.safetensors is missing" in proc.stderr
     assert "rank 1 failed to start" in proc.stderr  # rank 0's view
     assert proc.stdout == ""

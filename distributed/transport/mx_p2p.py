@@ -5,6 +5,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from .base import Header, Transport
+from .ring_wait import IncomingWait
 
 
 class MxPointToPoint(Transport):
@@ -22,6 +23,7 @@ class MxPointToPoint(Transport):
         # back-pressure: the cycle needs rank 0.
         self._send_stream = mx.new_stream(mx.cpu) if self.rank == 0 else None
         self._last_send: Optional[mx.array] = None
+        self._incoming = IncomingWait.for_ring()  # None: a backend whose receive may block
 
     def send(self, header: Header, payload: Optional[mx.array] = None) -> None:
         s = self._send_stream
@@ -36,6 +38,8 @@ class MxPointToPoint(Transport):
         self._last_send = sent
 
     def recv(self) -> Tuple[Header, Optional[mx.array]]:
+        if self._incoming is not None:
+            self._incoming.wait()  # the ring's receive would spin a core until the frame comes
         raw = mx.distributed.recv_like(self._header_like, self.prev, group=self.group)
         header = Header.from_array(raw)
         if not header.has_payload:

@@ -1,8 +1,8 @@
 """The gRPC service end to end: real `run_trinity.py --serve` processes on free ports.
 
 One server per configuration (module-scoped, torn down before the next starts:
-idle ring ranks and mlx.launch still use CPU): `--stages 2` in one process, and
-2 and 3 ranks under `mlx.launch`. Greedy output through gRPC must equal the
+idle ring ranks and mlx.launch still use CPU): `--stages 2` in one process, 2 ranks
+under our launcher (`trinity-launch run --single-host 2`) and 3 under `mlx.launch`. Greedy output through gRPC must equal the
 one-shot command line's (`run_json`, 1 rank) for the same request. Auth, TLS, the
 queue's bound and health over a server's life: test_grpc_access.py.
 """
@@ -38,10 +38,13 @@ def chat_reference(hf_checkpoint):
     return run_json(["--model", str(hf_checkpoint), "--prompt", "hi", "--max-tokens", "8"])
 
 
+LAUNCHERS = {"ranks3": "mlx.launch"}  # both launchers serve every test (and stop the ring when a rank dies)
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def server(request, hf_checkpoint, reference, chat_reference):
     ranks, extra, layers = CONFIGS[request.param]
-    s = Server(hf_checkpoint, ranks, [*extra, *SERVER_ARGS])
+    s = Server(hf_checkpoint, ranks, [*extra, *SERVER_ARGS], launcher=LAUNCHERS.get(request.param, "trinity-launch"))
     s.name, s.layers = request.param, layers
     try:
         s.wait_serving()
@@ -225,9 +228,9 @@ def test_resume_token_ids_continue_the_stream_exactly(server, reference):
 # Keep this test last: it breaks the module's server (pytest runs each server's
 # tests together, in file order, so it runs last for each configuration).
 @pytest.mark.parametrize("server", [c for c in CONFIGS if CONFIGS[c][0] > 1], indirect=True)
-def test_a_rank_dies_under_mlx_launch(server, reference):
+def test_a_rank_dies_under_a_launcher(server, reference):
     """Kill rank 1 mid-stream: the stream fails UNAVAILABLE and the service
-    never reports SERVING again (rank 0 reports NOT_SERVING until mlx.launch,
+    never reports SERVING again (rank 0 reports NOT_SERVING until the launcher,
     which stops every rank once one exits non-zero, stops it). Multi-rank
     servers only: in one process there is no rank to kill."""
     assert server.launcher
@@ -236,7 +239,7 @@ def test_a_rank_dies_under_mlx_launch(server, reference):
     os.kill(server.rank_pid(1), signal.SIGKILL)
     error = rpc_error(list, call)
     assert error.code() == grpc.StatusCode.UNAVAILABLE, error
-    # Then NOT_SERVING, or no answer at all once mlx.launch has stopped rank 0.
+    # Then NOT_SERVING, or no answer at all once the launcher has stopped rank 0.
     states = [server.health_status() for _ in range(10)]
     assert SERVING not in states, states
     rpc_error(generate, server.stub, token_ids=PROMPT, max_tokens=4, timeout=30)

@@ -53,7 +53,8 @@ def mlx_launch() -> str:
 
 
 def free_port_range(n: int) -> int:
-    """A base port with n free ports after it: the ring backend listens on base + rank.
+    """A base port with n free ports after it: the ring backend listens on base + rank,
+    and rank 0's control link one above the highest (so a ring of N ranks needs N + 1).
     mlx.launch's fixed default would collide with any other ring on this machine."""
     for _ in range(100):
         base = random.randrange(20000, 32000 - n)  # below Linux's ephemeral range (32768+)
@@ -93,7 +94,7 @@ def run_cli(args, ranks: int = 1, backend: str = "ring", timeout: int = 180) -> 
     elif backend == "mlx-mpi":
         cmd = [mlx_launch(), "--backend", "mpi", "--mpi-arg=--oversubscribe", "-n", str(ranks), sys.executable, RUN, *args]
     elif backend == "mlx.launch":
-        cmd = [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks)),
+        cmd = [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks + 1)),
                sys.executable, RUN, *args]
     else:
         assert backend == "ring", backend

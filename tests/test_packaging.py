@@ -109,7 +109,7 @@ def test_readme_plan_commands_work_from_any_directory(installed):
 def test_run_trinity_as_every_rank(installed, hf_checkpoint, launcher):
     """The README's ways to start ranks with the installed script; greedy output as one-device mlx-lm's."""
     args = ["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "6", "--json"]
-    port = str(free_port_range(2))
+    port = str(free_port_range(3))  # the ring's two and, for mlx.launch, rank 0's control link
     if launcher == "mlx.launch":
         cmd = [mlx_launch(), "-n", "2", "--starting-port", port, "--", "run-trinity", *args]
     else:

@@ -141,7 +141,10 @@ def test_a_stream_fails_naming_the_host_when_the_rest_cannot_hold_the_model(thre
         assert not stream.is_alive()
         assert stream.error is not None and stream.error.startswith("UNAVAILABLE: "), stream.error
         assert f"host {b} (rank 1) is gone" in stream.error and "does not fit" in stream.error, stream.error
-        assert len(stream.tokens) <= before + 2  # at most what was on its way when the link went down
+        # What came before the failure is the greedy stream's start, and it stopped short: how many
+        # tokens were still on their way when the link went down depends on the machine's load.
+        assert stream.tokens == mlx_lm_greedy(hf_checkpoint, PROMPT, LONG, 2048)[0][:len(stream.tokens)]
+        assert before <= len(stream.tokens) < LONG
         assert SERVING not in health[1:] and NOT_SERVING in health, health  # never serving again
         status = launcher.proc.wait(timeout=120)
         out = launcher.output()

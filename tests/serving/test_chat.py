@@ -27,7 +27,7 @@ def command(model, ranks: int, extra=()):
     rank = [sys.executable, RUN, "--model", str(model), *ARGS, *extra]
     if ranks == 1:
         return rank
-    return [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks)), "--", *rank]
+    return [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks + 1)), "--", *rank]
 
 
 def start(cmd, tag: str) -> subprocess.Popen:

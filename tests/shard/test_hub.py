@@ -77,7 +77,7 @@ def launch_2_ranks(tmp_path, args, endpoint):
     wrapper = tmp_path / "own_cache.sh"
     wrapper.write_text('#!/bin/sh\nHF_HUB_CACHE="$CACHES/rank$MLX_RANK" exec "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
-    prefix = [mlx_launch(), "-n", "2", "--starting-port", str(free_port_range(2)), str(wrapper)]
+    prefix = [mlx_launch(), "-n", "2", "--starting-port", str(free_port_range(3)), str(wrapper)]
     env = hub_env(tmp_path, HF_ENDPOINT=endpoint, CACHES=str(tmp_path / "cache"))
     return run_trinity(args, env=env, prefix=prefix, timeout=240)
 

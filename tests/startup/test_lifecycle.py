@@ -111,7 +111,7 @@ def test_ctrl_c_mid_generation_ends_the_one_shot_run(launcher, hf_checkpoint):
     args = [RUN, "--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "1000"]
     run = Launch({
         "one process": [sys.executable, *args],
-        "mlx.launch": [mlx_launch(), "-n", "2", "--starting-port", str(free_port_range(2)), sys.executable, *args],
+        "mlx.launch": [mlx_launch(), "-n", "2", "--starting-port", str(free_port_range(3)), sys.executable, *args],
         "launch run": [sys.executable, "-m", "launch", "run", "--single-host", "2", "--", *args],
     }[launcher])
     try:

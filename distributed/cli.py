@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import List, Optional
 
-from . import TrinityError
+from . import TrinityError, speculation_flags
 from .help_format import HelpFormatter
 from .runtime.prefill import PREFILL_STEP_SIZE
 from .runtime.prefix_cache import default_budget
@@ -101,6 +101,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                        "earlier one (a chat's next turn) prefills only the rest: at most N bytes on any rank; 0 "
                        "disables; default: a quarter of what the tightest rank has beside its weights (its usable "
                        "memory measured before loading, less 10%%), set aside before the default --max-batch")
+    speculation_flags.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -117,6 +118,7 @@ def validate(args: argparse.Namespace) -> None:
         raise TrinityError(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.prefill_batch_tokens < 1:
         raise TrinityError(f"--prefill-batch-tokens must be at least 1, got {args.prefill_batch_tokens}")
+    speculation_flags.options(args)
     if args.prefix_cache_bytes is not None and args.prefix_cache_bytes < 0:
         raise TrinityError(f"--prefix-cache-bytes must be >= 0, got {args.prefix_cache_bytes}")
     if args.chat:
@@ -283,7 +285,7 @@ def serve(args, options: ServeOptions, front_ends, requests: RequestLog, group, 
     scheduler = Scheduler(pipeline, tokenizer, max_queue=options.max_queue,
                           prefill_step_size=args.prefill_step_size, max_batch=max_batch,
                           on_failure=on_failure, prefill_batch_tokens=args.prefill_batch_tokens,
-                          prefix_cache_bytes=prefix_cache_bytes)
+                          prefix_cache_bytes=prefix_cache_bytes, speculation=speculation_flags.options(args))
     print(f"prefix cache: up to {prefix_cache_bytes / 2**20:.1f} MiB on any rank" if prefix_cache_bytes
           else "prefix cache: off", file=sys.stderr, flush=True)
     if watchdog is not None:  # ends every stream with the failed rank's name, then NOT_SERVING
@@ -346,7 +348,8 @@ def run(args, stop: RankStop) -> None:
 
     cache_bytes = prefix_cache_budget(args, config, pipeline.rank_info(), built.memory_bytes) if args.chat else 0
     scheduler = Scheduler(pipeline, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")),
-                          prefill_step_size=args.prefill_step_size, prefix_cache_bytes=cache_bytes)
+                          prefill_step_size=args.prefill_step_size, prefix_cache_bytes=cache_bytes,
+                          speculation=speculation_flags.options(args))
     if _watchdog is not None:
         _watchdog.on_failure = scheduler.abort
     try:
@@ -357,6 +360,8 @@ def run(args, stop: RankStop) -> None:
         request = build_request(args, scheduler.tokenizer, config)
         result = generate_once(scheduler, request, stream=not args.json, stop=stop)
         result["ranks"] = pipeline.rank_info()
+        if scheduler.batcher.speculation.enabled:
+            result["speculative"] = scheduler.batcher.spec_stats.as_dict()
     finally:
         scheduler.close()
     if args.json:

@@ -190,3 +190,16 @@ def test_help_shows_defaults_and_names_readme_sections_that_exist(capsys):
     sections = re.findall(r'"([^"]+)"', flat[flat.index("more in README.md"):])
     headings = set(re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), re.M))
     assert len(sections) >= 4 and set(sections) <= headings, (sections, headings)
+
+
+@pytest.mark.parametrize("ranks, extra", [(2, []), (3, ["--split", "3,1,4"])])
+def test_prompt_lookup_through_the_ring_gives_the_same_tokens(hf_checkpoint, ranks, extra):
+    """Verification frames through real rings, rejected drafts trimmed on every rank,
+    far past the window: the greedy output and its logprobs as without speculation."""
+    ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, 200, 8)
+    out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "200", "--prompt-lookup",
+                    "--num-draft-tokens", "3", *extra], ranks)
+    assert out["token_ids"] == ref_tokens
+    assert max(abs(a - b) for a, b in zip(out["logprobs"], ref_logprobs)) < 1e-4
+    spec = out["speculative"]
+    assert spec["passes"] > 0 and 0 < spec["accepted"] <= spec["drafted"] <= 3 * spec["passes"], spec

@@ -28,9 +28,11 @@ import mlx.core as mx
 
 from ..transport import Reply
 from .logits import shaped_logprobs, top_candidates, top_logprobs
+from .caches import is_batch
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .sequence import Sequence
+from .speculation import PromptLookupDrafter, SpeculationOptions, SpeculationStats, draws, reported
 
 
 class PrefixHooks:
@@ -63,19 +65,26 @@ class Group:
 class Outstanding:
     """A frame in the ring whose reply rank 0 waits for."""
 
-    kind: str  # "chunk" (prompt rows, all but their last tokens) or "step" (a group's decode step)
+    kind: str  # "chunk" (prompt rows, all but their last tokens), "step" (a group's decode step) or
+    # "verify" (a one-row group's last token and its drafts: speculation.py)
     sequences: List[Sequence]  # the frame's rows, in order
     slot: int
     group: Optional[Group] = None
     picked: Optional[tuple] = None  # what _pick gives; one rank: as the frame was sent
     first: bool = False  # a step giving some rows their first token
     chunk: bool = False  # a step carrying a prefill chunk in its frame
+    drafts: List[int] = field(default_factory=list)  # a verification frame's draft tokens
 
 
 class Batcher:
     def __init__(self, pipeline: Pipeline, tokenizer, max_batch: int = 16, prefill_step_size: int = PREFILL_STEP_SIZE,
-                 prefill_batch_tokens: int = 2048, prefix: Optional[PrefixHooks] = None):
+                 prefill_batch_tokens: int = 2048, prefix: Optional[PrefixHooks] = None,
+                 speculation: Optional[SpeculationOptions] = None):
         self.pipeline, self.tokenizer = pipeline, tokenizer
+        self.speculation = speculation or SpeculationOptions()
+        # What proposes drafts for a one-row group (anything with propose(seq, k)); None: no speculation.
+        self.drafter = PromptLookupDrafter(self.speculation.max_ngram) if self.speculation.enabled else None
+        self.spec_stats = SpeculationStats()
         ranks = pipeline.num_ranks
         self.groups = [Group(slot) for slot in range(ranks)]
         self.group_cap = -(-max_batch // len(self.groups))
@@ -217,6 +226,9 @@ class Batcher:
         chunk's tokens share the step's pass over the expert weights, and the running rows
         go on decoding while prompts prefill, one chunk per step at most."""
         if tokens is None:
+            drafts = self._drafts(group)
+            if drafts:
+                return self._send_verify(group, drafts)
             tokens = mx.array([s.next_token for s in group.members], dtype=mx.uint32)
         first = any(s.awaiting_first for s in group.members)
         carried = []
@@ -235,6 +247,64 @@ class Batcher:
         self._expect(Outstanding("step", list(group.members), group.slot, group, first=first, chunk=bool(carried)))
         if batch is not None and batch.done:
             self._prefilled(batch)
+
+    def _speculates(self, group: Group) -> bool:
+        """Whether `group`'s next step may be a verification frame: one row (plain caches,
+        which trim), past its first token, speculation on for the server and the request."""
+        if self.drafter is None or len(group.members) != 1:
+            return False
+        seq = group.members[0]
+        return (seq.request.speculative and not seq.awaiting_first
+                and not is_batch(self.pipeline.caches.get(group.slot)))
+
+    def _drafts(self, group: Group) -> List[int]:
+        """Draft tokens for `group`'s next step, none to decode one token as usual. Never
+        more than the request can still take after the token the step gives anyway."""
+        if not self._speculates(group):
+            return []
+        seq = group.members[0]
+        k = min(self.speculation.num_draft_tokens, seq.request.max_tokens - seq.count - 1)
+        if k <= 0:
+            return []
+        return self.drafter.propose(seq, k)
+
+    def _send_verify(self, group: Group, drafts: List[int]) -> None:
+        """The row's last token and its drafts through every stage as one frame; the reply
+        is every position's hidden state."""
+        seq = group.members[0]
+        self.pipeline.send(mx.array([[seq.next_token, *drafts]], dtype=mx.uint32), Reply.ALL, group.slot)
+        group.busy = True
+        self.spec_stats.passes += 1
+        self.spec_stats.drafted += len(drafts)
+        self._expect(Outstanding("verify", [seq], group.slot, group, drafts=drafts))
+
+    def _receive_verify(self, frame: Outstanding) -> None:
+        """Stream the target's draws up to the first that differs from its draft (that one
+        included: it is the step's own token), then drop the rejected drafts' positions
+        from every rank's caches: they hold the row's history up to its last token fed."""
+        _, h = self.pipeline.recv()
+        seq, drafts = frame.sequences[0], frame.drafts
+        logits = self.pipeline.stage.head(h)[0]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        with self.pipeline.stats.computing():
+            mx.eval(logprobs)
+        tokens = draws(seq, logits, logprobs, drafts)
+        chosen, tops = reported(seq, logprobs, tokens)
+        self.spec_stats.accepted += len(tokens) - 1
+        reason, last = None, 0
+        for last, token in enumerate(tokens):
+            reason = seq.accept(token, chosen[last], tops[last])
+            if reason is not None:
+                break
+        # Positions 0..last hold the inputs up to the last token accepted's: the frame's last
+        # token and the drafts before it. The next step feeds that token (or a finished
+        # row's caches hold its tokens but the last, as the prefix cache expects).
+        self.pipeline.trim(frame.slot, len(drafts) - last)
+        if reason is not None:
+            self._finish(seq, reason, frame.slot, 0)
+            self.pipeline.filter(frame.slot, [])
+            frame.group.members = []
+        frame.group.busy = False
 
     def _expect(self, frame: Outstanding) -> None:
         """`frame` was sent; its reply comes in order. With one rank the reply is
@@ -262,6 +332,8 @@ class Batcher:
 
     def _receive(self, lookahead: bool = True) -> None:
         frame = self.outstanding.popleft()
+        if frame.kind == "verify":
+            return self._receive_verify(frame)
         if frame.picked is None:
             _, h = self.pipeline.recv()
             if frame.kind == "chunk":
@@ -279,7 +351,8 @@ class Batcher:
         group = frame.group
         if (lookahead and not self.ready and not fresh
                 and not all(s.ends_at_next_token for _, s in in_slot)
-                and not any(s.logits.processors for _, s in in_slot)):
+                and not any(s.logits.processors for _, s in in_slot)
+                and not self._speculates(group)):
             # Lookahead (as mlx-lm's generate): the group's next step goes now, on the
             # tokens just sampled, still on the device; they are looked at while it
             # runs. A row that finishes here costs one wasted row-step. Not when every
@@ -287,7 +360,8 @@ class Batcher:
             # comes next: a waiting prompt), nor while rows wait to join a group (they
             # join between steps), nor with logits processors (their next draw needs
             # this token in the history), nor on a row's first token (the prefix cache
-            # keeps its caches as they are now: its whole prompt, nothing more).
+            # keeps its caches as they are now: its whole prompt, nothing more), nor where
+            # the next step may verify drafts (they follow from the token just drawn).
             rows = [i for i, _ in in_slot]
             self._send_step(group, tokens if len(rows) == len(frame.sequences) else tokens[mx.array(rows)])
         else:

@@ -23,7 +23,8 @@ from ..shard.stage import Stage
 from ..transport import Op
 
 # Ops that change caches; each rank applies them with `apply` and rank 0 needs no reply.
-CACHE_OPS = (Op.RESET, Op.JOIN, Op.FILTER, Op.MERGE, Op.PREPARE, Op.FINALIZE, Op.SNAPSHOT, Op.RESTORE, Op.EVICT)
+CACHE_OPS = (Op.RESET, Op.JOIN, Op.FILTER, Op.MERGE, Op.PREPARE, Op.FINALIZE, Op.SNAPSHOT, Op.RESTORE, Op.EVICT,
+             Op.TRIM)
 
 
 class SlotCaches:
@@ -54,6 +55,9 @@ class SlotCaches:
         elif op == Op.EVICT:
             for entry in values:
                 self.evict(entry)
+        elif op == Op.TRIM:
+            for cache in self.slots[slot]:
+                trim_newest(cache, arg)
         else:
             raise ValueError(f"op {op} is not a cache op")
 
@@ -172,6 +176,26 @@ class SlotCaches:
 
 def is_batch(caches: List) -> bool:
     return isinstance(caches[0], (BatchKVCache, BatchRotatingKVCache))
+
+
+def trim_newest(cache, n: int) -> None:
+    """Drop the newest n positions of a plain cache, right after the multi-token update
+    that added them (a verification frame: speculation.py). A KVCache trims as mlx-lm's
+    does. A RotatingKVCache is cut here: mlx-lm's trim does nothing once the window has
+    wrapped (mlx-lm issue #1914), but after a multi-token update (its _update_concat)
+    the buffer is in temporal order with the new positions last, so they are its last n
+    entries, whatever the offset. The next update, of one token or several, trims the
+    buffer back to the window from its oldest end, as it does after any such update."""
+    if n <= 0:
+        return
+    if isinstance(cache, RotatingKVCache):
+        assert cache._idx == cache.keys.shape[2] >= n, "a RotatingKVCache is trimmed only after a multi-token update"
+        cache.keys, cache.values = cache.keys[..., :-n, :], cache.values[..., :-n, :]
+        cache.offset -= n
+        cache._idx -= n
+    else:
+        assert isinstance(cache, KVCache) and cache.offset >= n, type(cache).__name__
+        cache.trim(n)
 
 
 def compact(cache):

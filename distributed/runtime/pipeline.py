@@ -100,6 +100,12 @@ class Pipeline:
         """After the last padded prompt rows of `slot`'s batch, on every rank."""
         self._cache_op(Op.FINALIZE, slot)
 
+    def trim(self, slot: int, n: int) -> None:
+        """Drop the newest n positions of `slot` (one sequence), on every rank: the drafts
+        a verification frame carried that the target rejected (speculation.py)."""
+        if n > 0:
+            self._cache_op(Op.TRIM, slot, n)
+
     # Prefix-cache entries (the index: prefix_cache.py): every rank keeps its slice.
 
     def snapshot(self, slot: int, entry: int, row: int = 0) -> Tuple[int, int]:

@@ -48,6 +48,7 @@ class GenerationRequest:
     # logits processors, the random key) but are not streamed again; neither are the
     # prompt's logprobs.
     resume_ids: List[int] = field(default_factory=list)
+    speculative: bool = True  # False: never verify drafts for this request (where the server speculates)
 
     @property
     def scores_prompt(self) -> bool:

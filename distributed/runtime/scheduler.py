@@ -16,6 +16,7 @@ from .prefill import PREFILL_STEP_SIZE
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
 from .request import FinishEvent, GenerationRequest, TokenEvent
+from .speculation import SpeculationOptions
 
 Event = Union[TokenEvent, FinishEvent]
 
@@ -63,12 +64,13 @@ class RequestHandle:
 class Scheduler:
     def __init__(self, pipeline: Pipeline, tokenizer, max_queue: int = 64, prefill_step_size: int = PREFILL_STEP_SIZE,
                  max_batch: int = 16, on_failure: Optional[Callable[[str], None]] = None,
-                 prefill_batch_tokens: int = 2048, prefix_cache_bytes: int = 0):
+                 prefill_batch_tokens: int = 2048, prefix_cache_bytes: int = 0,
+                 speculation: Optional[SpeculationOptions] = None):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.on_failure = on_failure  # e.g. turn health to NOT_SERVING
         self.prefix_cache = PrefixCache(pipeline, prefix_cache_bytes)  # 0: off
         self.batcher = Batcher(pipeline, tokenizer, max_batch, prefill_step_size, prefill_batch_tokens,
-                               self.prefix_cache)
+                               self.prefix_cache, speculation)
         # Bound: max_batch running + max_queue waiting. A burst within the batch's room is
         # taken even before the loop moves it from this queue into the batch.
         self.max_queue, self.capacity = max_queue, max_batch + max_queue

@@ -154,6 +154,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             top_logprobs=r.top_logprobs,
             prompt_logprobs=r.prompt_logprobs,
             resume_ids=list(r.resume_token_ids),  # a replay (the launcher's router); gRPC only
+            speculative=given("speculative", True),
         )
 
     def GetModelInfo(self, request, context):

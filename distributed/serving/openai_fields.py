@@ -27,7 +27,7 @@ class ApiError(Exception):
 
 # Extensions beyond OpenAI's fields (mlx-lm's server takes the same names).
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_context_size",
-              "frequency_context_size")
+              "frequency_context_size", "speculative")
 SHARED = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs") + EXTENSIONS
 IMPLEMENTED = {
@@ -176,6 +176,7 @@ def _sampling(body: dict, chat: bool, max_name: str, prompt_len: int, info: Mode
         min_p=number("min_p", 0.0), seed=get(body, "seed", (int,), None), stop=stop,
         presence_penalty=number("presence_penalty", 0.0), frequency_penalty=number("frequency_penalty", 0.0),
         repetition_penalty=number("repetition_penalty", 1.0), logit_bias=_logit_bias(body),
+        speculative=get(body, "speculative", (bool,), True),  # false: no drafts verified for it
         **{name: get(body, name, (int,), 20) for name in
            ("presence_context_size", "frequency_context_size", "repetition_context_size")},
     )

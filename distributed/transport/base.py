@@ -28,6 +28,8 @@ class Op(IntEnum):
     SNAPSHOT = 16  # keep row `row` of `slot` as entry `entry` (payload: entry, row)
     RESTORE = 17  # fresh caches for `slot` from entry `entry`, cut to `tokens` (payload: entry, tokens)
     EVICT = 18  # forget the entries listed in the payload
+    # Speculative decoding (runtime/speculation.py):
+    TRIM = 19  # drop the newest `arg` positions of `slot` (drafts the target rejected)
 
 
 # Frames that go all the way round, back to rank 0.

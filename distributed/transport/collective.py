@@ -17,11 +17,10 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from .base import ROUND_TRIP_OPS, Header, Transport
+from .frames import HEADER_BYTES, INLINE_BYTES, as_payload, pack, payload_bytes
 
-HEADER_BYTES = Header.SIZE * 4
-# Payloads up to this size ride in the same gather as their header: one
-# collective per round for decode steps (a Trinity-Mini hidden state is 4 KB).
-INLINE_BYTES = 16384
+# Payloads up to INLINE_BYTES ride in the same gather as their header (frames.py): one
+# collective per round for decode steps.
 
 
 class MxCollective(Transport):
@@ -42,17 +41,12 @@ class MxCollective(Transport):
             # a payload computed after it (inside the second gather, for large ones) would
             # serialise the ranks instead of overlapping them (chunk k+1 here, k on rank 1).
             mx.eval(payload)
-        head = header.to_array() if header is not None else mx.zeros((Header.SIZE,), dtype=mx.int32)
-        parts = [mx.view(head, mx.uint8)]
-        if 0 < nbytes <= INLINE_BYTES:
-            parts.append(mx.view(payload, mx.uint8).reshape(-1))
-        parts.append(mx.zeros((HEADER_BYTES + INLINE_BYTES - sum(p.size for p in parts),), dtype=mx.uint8))
-        frames = mx.distributed.all_gather(mx.concatenate(parts)[None], group=self.group)
+        frames = mx.distributed.all_gather(pack(header, payload)[None], group=self.group)
         # Every rank evaluates every gather, sender or not: collectives match
         # by order, so one skipped would pair with the next round's.
         mx.eval(frames)
         headers = [Header(*row) for row in mx.view(frames[:, :HEADER_BYTES], mx.int32).tolist()]
-        sizes = [h.batch * h.length * h.width * h.payload_dtype().size if h.op else 0 for h in headers]
+        sizes = [payload_bytes(h) for h in headers]
         incoming, size = headers[self.prev], sizes[self.prev]
         data = None
         if max(sizes) > INLINE_BYTES:  # rare (prefill chunks): a second gather, padded to the largest
@@ -66,7 +60,7 @@ class MxCollective(Transport):
         if size and data is None:
             data = frames[self.prev, HEADER_BYTES : HEADER_BYTES + size]
         if data is not None:
-            data = mx.view(data, incoming.payload_dtype()).reshape(incoming.payload_shape())
+            data = as_payload(incoming, data)
         if incoming.op:
             self.inbox.append((incoming, data))
         if headers[self.size - 1].op in ROUND_TRIP_OPS:

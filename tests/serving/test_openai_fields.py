@@ -18,6 +18,7 @@ from mlx_lm.utils import load_tokenizer
 
 from conftest import ROOT, free_port_range
 from distributed.runtime.scheduler import Scheduler
+from distributed.runtime.speculation import PromptLookupDrafter
 from distributed.serving.http_api import start_http_server
 from distributed.serving.openai_fields import NEUTRAL, REFUSED, fields
 from distributed.serving.options import ServeOptions
@@ -39,7 +40,7 @@ def served(hf_checkpoint):
     front = start_http_server(ServeOptions(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0"))
     front.attach(scheduler, tokenizer, ModelInfo("tiny", 259, 1024, 1000))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{front.port}/v1", api_key="none", max_retries=0, timeout=60)
-    yield SimpleNamespace(front=front, tokenizer=tokenizer, client=client, path=hf_checkpoint)
+    yield SimpleNamespace(front=front, tokenizer=tokenizer, client=client, path=hf_checkpoint, scheduler=scheduler)
     front.stop()
     scheduler.close()
 
@@ -188,6 +189,25 @@ def test_n_choices(served):
     whole = served.client.chat.completions.create(model="tiny", messages=HI, max_tokens=5, temperature=0)
     assert texts == [whole.choices[0].message.content] * 2
     assert chunks[-1].usage.completion_tokens == 2 * whole.usage.completion_tokens
+
+
+def test_speculative_false_opts_a_request_out(served):
+    """The `speculative` extension where the server speculates (prompt lookup): the same
+    text either way, verification frames only for the request that allows them."""
+    batcher = served.scheduler.batcher
+    batcher.drafter = PromptLookupDrafter()
+    try:
+        texts, passes = [], []
+        for speculative in (True, False):
+            before = batcher.spec_stats.passes
+            out = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=80, temperature=0,
+                                                   extra_body={"speculative": speculative})
+            texts.append(out.choices[0].text)
+            passes.append(batcher.spec_stats.passes - before)
+    finally:
+        batcher.drafter = None
+    assert texts[0] == texts[1] and passes[0] > 0 and passes[1] == 0, passes
+    assert bad(served, True, {"speculative": "no"}).body["param"] == "speculative"
 
 
 # ---------------------------------------------------------------- refused and unknown fields, model, roles

@@ -1,0 +1,107 @@
+"""Speculative decoding through the ring: a drafter proposes the next K tokens, one
+verification frame carries the last token and the K drafts (K + 1 positions) through
+every stage, and rank 0 samples each position from the target's logits, accepting
+drafts while they equal what it drew (mlx-lm's speculative_generate_step rule: every
+token streamed is the target's own draw, so greedy output is the same token for token
+and sampled output keeps the target's distribution). The caches of every rank then
+drop the positions of the rejected drafts (Op.TRIM: caches.trim_newest).
+
+Drafters here: prompt lookup (n-gram matching over the prompt and the text so far, as
+HF transformers' prompt_lookup_num_tokens and vLLM's ngram method do). A drafter only
+proposes; it never changes what is streamed.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import mlx.core as mx
+
+from .logits import top_k_logprobs
+
+DEFAULT_DRAFT_TOKENS = 4
+
+
+@dataclass
+class SpeculationOptions:
+    """What the server speculates with (the command line's --prompt-lookup, --num-draft-tokens)."""
+
+    prompt_lookup: bool = False
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    max_ngram: int = 3  # longest suffix of the history matched earlier in it
+
+    @property
+    def enabled(self) -> bool:
+        return self.prompt_lookup and self.num_draft_tokens > 0
+
+
+def prompt_lookup(history: List[int], k: int, max_ngram: int = 3) -> List[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the history's last
+    n tokens (the longest n <= max_ngram that occurs), or none."""
+    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+        suffix = history[-n:]
+        # The latest match first: recent text predicts the continuation best.
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start:start + n] == suffix:
+                follow = history[start + n:start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+class PromptLookupDrafter:
+    """Drafts for a sequence from its own prompt and generated text (no model)."""
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+
+    def propose(self, seq, k: int) -> List[int]:
+        return prompt_lookup(list(seq.request.prompt_ids) + seq.generated, k, self.max_ngram)
+
+
+@dataclass
+class SpeculationStats:
+    drafted: int = 0  # draft tokens sent for verification
+    accepted: int = 0  # of those, streamed
+    passes: int = 0  # verification frames
+
+    def as_dict(self) -> dict:
+        return {"drafted": self.drafted, "accepted": self.accepted, "passes": self.passes}
+
+
+def draws(seq, logits: mx.array, logprobs: mx.array, drafts: List[int]) -> List[int]:
+    """The target's token at each verified position (logits, logprobs: (K + 1, vocab)),
+    as far as they go: up to the first that differs from its draft, included. Draws
+    from what the sequence's logits processors make of each position's logits, with
+    the history of the tokens accepted before it, as decoding one at a time would."""
+    if not seq.logits.processors:
+        picked = mx.argmax(logprobs, axis=-1) if seq.greedy else seq.sample(logprobs)
+        tokens = picked.tolist()
+        return _until_mismatch(tokens, drafts)
+    tokens, history = [], list(seq.generated)
+    for i in range(len(drafts) + 1):
+        row = seq.logits.process(logits[i:i + 1], history + tokens)
+        row = row - mx.logsumexp(row, axis=-1, keepdims=True)
+        token = (mx.argmax(row, axis=-1) if seq.greedy else seq.sample(row)).item()
+        tokens.append(token)
+        if i == len(drafts) or token != drafts[i]:
+            break
+    return tokens
+
+
+def _until_mismatch(tokens: List[int], drafts: List[int]) -> List[int]:
+    for i, draft in enumerate(drafts):
+        if tokens[i] != draft:
+            return tokens[:i + 1]
+    return tokens[:len(drafts) + 1]
+
+
+def reported(seq, logprobs: mx.array, tokens: List[int]):
+    """(logprob of each token, its top logprobs or None) at the verified positions."""
+    n = len(tokens)
+    chosen = mx.take_along_axis(logprobs[:n], mx.array(tokens)[:, None], axis=-1)[:, 0]
+    top = top_k_logprobs(logprobs[:n], seq.logits.top) if seq.logits.top else None
+    mx.eval(chosen, *(top or ()))
+    tops: List[Optional[list]] = [None] * n
+    if top is not None:
+        tops = [list(zip(i, v)) for i, v in zip(top[0].tolist(), top[1].tolist())]
+    return chosen.tolist(), tops

@@ -1,0 +1,126 @@
+"""Speculative decoding (speculation.py, Batcher's verification frames): output equal to
+decoding one token at a time, drafts rejected at every offset, far past the sliding
+window (16 in the tiny checkpoint), over an in-process 2-stage pipeline; prompt lookup."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.utils import load_tokenizer
+
+from distributed.runtime.caches import compact, trim_newest
+from distributed.runtime.request import GenerationRequest, TokenEvent
+from distributed.runtime.scheduler import Scheduler
+from distributed.runtime.speculation import SpeculationOptions, prompt_lookup
+from reference import PROMPT, mlx_lm_greedy
+from stages import in_process_pipeline
+
+LONG = 120  # tokens generated: the window (16) wraps many times over
+TOL = 1e-4
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    history = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert prompt_lookup(history, 2) == [7, 8]  # the latest [1, 2, 3] before the end
+    assert prompt_lookup(history, 5) == [7, 8, 5, 1, 2]
+    assert prompt_lookup([4, 5, 6, 5], 3) == [6, 5]  # no 3- or 2-gram: the last token alone
+    assert prompt_lookup([1, 2, 3], 3) == [] and prompt_lookup([1], 3) == []
+
+
+@pytest.mark.parametrize("rotating", [True, False])
+def test_trimming_after_a_multi_token_update_equals_never_feeding_them(rotating):
+    """Past the window (rotating) and before it: drop 0..S-1 of S positions just added; the
+    cache then holds what one-at-a-time updates of the kept positions give."""
+    make = (lambda: RotatingKVCache(max_size=8)) if rotating else KVCache
+    kv = lambda n, seed: mx.random.normal((1, 2, n, 4), key=mx.random.key(seed))  # noqa: E731
+    for drop in range(4):
+        for history in (3, 7, 8, 9, 30):
+            plain, spec = make(), make()
+            for t in range(history):
+                x = kv(1, 100 + t)
+                plain.update_and_fetch(x, x)
+                spec.update_and_fetch(x, x)
+            new = kv(4, history)  # 4 positions, the last `drop` rejected
+            spec.update_and_fetch(new, new)
+            trim_newest(spec, drop)
+            for i in range(4 - drop):
+                plain.update_and_fetch(new[:, :, i:i + 1], new[:, :, i:i + 1])
+            a, b = compact(plain), compact(spec)
+            assert a.offset == b.offset == history + 4 - drop
+            assert mx.array_equal(a.keys, b.keys).item() and mx.array_equal(a.values, b.values).item()
+            nxt = kv(1, 999)  # and the next token's update sees the same keys
+            plain.update_and_fetch(nxt, nxt)
+            spec.update_and_fetch(nxt, nxt)
+            assert mx.array_equal(compact(plain).keys, compact(spec).keys).item()
+
+
+class Oracle:
+    """Drafts the reference continuation, wrong at one offset that moves each pass (0, 1,
+    ..., K, then again), so every rejection offset is exercised, all-accepted passes too."""
+
+    def __init__(self, reference, k):
+        self.reference, self.k, self.passes = reference, k, 0
+
+    def propose(self, seq, k):
+        at = len(seq.generated)
+        drafts = list(self.reference[at:at + k])
+        wrong = self.passes % (self.k + 1)
+        self.passes += 1
+        if wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % 250
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def pipeline(hf_checkpoint):
+    return in_process_pipeline(hf_checkpoint, (4, 4))[0]
+
+
+def run(pipeline, path, drafter=None, k=4, **fields):
+    scheduler = Scheduler(pipeline, load_tokenizer(path), prefill_step_size=16,
+                          speculation=SpeculationOptions(prompt_lookup=True, num_draft_tokens=k))
+    if drafter is not None:
+        scheduler.batcher.drafter = drafter
+    handle = scheduler.submit(GenerationRequest(list(PROMPT), **fields))
+    scheduler.run_pending()
+    assert scheduler.failure is None, scheduler.failure
+    events = list(handle.events())
+    return [e for e in events if isinstance(e, TokenEvent)], events[-1], scheduler.batcher.spec_stats
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_rejections_at_every_offset_far_past_the_window_change_nothing(pipeline, hf_checkpoint, k):
+    ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, LONG, 16)
+    tokens, finish, stats = run(pipeline, hf_checkpoint, Oracle(ref_tokens, k), k, max_tokens=LONG)
+    assert [e.token_id for e in tokens] == ref_tokens[:LONG]
+    assert max(abs(e.logprob - r) for e, r in zip(tokens, ref_logprobs)) < TOL
+    assert stats.passes > LONG // (k + 1) and 0 < stats.accepted < stats.drafted
+
+
+def test_processors_stops_limits_and_top_logprobs_as_without_speculation(pipeline, hf_checkpoint):
+    fields = dict(max_tokens=60, repetition_penalty=1.3, logit_bias={5: 2.0}, top_logprobs=3)
+    plain, plain_finish, _ = run(pipeline, hf_checkpoint, Oracle([], 4), max_tokens=60, repetition_penalty=1.3,
+                                 logit_bias={5: 2.0}, top_logprobs=3, speculative=False)
+    ref = [e.token_id for e in plain]
+    processors = make_logits_processors(logit_bias={5: 2.0}, repetition_penalty=1.3)
+    assert ref == mlx_lm_greedy(hf_checkpoint, PROMPT, 60, 16, processors)[0]
+    spec, finish, stats = run(pipeline, hf_checkpoint, Oracle(ref, 4), **fields)
+    assert stats.accepted > 0
+    assert [e.token_id for e in spec] == ref and finish.completion_tokens == plain_finish.completion_tokens
+    for a, b in zip(spec, plain):
+        assert abs(a.logprob - b.logprob) < TOL
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+    # max_tokens inside a pass, and a stop string inside one: nothing streamed past either.
+    for n in (1, 2, 7):
+        out, f, _ = run(pipeline, hf_checkpoint, Oracle(ref, 4), max_tokens=n)
+        assert len(out) == n and f.finish_reason == "length"
+    text = "".join(e.text for e in spec)
+    stop = text[20:23]
+    out, f, _ = run(pipeline, hf_checkpoint, Oracle(ref, 4), max_tokens=60, repetition_penalty=1.3,
+                    logit_bias={5: 2.0}, stop=[stop])
+    assert f.finish_reason == "stop" and "".join(e.text for e in out) + f.text == text[:text.index(stop)]
+
+
+def test_seeded_sampling_stays_seeded(pipeline, hf_checkpoint):
+    runs = [run(pipeline, hf_checkpoint, None, max_tokens=40, temperature=0.8, seed=11)[0] for _ in range(2)]
+    assert [e.token_id for e in runs[0]] == [e.token_id for e in runs[1]]

@@ -1,6 +1,7 @@
 """Single-stream decode and 1k-token prefill speed: one-process mlx-lm vs this runner.
 
     python bench/bench_decode.py [--quick] [--json-out PATH] [--reps N] [--blas reference|openblas]
+                                 [--model PATH] [--baseline-root CHECKOUT] [--only NAME,...] [--extra=ARGS]
 
 Builds (once, cached in $TMPDIR/trinity-bench/) a float32 AFMoE checkpoint (hidden 512,
 16 layers, 32 experts, 807 MiB) and times, each configuration in a fresh process, one
@@ -12,6 +13,8 @@ greedy generation from the same deterministic prompt ids (1024 tokens, then 64 d
   runner ring P direct  the same ranks started by this script (MLX_HOSTFILE, MLX_RANK):
                       the ring backend without mlx.launch, whose I/O loop keeps a core busy
   runner mpi P        mpirun --oversubscribe -np P python run_trinity.py --json  (MPI backend)
+--baseline-root runs the runner's configurations of another checkout too (' @base'), in the
+same rounds; --extra=--prompt-lookup adds runner flags; --model times a given checkpoint.
 Prefill tok/s = prompt tokens / time to first token; decode tok/s = (tokens - 1) / time
 from the first token to the last. Both are measured inside the process after loading, so
 start-up is excluded. Configurations run in interleaved rounds (--reps, default 3); the
@@ -58,24 +61,26 @@ def mlx_lm_child(model: str, ids: str, max_tokens: int) -> None:
                       "token_ids": tokens}))
 
 
-def configs(max_ranks: int) -> dict:
+def configs(max_ranks: int, root: Path = ROOT, tag: str = "") -> dict:
     """Name -> (command prefix, ranks this script starts itself). The runner's arguments
-    are appended to the prefix; None is mlx-lm."""
-    runner = [PY, str(ROOT / "run_trinity.py")]
+    are appended to the prefix; None is mlx-lm. `root`: the checkout whose runner runs
+    (another one for a baseline: its names end in `tag`)."""
+    runner = [PY, str(root / "run_trinity.py")]
     launch = str(Path(PY).parent / "mlx.launch")
     mpirun = shutil.which("mpirun")
-    root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+    allow_root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
     ps = range(2, max_ranks + 1)
-    out = {"mlx-lm (1 process)": (None, 1), "runner P=1": (runner, 1)}
+    out = {} if tag else {"mlx-lm (1 process)": (None, 1)}
+    out["runner P=1"] = (runner, 1)
     out.update({f"runner --stages {p}": (runner + ["--stages", str(p)], 1) for p in ps})
     out.update({f"runner ring P={p}": ([launch, "-n", str(p)] + runner, 1) for p in ps})
     # The ring backend again, its ranks started here (MLX_HOSTFILE, MLX_RANK) as mlx.launch
     # does, but without mlx.launch's output-relaying loop, which keeps a core busy.
     out.update({f"runner ring P={p} direct": (runner, p) for p in ps})
     if mpirun:
-        out.update({f"runner mpi P={p}": ([mpirun, *root, "--oversubscribe", "-np", str(p)] + runner, 1)
+        out.update({f"runner mpi P={p}": ([mpirun, *allow_root, "--oversubscribe", "-np", str(p)] + runner, 1)
                     for p in ps})
-    return out
+    return {name + tag if prefix else name: (prefix, ranks) for name, (prefix, ranks) in out.items()}
 
 
 def run_once(prefix, ranks: int, model: Path, ids: str, max_tokens: int, env: dict, timeout: float) -> dict:
@@ -119,6 +124,13 @@ def main() -> None:
     p.add_argument("--max-ranks", type=int, default=None, help="largest P (default 3; --quick 2)")
     p.add_argument("--blas", choices=["reference", "openblas"], default="reference")
     p.add_argument("--timeout", type=float, default=900, help="seconds per process")
+    p.add_argument("--model", help="this checkpoint instead of the generated one (e.g. bench_gpu.py's)")
+    p.add_argument("--baseline-root", help="also run the runner's configurations from this checkout "
+                   "(names end in ' @base'): ratios against another version in the same invocation")
+    p.add_argument("--only", help="comma-separated substrings: run only the configurations naming one "
+                   "(mlx-lm always runs: the ratios are to it)")
+    p.add_argument("--extra", default="", help="more runner arguments for every runner configuration, "
+                   "e.g. '--prompt-lookup' (quoted, split on spaces)")
     p.add_argument("--mlx-lm-child", nargs=3, metavar=("MODEL", "IDS", "MAX_TOKENS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.mlx_lm_child:
@@ -130,10 +142,18 @@ def main() -> None:
     prompt_len = args.prompt_len or (128 if args.quick else 1024)
     decode = args.decode_tokens or (16 if args.quick else 64)
     sizes = QUICK if args.quick else FULL
-    model = checkpoint(sizes)
+    model = Path(args.model) if args.model else checkpoint(sizes)
     ids = prompt_ids(prompt_len)
     env = bench_env(args.blas)
-    table = configs(args.max_ranks or (2 if args.quick else 3))
+    max_ranks = args.max_ranks or (2 if args.quick else 3)
+    table = configs(max_ranks)
+    if args.baseline_root:
+        table.update(configs(max_ranks, Path(args.baseline_root).resolve(), " @base"))
+    if args.only:
+        wanted = args.only.split(",")
+        table = {n: c for n, c in table.items() if c[0] is None or any(w in n for w in wanted)}
+    extra = args.extra.split()
+    table = {n: (prefix + extra if prefix else prefix, ranks) for n, (prefix, ranks) in table.items()}
     runs = {name: [] for name in table}
     for rep in range(reps):  # interleaved rounds: drift and neighbours' load hit every config alike
         for name, (prefix, ranks) in table.items():
@@ -174,7 +194,9 @@ def main() -> None:
     wall = time.perf_counter() - start
     loads = [r["loadavg"] for rs in runs.values() for r in rs]
     mib = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
-    print(f"\nAFMoE fp32: hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} layers, "
+    if args.model:
+        sizes = json.loads((model / "config.json").read_text())
+    print(f"\nAFMoE {model.name}: hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} layers, "
           f"{sizes['num_experts']} experts (top {sizes['num_experts_per_tok']}), {mib:.0f} MiB; prompt "
           f"{prompt_len} tokens, {decode} decode steps; median of {reps}; BLAS: {args.blas}; "
           f"{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f}")
@@ -193,7 +215,7 @@ def main() -> None:
 
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = dict(sizes, prompt_len=prompt_len, decode_tokens=decode, reps=reps, blas=args.blas,
+    settings = dict({k: v for k, v in sizes.items() if isinstance(v, (int, float, str))}, prompt_len=prompt_len, decode_tokens=decode, reps=reps, blas=args.blas,
                     quick=args.quick, checkpoint=str(model), cpus=os.cpu_count())
     out.write_text(json.dumps({"settings": settings, "results": results, "wall_s": wall}, indent=1))
     print(f"wrote {out}")

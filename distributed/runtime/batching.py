@@ -32,7 +32,7 @@ from .caches import is_batch
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .sequence import Sequence
-from .speculation import PromptLookupDrafter, SpeculationOptions, SpeculationStats, draws, reported
+from .speculation import PromptLookupDrafter, SpeculationOptions, SpeculationStats, back_off, draws, reported
 
 
 class PrefixHooks:
@@ -83,7 +83,8 @@ class Batcher:
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.speculation = speculation or SpeculationOptions()
         # What proposes drafts for a one-row group (anything with propose(seq, k)); None: no speculation.
-        self.drafter = PromptLookupDrafter(self.speculation.max_ngram) if self.speculation.enabled else None
+        self.drafter = (PromptLookupDrafter(self.speculation.max_ngram, self.speculation.min_ngram)
+                        if self.speculation.enabled else None)
         self.spec_stats = SpeculationStats()
         ranks = pipeline.num_ranks
         self.groups = [Group(slot) for slot in range(ranks)]
@@ -254,7 +255,7 @@ class Batcher:
         if self.drafter is None or len(group.members) != 1:
             return False
         seq = group.members[0]
-        return (seq.request.speculative and not seq.awaiting_first
+        return (seq.request.speculative and not seq.awaiting_first and not seq.draft_pause
                 and not is_batch(self.pipeline.caches.get(group.slot)))
 
     def _drafts(self, group: Group) -> List[int]:
@@ -266,7 +267,10 @@ class Batcher:
         k = min(self.speculation.num_draft_tokens, seq.request.max_tokens - seq.count - 1)
         if k <= 0:
             return []
-        return self.drafter.propose(seq, k)
+        drafts = self.drafter.propose(seq, k)
+        if not drafts:
+            back_off(seq, None)
+        return drafts
 
     def _send_verify(self, group: Group, drafts: List[int]) -> None:
         """The row's last token and its drafts through every stage as one frame; the reply
@@ -291,6 +295,7 @@ class Batcher:
         tokens = draws(seq, logits, logprobs, drafts)
         chosen, tops = reported(seq, logprobs, tokens)
         self.spec_stats.accepted += len(tokens) - 1
+        back_off(seq, len(tokens) - 1)
         reason, last = None, 0
         for last, token in enumerate(tokens):
             reason = seq.accept(token, chosen[last], tops[last])

@@ -93,6 +93,10 @@ class Sequence:
         self.finished = False  # its FinishEvent is out (its cache rows may still be dropped later)
         self.started = time.perf_counter()
         self.first_at: Optional[float] = None
+        # Speculative decoding's back-off (speculation.back_off): tokens to decode without
+        # drafts, and the passes in a row whose drafts missed.
+        self.draft_pause = 0
+        self.draft_misses = 0
 
     def _resume(self, tokens: List[int]) -> None:
         """Bring the streaming state to where the original run was after `tokens`:
@@ -135,6 +139,7 @@ class Sequence:
         if the request is done."""
         self.first_at = self.first_at or time.perf_counter()
         self.sampled.append(token)
+        self.draft_pause = max(0, self.draft_pause - 1)
         if self.handle.cancelled:
             return "cancelled"
         if self.logits.prompt is not None:  # the prompt's logprobs go first

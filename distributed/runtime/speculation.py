@@ -28,16 +28,17 @@ class SpeculationOptions:
     prompt_lookup: bool = False
     num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
     max_ngram: int = 3  # longest suffix of the history matched earlier in it
+    min_ngram: int = 2  # shortest: one token alone predicts too little
 
     @property
     def enabled(self) -> bool:
         return self.prompt_lookup and self.num_draft_tokens > 0
 
 
-def prompt_lookup(history: List[int], k: int, max_ngram: int = 3) -> List[int]:
+def prompt_lookup(history: List[int], k: int, max_ngram: int = 3, min_ngram: int = 2) -> List[int]:
     """Up to k tokens that followed the latest earlier occurrence of the history's last
-    n tokens (the longest n <= max_ngram that occurs), or none."""
-    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+    n tokens (the longest min_ngram <= n <= max_ngram that occurs), or none."""
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
         suffix = history[-n:]
         # The latest match first: recent text predicts the continuation best.
         for start in range(len(history) - n - 1, -1, -1):
@@ -51,11 +52,28 @@ def prompt_lookup(history: List[int], k: int, max_ngram: int = 3) -> List[int]:
 class PromptLookupDrafter:
     """Drafts for a sequence from its own prompt and generated text (no model)."""
 
-    def __init__(self, max_ngram: int = 3):
-        self.max_ngram = max_ngram
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, seq, k: int) -> List[int]:
-        return prompt_lookup(list(seq.request.prompt_ids) + seq.generated, k, self.max_ngram)
+        return prompt_lookup(list(seq.request.prompt_ids) + seq.generated, k, self.max_ngram, self.min_ngram)
+
+
+MAX_PAUSE = 32  # tokens
+
+
+def back_off(seq, accepted: Optional[int]) -> None:
+    """After a pass (`accepted` drafts) or a step that found nothing to propose (None): a
+    sequence whose drafts all missed decodes its next 2, 4, ... 32 tokens plainly (with the
+    lookahead that a verification frame forgoes), so text that does not repeat costs little;
+    a hit resets that. Nothing to propose skips one token (the next may match)."""
+    if accepted is None:
+        seq.draft_pause = 1
+    elif accepted:
+        seq.draft_misses = 0
+    else:
+        seq.draft_misses += 1
+        seq.draft_pause = min(2 ** seq.draft_misses, MAX_PAUSE)
 
 
 @dataclass

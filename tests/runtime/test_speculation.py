@@ -23,7 +23,8 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     history = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
     assert prompt_lookup(history, 2) == [7, 8]  # the latest [1, 2, 3] before the end
     assert prompt_lookup(history, 5) == [7, 8, 5, 1, 2]
-    assert prompt_lookup([4, 5, 6, 5], 3) == [6, 5]  # no 3- or 2-gram: the last token alone
+    assert prompt_lookup([4, 5, 6, 5], 3) == []  # no 3- or 2-gram: one token alone is not enough
+    assert prompt_lookup([4, 5, 6, 5], 3, min_ngram=1) == [6, 5]
     assert prompt_lookup([1, 2, 3], 3) == [] and prompt_lookup([1], 3) == []
 
 
@@ -60,6 +61,7 @@ class Oracle:
 
     def __init__(self, reference, k):
         self.reference, self.k, self.passes = reference, k, 0
+        self.rejected_at = set()  # (offset of the wrong draft, k: none) of passes past the window
 
     def propose(self, seq, k):
         at = len(seq.generated)
@@ -68,6 +70,8 @@ class Oracle:
         self.passes += 1
         if wrong < len(drafts):
             drafts[wrong] = (drafts[wrong] + 1) % 250
+        if len(PROMPT) + at > 16 and len(drafts) == k:
+            self.rejected_at.add(wrong)
         return drafts
 
 
@@ -91,10 +95,12 @@ def run(pipeline, path, drafter=None, k=4, **fields):
 @pytest.mark.parametrize("k", [1, 4])
 def test_rejections_at_every_offset_far_past_the_window_change_nothing(pipeline, hf_checkpoint, k):
     ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, LONG, 16)
-    tokens, finish, stats = run(pipeline, hf_checkpoint, Oracle(ref_tokens, k), k, max_tokens=LONG)
+    oracle = Oracle(ref_tokens, k)
+    tokens, finish, stats = run(pipeline, hf_checkpoint, oracle, k, max_tokens=LONG)
     assert [e.token_id for e in tokens] == ref_tokens[:LONG]
     assert max(abs(e.logprob - r) for e, r in zip(tokens, ref_logprobs)) < TOL
-    assert stats.passes > LONG // (k + 1) and 0 < stats.accepted < stats.drafted
+    assert oracle.rejected_at == set(range(k + 1))  # every offset, and all accepted
+    assert 0 < stats.accepted < stats.drafted and stats.passes == oracle.passes
 
 
 def test_processors_stops_limits_and_top_logprobs_as_without_speculation(pipeline, hf_checkpoint):

@@ -1,0 +1,189 @@
+"""Single-stream decode with and without speculative decoding (--prompt-lookup), P = 1..4.
+
+    python bench/bench_speculation.py [--max-ranks 4] [--reps 3] [--max-tokens 200] [--k 4] [--out PATH]
+
+The embedded default model (distributed/shard/tiny_model), greedy, one request per fresh
+process, ranks of the ring backend started directly (as bench_decode's "direct"). Prompts:
+  held-out   the start of a paragraph of pydoc's topics that training held out (every tenth),
+             continued by the model: it loops on its own phrases more than it copies
+  grounded   a passage, then its first words again: the model's continuation repeats the
+             passage where it copies it (the input-grounded case: edits, summaries, QA)
+For each P and prompt: decode tok/s without and with --prompt-lookup (median of --reps,
+interleaved rounds), their ratio, and how much of the output the drafts covered (accepted
+drafts / tokens generated), with the verification passes. Tokens must be the same.
+
+--ceiling: what the verification path gives where drafts are right, in one process (P=1 and
+--stages 2, the scheduler's own loop): a drafter that proposes the plain run's own next tokens
+(every draft accepted), and one whose every second pass is wrong at its first draft.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PY, ROOT, bench_env, kill_groups, start_ranks  # noqa: E402
+
+
+def prompts() -> dict:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from train_tiny_model import corpus  # the paragraphs training held out (every tenth)
+
+    held_out = [p for p in corpus()[1].split("\n\n") if len(p) > 300]
+    passage = held_out[3][:600]
+    return {"held-out": held_out[0][:200], "grounded": passage + "\n\n" + passage[:80]}
+
+
+def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: float) -> dict:
+    cmd = [PY, str(ROOT / "run_trinity.py"), "--prompt", prompt, "--no-chat-template",
+           "--max-tokens", str(max_tokens), "--json", *extra]
+    procs, hostfile = start_ranks(cmd, ranks, bench_env(),
+                                  rank0=dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                                  others=dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        out, err = procs[0].communicate(timeout=timeout)
+        for p in procs[1:]:
+            p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out"}
+    finally:
+        kill_groups(procs, grace=0)
+        if hostfile:
+            Path(hostfile).unlink()
+    lines = [l for l in out.splitlines() if l.startswith("{")]
+    if not lines:
+        return {"error": err.strip()[-300:]}
+    r = json.loads(lines[-1])
+    return {"tps": r["generation_tokens_per_sec"], "tokens": r["token_ids"], "speculative": r.get("speculative")}
+
+
+class Replay:
+    """Drafts the plain run's continuation; every `miss`-th pass wrong at its first draft."""
+
+    def __init__(self, tokens, miss=0):
+        self.tokens, self.miss, self.passes = tokens, miss, 0
+
+    def propose(self, seq, k):
+        at = len(seq.generated)
+        drafts = list(self.tokens[at:at + k])
+        self.passes += 1
+        if self.miss and self.passes % self.miss == 0 and drafts:
+            drafts[0] = (drafts[0] + 1) % 256
+        return drafts
+
+
+def ceiling(prompt: str, max_tokens: int, k: int, reps: int) -> list:
+    sys.path.insert(0, str(ROOT))
+    from mlx_lm.utils import load_tokenizer
+
+    from distributed.runtime.pipeline import in_process_pipeline
+    from distributed.runtime.request import GenerationRequest, TokenEvent
+    from distributed.runtime.scheduler import Scheduler
+    from distributed.runtime.speculation import SpeculationOptions
+    from distributed.shard.loader import load_stage
+
+    path = ROOT / "distributed" / "shard" / "tiny_model"
+    tokenizer = load_tokenizer(path)
+    ids = tokenizer.encode(prompt)
+    rows = []
+    for stages in (1, 2):
+        layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+        cuts = [0, layers // 2, layers][:: 2 if stages == 1 else 1]
+        pipeline = in_process_pipeline([load_stage(path, a, b, i == 0) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))])
+
+        def timed(drafter):
+            scheduler = Scheduler(pipeline, tokenizer, speculation=SpeculationOptions(prompt_lookup=True, num_draft_tokens=k))
+            scheduler.batcher.drafter = drafter
+            handle = scheduler.submit(GenerationRequest(list(ids), max_tokens=max_tokens, speculative=drafter is not None))
+            scheduler.run_pending()
+            events = list(handle.events())
+            return ([e.token_id for e in events if isinstance(e, TokenEvent)], events[-1].generation_tokens_per_sec,
+                    scheduler.batcher.spec_stats.as_dict())
+
+        tokens = timed(None)[0]
+        results = {name: [] for name in ("plain", "all accepted", "every 2nd pass missed")}
+        for _ in range(reps + 1):  # the first round warms up
+            for name, drafter in (("plain", None), ("all accepted", Replay(tokens)),
+                                  ("every 2nd pass missed", Replay(tokens, miss=2))):
+                out, tps, stats = timed(drafter)
+                assert out == tokens, name
+                results[name].append((tps, stats))
+        base = statistics.median(t for t, _ in results["plain"][1:])
+        for name, rs in results.items():
+            tps = statistics.median(t for t, _ in rs[1:])
+            rows.append({"stages": stages, "drafter": name, "tps": tps, "ratio": tps / base, "speculative": rs[-1][1]})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--max-ranks", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--k", type=int, default=4, help="--num-draft-tokens")
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculation.json"))
+    p.add_argument("--ceiling", action="store_true", help="in-process: drafts that are right (see above)")
+    args = p.parse_args()
+    texts = prompts()
+    if args.ceiling:
+        rows = ceiling(texts["held-out"], args.max_tokens, args.k, args.reps)
+        print(f"embedded model in one process, held-out prompt, {args.max_tokens} tokens, K={args.k}, "
+              f"median of {args.reps}")
+        print(f"{'stages':>6}  {'drafter':<24}{'tok/s':>8}{'ratio':>7}  speculative")
+        for r in rows:
+            print(f"{r['stages']:>6}  {r['drafter']:<24}{r['tps']:>8.1f}{r['ratio']:>7.2f}  {r['speculative']}")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"settings": vars(args), "ceiling": rows}, indent=1))
+        return
+    spec = ["--prompt-lookup", "--num-draft-tokens", str(args.k)]
+    cases = [(name, ranks, mode) for name in texts for ranks in range(1, args.max_ranks + 1)
+             for mode in ("plain", "prompt lookup")]
+    runs = {case: [] for case in cases}
+    start = time.perf_counter()
+    for rep in range(args.reps):
+        for case in cases:
+            name, ranks, mode = case
+            r = run_once(ranks, texts[name], args.max_tokens, spec if mode != "plain" else [], args.timeout)
+            runs[case].append(r)
+            print(f"[{rep + 1}/{args.reps}] {name} P={ranks} {mode}: "
+                  f"{r.get('error') or '%.1f tok/s' % r['tps']}", file=sys.stderr, flush=True)
+    rows = []
+    for name in texts:
+        for ranks in range(1, args.max_ranks + 1):
+            plain, spec_runs = ([r for r in runs[(name, ranks, m)] if "error" not in r]
+                                for m in ("plain", "prompt lookup"))
+            if not plain or not spec_runs:
+                rows.append({"prompt": name, "ranks": ranks, "error": True})
+                continue
+            s = spec_runs[0]["speculative"]
+            tps = [statistics.median(r["tps"] for r in rs) for rs in (plain, spec_runs)]
+            rows.append({"prompt": name, "ranks": ranks, "plain_tps": tps[0], "lookup_tps": tps[1],
+                         "ratio": tps[1] / tps[0], "tokens": len(plain[0]["tokens"]),
+                         "same_tokens": all(r["tokens"] == plain[0]["tokens"] for r in plain + spec_runs),
+                         "drafted": s["drafted"], "accepted": s["accepted"], "passes": s["passes"],
+                         "covered": s["accepted"] / max(1, len(plain[0]["tokens"])),
+                         "plain_runs": [r["tps"] for r in plain], "lookup_runs": [r["tps"] for r in spec_runs]})
+    print(f"\nembedded model, greedy, {args.max_tokens} tokens max, K={args.k}, median of {args.reps}")
+    print(f"{'prompt':<10}{'P':>3}{'plain tok/s':>13}{'lookup tok/s':>14}{'ratio':>7}{'tokens':>8}"
+          f"{'covered':>9}{'accepted/drafted':>18}{'passes':>8}  same")
+    for r in rows:
+        if r.get("error"):
+            print(f"{r['prompt']:<10}{r['ranks']:>3}  failed")
+            continue
+        print(f"{r['prompt']:<10}{r['ranks']:>3}{r['plain_tps']:>13.1f}{r['lookup_tps']:>14.1f}{r['ratio']:>7.2f}"
+              f"{r['tokens']:>8}{r['covered']:>9.2f}{'%d/%d' % (r['accepted'], r['drafted']):>18}{r['passes']:>8}"
+              f"  {'yes' if r['same_tokens'] else 'NO'}")
+    print(f"wall time {time.perf_counter() - start:.0f} s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"settings": vars(args), "prompts": texts, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -32,7 +32,7 @@ from .caches import is_batch
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .sequence import Sequence
-from .speculation import PromptLookupDrafter, SpeculationOptions, SpeculationStats, back_off, draws, reported
+from .speculation import PromptLookupDrafter, SpeculationOptions, SpeculationStats, judge, propose
 
 
 class PrefixHooks:
@@ -65,8 +65,7 @@ class Group:
 class Outstanding:
     """A frame in the ring whose reply rank 0 waits for."""
 
-    kind: str  # "chunk" (prompt rows, all but their last tokens), "step" (a group's decode step) or
-    # "verify" (a one-row group's last token and its drafts: speculation.py)
+    kind: str  # "chunk" (prompt rows but their last tokens), "step" (a decode step), "verify" (speculation.py)
     sequences: List[Sequence]  # the frame's rows, in order
     slot: int
     group: Optional[Group] = None
@@ -82,9 +81,8 @@ class Batcher:
                  speculation: Optional[SpeculationOptions] = None):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.speculation = speculation or SpeculationOptions()
-        # What proposes drafts for a one-row group (anything with propose(seq, k)); None: no speculation.
-        self.drafter = (PromptLookupDrafter(self.speculation.max_ngram, self.speculation.min_ngram)
-                        if self.speculation.enabled else None)
+        # Drafts for one-row groups (anything with propose(seq, k)); None: no speculation.
+        self.drafter = PromptLookupDrafter(self.speculation) if self.speculation.enabled else None
         self.spec_stats = SpeculationStats()
         ranks = pipeline.num_ranks
         self.groups = [Group(slot) for slot in range(ranks)]
@@ -250,31 +248,18 @@ class Batcher:
             self._prefilled(batch)
 
     def _speculates(self, group: Group) -> bool:
-        """Whether `group`'s next step may be a verification frame: one row (plain caches,
-        which trim), past its first token, speculation on for the server and the request."""
-        if self.drafter is None or len(group.members) != 1:
-            return False
-        seq = group.members[0]
-        return (seq.request.speculative and not seq.awaiting_first and not seq.draft_pause
-                and not is_batch(self.pipeline.caches.get(group.slot)))
+        """Whether `group`'s next step may verify drafts: one row (plain caches, which trim),
+        past its first token, speculation on for the server and the request, not backing off."""
+        seq = group.members[0] if self.drafter is not None and len(group.members) == 1 else None
+        return bool(seq and seq.request.speculative and not seq.awaiting_first and not seq.draft_pause
+                    and not is_batch(self.pipeline.caches.get(group.slot)))
 
     def _drafts(self, group: Group) -> List[int]:
-        """Draft tokens for `group`'s next step, none to decode one token as usual. Never
-        more than the request can still take after the token the step gives anyway."""
-        if not self._speculates(group):
-            return []
-        seq = group.members[0]
-        k = min(self.speculation.num_draft_tokens, seq.request.max_tokens - seq.count - 1)
-        if k <= 0:
-            return []
-        drafts = self.drafter.propose(seq, k)
-        if not drafts:
-            back_off(seq, None)
-        return drafts
+        """Draft tokens for `group`'s next step; none: decode one token as usual."""
+        return propose(self.drafter, self.speculation, group.members[0]) if self._speculates(group) else []
 
     def _send_verify(self, group: Group, drafts: List[int]) -> None:
-        """The row's last token and its drafts through every stage as one frame; the reply
-        is every position's hidden state."""
+        """The row's last token and its drafts as one frame; its reply: every position's."""
         seq = group.members[0]
         self.pipeline.send(mx.array([[seq.next_token, *drafts]], dtype=mx.uint32), Reply.ALL, group.slot)
         group.busy = True
@@ -288,22 +273,16 @@ class Batcher:
         from every rank's caches: they hold the row's history up to its last token fed."""
         _, h = self.pipeline.recv()
         seq, drafts = frame.sequences[0], frame.drafts
-        logits = self.pipeline.stage.head(h)[0]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         with self.pipeline.stats.computing():
-            mx.eval(logprobs)
-        tokens = draws(seq, logits, logprobs, drafts)
-        chosen, tops = reported(seq, logprobs, tokens)
+            tokens, chosen, tops = judge(self.pipeline.stage.head, seq, drafts, h)
         self.spec_stats.accepted += len(tokens) - 1
-        back_off(seq, len(tokens) - 1)
         reason, last = None, 0
         for last, token in enumerate(tokens):
             reason = seq.accept(token, chosen[last], tops[last])
             if reason is not None:
                 break
-        # Positions 0..last hold the inputs up to the last token accepted's: the frame's last
-        # token and the drafts before it. The next step feeds that token (or a finished
-        # row's caches hold its tokens but the last, as the prefix cache expects).
+        # Kept: positions 0..last, the inputs before the last token accepted, which the next
+        # step feeds (a finished row's caches hold its tokens but the last, as the prefix cache expects).
         self.pipeline.trim(frame.slot, len(drafts) - last)
         if reason is not None:
             self._finish(seq, reason, frame.slot, 0)

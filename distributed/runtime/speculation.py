@@ -52,8 +52,9 @@ def prompt_lookup(history: List[int], k: int, max_ngram: int = 3, min_ngram: int
 class PromptLookupDrafter:
     """Drafts for a sequence from its own prompt and generated text (no model)."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, options: Optional["SpeculationOptions"] = None):
+        options = options or SpeculationOptions()
+        self.max_ngram, self.min_ngram = options.max_ngram, options.min_ngram
 
     def propose(self, seq, k: int) -> List[int]:
         return prompt_lookup(list(seq.request.prompt_ids) + seq.generated, k, self.max_ngram, self.min_ngram)
@@ -84,6 +85,28 @@ class SpeculationStats:
 
     def as_dict(self) -> dict:
         return {"drafted": self.drafted, "accepted": self.accepted, "passes": self.passes}
+
+
+def propose(drafter, options: SpeculationOptions, seq) -> List[int]:
+    """The drafter's tokens for `seq`'s next pass: never more than it can still take after
+    the token the pass gives anyway; nothing to propose backs off one token."""
+    k = min(options.num_draft_tokens, seq.request.max_tokens - seq.count - 1)
+    drafts = drafter.propose(seq, k) if k > 0 else []
+    if k > 0 and not drafts:
+        back_off(seq, None)
+    return drafts
+
+
+def judge(head, seq, drafts: List[int], h: mx.array):
+    """A verification frame's reply `h` (1, K + 1, hidden): the tokens to stream (the
+    target's draws up to the first that differs from its draft, that one included), their
+    logprobs and top logprobs; the sequence backs off if no draft held."""
+    logits = head(h)[0]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.eval(logprobs)
+    tokens = draws(seq, logits, logprobs, drafts)
+    back_off(seq, len(tokens) - 1)
+    return (tokens, *reported(seq, logprobs, tokens))
 
 
 def draws(seq, logits: mx.array, logprobs: mx.array, drafts: List[int]) -> List[int]:

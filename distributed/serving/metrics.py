@@ -94,6 +94,13 @@ class _RingCollector:
             yield _counter("prefix_cache_hits", "Prompts that restored a cached prefix", prefix.hits)
             yield _counter("prefix_cache_misses", "Prompts looked up in the prefix cache without a usable entry",
                            prefix.lookups - prefix.hits)
+        batcher = getattr(s, "batcher", None)  # None in the router
+        if batcher is not None and batcher.drafter is not None:
+            spec = batcher.spec_stats
+            yield _counter("speculative_passes", "Verification frames: a row's last token and its drafts", spec.passes)
+            yield _counter("speculative_drafted", "Draft tokens verified", spec.drafted)
+            yield _counter("speculative_accepted", "Draft tokens equal to the target's draw (streamed unless a "
+                           "stop came first)", spec.accepted)
         reports = s.rank_reports()  # {} in the router
         if reports:
             yield from self._ranks(reports, {r["rank"]: r["host"] for r in info.ranks})

@@ -225,6 +225,13 @@ def test_resume_token_ids_continue_the_stream_exactly(server, reference):
         assert "".join(r.text for r in stopped[:4]) + out["text"] == text[:text.index(stop)] != text
 
 
+def test_speculative_false_changes_nothing_but_the_passes(server, reference):
+    """ranks2 speculates: the same tokens with and without a request's opt-out (and as the
+    one-rank command line's), its verification passes only when allowed (metrics)."""
+    out = generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, speculative=False)
+    assert_matches(out, reference)
+
+
 # Keep this test last: it breaks the module's server (pytest runs each server's
 # tests together, in file order, so it runs last for each configuration).
 @pytest.mark.parametrize("server", [c for c in CONFIGS if CONFIGS[c][0] > 1], indirect=True)

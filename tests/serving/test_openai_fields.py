@@ -38,7 +38,9 @@ def served(hf_checkpoint):
     tokenizer = load_tokenizer(hf_checkpoint, eos_token_ids=read_config(hf_checkpoint)["eos_token_id"])
     scheduler = Scheduler(pipeline, tokenizer, max_queue=16, prefill_step_size=16, prefix_cache_bytes=2**24).start()
     front = start_http_server(ServeOptions(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0"))
-    front.attach(scheduler, tokenizer, ModelInfo("tiny", 259, 1024, 1000))
+    info = ModelInfo("tiny", 259, 1024, 1000)
+    front.attach(scheduler, tokenizer, info)
+    front.requests.metrics.attach(scheduler, info)  # as the command line does
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{front.port}/v1", api_key="none", max_retries=0, timeout=60)
     yield SimpleNamespace(front=front, tokenizer=tokenizer, client=client, path=hf_checkpoint, scheduler=scheduler)
     front.stop()
@@ -204,6 +206,10 @@ def test_speculative_false_opts_a_request_out(served):
                                                    extra_body={"speculative": speculative})
             texts.append(out.choices[0].text)
             passes.append(batcher.spec_stats.passes - before)
+        with urllib.request.urlopen(f"http://127.0.0.1:{served.front.port}/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        for name, value in batcher.spec_stats.as_dict().items():
+            assert f"trinity_speculative_{name}_total {float(value)}" in metrics, name
     finally:
         batcher.drafter = None
     assert texts[0] == texts[1] and passes[0] > 0 and passes[1] == 0, passes

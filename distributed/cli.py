@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import List, Optional
 
-from . import TrinityError, speculation_flags
+from . import TrinityError
 from .help_format import HelpFormatter
 from .runtime.prefill import PREFILL_STEP_SIZE
 from .runtime.prefix_cache import default_budget
@@ -23,6 +23,7 @@ from .serving.front_ends import start_front_ends
 from .serving.metrics import Metrics
 from .serving.options import AUTH_TOKEN_ENV, ServeOptions, check_options
 from .serving.request_log import RequestLog
+from .serving import speculation_flags
 from .serving.requests import prompt_ids
 from .shard.config import model_args
 from .shard.kv_budget import DEFAULT_CONTEXT, MAX_BATCH, kv_budget

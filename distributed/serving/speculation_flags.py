@@ -2,8 +2,8 @@
 
 import argparse
 
-from . import TrinityError
-from .runtime.speculation import DEFAULT_DRAFT_TOKENS, SpeculationOptions
+from .. import TrinityError
+from ..runtime.speculation import DEFAULT_DRAFT_TOKENS, SpeculationOptions
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -335,15 +335,15 @@ class Batcher:
         group = frame.group
         if (lookahead and not self.ready and not fresh
                 and not all(s.ends_at_next_token for _, s in in_slot)
-                and not any(s.logits.processors for _, s in in_slot)
+                and not any(s.logits.shapes for _, s in in_slot)
                 and not self._speculates(group)):
             # Lookahead (as mlx-lm's generate): the group's next step goes now, on the
             # tokens just sampled, still on the device; they are looked at while it
             # runs. A row that finishes here costs one wasted row-step. Not when every
             # row reaches max_tokens with this token (the step would only delay what
             # comes next: a waiting prompt), nor while rows wait to join a group (they
-            # join between steps), nor with logits processors (their next draw needs
-            # this token in the history), nor on a row's first token (the prefix cache
+            # join between steps), nor with logits processors or a grammar (their next
+            # draw needs this token in the history), nor on a row's first token (the prefix cache
             # keeps its caches as they are now: its whole prompt, nothing more), nor where
             # the next step may verify drafts (they follow from the token just drawn).
             rows = [i for i, _ in in_slot]

@@ -63,10 +63,11 @@ class PromptScores:
 
 
 class SequenceLogits:
-    """One sequence's processors and token history, and what it reports."""
+    """One sequence's processors, grammar constraint and token history, and what it reports."""
 
-    def __init__(self, request: GenerationRequest):
+    def __init__(self, request: GenerationRequest, constraint=None):
         r = request
+        self.constraint = constraint  # grammar.Constraint, or None
         self.processors = make_logits_processors(
             logit_bias=r.logit_bias or None,
             repetition_penalty=r.repetition_penalty if r.repetition_penalty != 1 else None,
@@ -83,9 +84,19 @@ class SequenceLogits:
         # with its resumed tokens: they join at its first step, as they did one by one.
         self._fed = 0
 
+    @property
+    def shapes(self) -> bool:
+        """Whether anything changes the logits this sequence samples from."""
+        return bool(self.processors) or self.constraint is not None
+
     def process(self, logits: mx.array, generated: List[int]) -> mx.array:
-        """Apply the processors to one row of logits (1, vocab), after the tokens
-        generated so far (each one fed back before this step) joined the history."""
+        """Apply the processors, then the grammar's mask, to one row of logits (1, vocab),
+        after the tokens generated so far (each one fed back before this step) joined the history."""
+        if self.processors:
+            logits = self._processed(logits, generated)
+        return self.constraint.mask(logits, generated) if self.constraint is not None else logits
+
+    def _processed(self, logits: mx.array, generated: List[int]) -> mx.array:
         new = generated[self._fed:]
         self._fed = len(generated)
         history = self._history.update_and_fetch(mx.array(new, dtype=mx.int32)) if new else self._history.tokens
@@ -95,13 +106,13 @@ class SequenceLogits:
 
 
 def shaped_logprobs(sequences, logits: mx.array, logprobs: mx.array) -> mx.array:
-    """What each row samples from: its logprobs, or (a sequence with processors)
-    its processed logits, normalised."""
-    if not any(s.logits.processors for s in sequences):
+    """What each row samples from: its logprobs, or (a sequence with processors or a
+    grammar) its processed logits, normalised."""
+    if not any(s.logits.shapes for s in sequences):
         return logprobs
     rows = []
     for i, seq in enumerate(sequences):
-        if seq.logits.processors:
+        if seq.logits.shapes:
             row = seq.logits.process(logits[i:i + 1], seq.generated)
             rows.append(row - mx.logsumexp(row, axis=-1, keepdims=True))
         else:

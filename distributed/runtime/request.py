@@ -49,6 +49,9 @@ class GenerationRequest:
     # prompt's logprobs.
     resume_ids: List[int] = field(default_factory=list)
     speculative: bool = True  # False: never verify drafts for this request (where the server speculates)
+    # Constrained decoding (runtime/grammar.py): an llguidance grammar (from a JSON schema,
+    # Lark or a regex) that every generated token must keep to; None: unconstrained.
+    grammar: Optional[str] = None
 
     @property
     def scores_prompt(self) -> bool:

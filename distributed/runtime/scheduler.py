@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from typing import Callable, Iterator, Optional, Union
 
 from .batching import Batcher
+from .grammar import Grammars
 from .prefill import PREFILL_STEP_SIZE
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
@@ -32,6 +33,7 @@ class RingUnavailable(Exception):
 class RequestHandle:
     def __init__(self, request: GenerationRequest):
         self.request = request
+        self.constraint = None  # grammar.Constraint where the request has a grammar
         self._events: "queue.Queue[Event]" = queue.Queue()
         self._cancelled = threading.Event()
         self.done = False  # its FinishEvent was emitted
@@ -68,6 +70,7 @@ class Scheduler:
                  speculation: Optional[SpeculationOptions] = None):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.on_failure = on_failure  # e.g. turn health to NOT_SERVING
+        self.grammars = Grammars(tokenizer, pipeline.stage.args.vocab_size)  # constrained decoding's tokenizer
         self.prefix_cache = PrefixCache(pipeline, prefix_cache_bytes)  # 0: off
         self.batcher = Batcher(pipeline, tokenizer, max_batch, prefill_step_size, prefill_batch_tokens,
                                self.prefix_cache, speculation)
@@ -122,6 +125,8 @@ class Scheduler:
             raise RingUnavailable(self.failure)
         request.validate_token_ids(self.pipeline.stage.args.vocab_size)
         handle = RequestHandle(request)
+        if request.grammar is not None:  # compiled here, in the caller's thread: it can take a while
+            handle.constraint = self.grammars.constraint(request.grammar)
         with self._lock:
             held = self._waiting.qsize() + self.batcher.sequences
             if held >= self.capacity:

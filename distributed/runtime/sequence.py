@@ -83,7 +83,7 @@ class Sequence:
         # Every sampled request draws from its own key, so a seeded request's
         # tokens do not depend on what else runs beside it.
         self._key = mx.random.key(req.seed if req.seed is not None else random.getrandbits(63))
-        self.logits = SequenceLogits(req)  # its logits processors, top and prompt logprobs
+        self.logits = SequenceLogits(req, handle.constraint)  # processors, grammar, top and prompt logprobs
         self._detokenizer = tokenizer.detokenizer
         self._stops = StopStrings(req.stop)
         self._eos = tokenizer.eos_token_ids
@@ -156,6 +156,8 @@ class Sequence:
         text, hit = self._stops.feed(self._detokenizer.last_segment)
         self.count += 1
         self.generated.append(token)
+        if self.logits.constraint is not None:  # its next mask, computed while the ring runs
+            self.logits.constraint.prepare(self.generated)
         self.handle.emit(TokenEvent(token, logprob, text, top))
         if hit:
             self._stops = None  # nothing after the stop string is sent

@@ -92,6 +92,8 @@ def propose(drafter, options: SpeculationOptions, seq) -> List[int]:
     the token the pass gives anyway; nothing to propose backs off one token."""
     k = min(options.num_draft_tokens, seq.request.max_tokens - seq.count - 1)
     drafts = drafter.propose(seq, k) if k > 0 else []
+    if drafts and seq.logits.constraint is not None:  # what the grammar forbids cannot be accepted
+        drafts = seq.logits.constraint.valid_prefix(seq.generated, drafts)
     if k > 0 and not drafts:
         back_off(seq, None)
     return drafts
@@ -112,9 +114,9 @@ def judge(head, seq, drafts: List[int], h: mx.array):
 def draws(seq, logits: mx.array, logprobs: mx.array, drafts: List[int]) -> List[int]:
     """The target's token at each verified position (logits, logprobs: (K + 1, vocab)),
     as far as they go: up to the first that differs from its draft, included. Draws
-    from what the sequence's logits processors make of each position's logits, with
-    the history of the tokens accepted before it, as decoding one at a time would."""
-    if not seq.logits.processors:
+    from what the sequence's logits processors and grammar make of each position's logits,
+    with the history of the tokens accepted before it, as decoding one at a time would."""
+    if not seq.logits.shapes:
         picked = mx.argmax(logprobs, axis=-1) if seq.greedy else seq.sample(logprobs)
         tokens = picked.tolist()
         return _until_mismatch(tokens, drafts)

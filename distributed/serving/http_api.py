@@ -26,6 +26,7 @@ from typing import Optional
 
 from ..runtime.request import RequestError
 from ..runtime.scheduler import QueueFull, RingUnavailable
+from .adapters import ADAPTERS, ERROR_BODIES, ROUTES
 from .health import Health
 from .http_server import serve_http
 from .openai_fields import ApiError, param_of, plan
@@ -39,6 +40,15 @@ GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 def _down(reason: str) -> ApiError:
     return ApiError(503, f"the pipeline is down: {reason}", "service_unavailable")
+
+
+def submit(scheduler, request, run):
+    """scheduler.submit; a grammar the library rejects is a 400 naming the field it came from."""
+    try:
+        return scheduler.submit(request)
+    except RequestError as e:
+        param = run.constrained_by if e.field == "grammar" else e.field
+        raise ApiError(400, f"{param}: {str(e).split(': ', 1)[1]}", param=param) from None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -71,17 +81,22 @@ class _Handler(BaseHTTPRequestHandler):
         routes = {("GET", "/v1/models"): self._models,
                   ("POST", "/v1/completions"): lambda body, *state: self._generate(body, False, *state),
                   ("POST", "/v1/chat/completions"): lambda body, *state: self._generate(body, True, *state)}
-        generation = front.api and self.command == "POST" and path in GENERATION_ROUTES
+        for key, adapter in ADAPTERS.items():
+            routes[key] = lambda body, *state, adapter=adapter: self._adapted(adapter, body, *state)
+        for key, answer in ROUTES.items():
+            routes[key] = lambda body, *state, answer=answer: self._send_json(*answer(body, *state))
+        generation = front.api and self.command == "POST" and (path in GENERATION_ROUTES or ("POST", path) in ADAPTERS)
         self._trace = front.requests.begin("http", path, self.client_address[0]) if generation else None
+        self._error_body = ERROR_BODIES.get(path, ApiError.body) if front.api else ApiError.body
         try:
-            front.check_auth(self.headers.get("Authorization"))
+            front.check_auth(self.headers)
             route = routes.get((self.command, path)) if front.api else None
             if route is None:
                 raise ApiError(404, f"no such endpoint: {self.command} {self.path}", code="unknown_url")
             body = self._read_body() if self.command == "POST" else None
             route(body, *front.attached())
         except ApiError as e:
-            self._send_json(e.status, e.body())
+            self._send_json(e.status, self._error_body(e))
             error = str(e)
         except OSError:
             self.close_connection = True  # the client went away
@@ -90,7 +105,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self._started:
                 self.close_connection = True
             else:
-                self._send_json(500, ApiError(500, error, "server_error").body())
+                self._send_json(500, self._error_body(ApiError(500, error, "server_error")))
         finally:
             if self._trace is not None:
                 self._trace.end(self._status, error)
@@ -101,7 +116,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if path == "/health":
                 return self._send_json(*front.health.answer())
-            front.check_auth(self.headers.get("Authorization"))
+            front.check_auth(self.headers)
             self._send(200, *front.requests.metrics.exposition())
         except ApiError as e:
             self._send_json(e.status, e.body())
@@ -148,7 +163,7 @@ class _Handler(BaseHTTPRequestHandler):
         handles = []
         try:
             for request in run.requests:  # one per choice
-                handles.append(scheduler.submit(request))
+                handles.append(submit(scheduler, request, run))
             reply = self._trace.reply = Reply(run, info.model_id, tokenizer)  # its usage: the access log's
             self._stream(handles, reply) if run.stream else self._whole(handles, reply)
         except QueueFull as e:
@@ -158,6 +173,61 @@ class _Handler(BaseHTTPRequestHandler):
         finally:  # finished ones ignore it; others (the client hung up, a choice failed) stop within a step
             for handle in handles:
                 handle.cancel()
+
+    def _adapted(self, adapter, body: dict, scheduler, tokenizer, info):
+        """An API served over chat completions (adapters.py): its body as a chat body, its
+        reply made from the OpenAI one, event by event."""
+        try:
+            chat_body = adapter.to_chat(body, info, tokenizer)
+            run = plan(chat_body, True, tokenizer, info)
+        except RequestError as e:
+            param = adapter.param(param_of(e, {}, True))
+            raise ApiError(400, f"{param}: {str(e).split(': ', 1)[1]}", param=param) from None
+        handle = None
+        try:
+            handle = submit(scheduler, run.requests[0], run)
+            reply = self._trace.reply = Reply(run, info.model_id, tokenizer)
+            out, choice = adapter.reply(reply, body), reply.choices[0]
+            if not run.stream:
+                choice.opening()
+                for event in self._trace.events(handle):
+                    if self._client_gone():
+                        self.close_connection = True
+                        return
+                    choice.add(event)
+                if reply.error:
+                    raise _down(reply.error)
+                return self._send_json(200, out.whole(reply.whole()))
+            self._open_stream(out.content_type)
+            self._chunk(out.opening(choice.opening()))
+            for event in self._trace.events(handle):
+                chunks = choice.add(event)
+                if choice.error:
+                    self._chunk([out.failure(self._error_body(_down(choice.error)))])
+                    break
+                self._chunk(out.add(chunks))
+            else:
+                self._chunk(out.closing())
+            self.wfile.write(b"0\r\n\r\n")
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy: {e}", "rate_limit_exceeded") from None
+        except RingUnavailable as e:
+            raise _down(str(e)) from None
+        finally:
+            if handle is not None:
+                handle.cancel()
+
+    def _open_stream(self, content_type: str):
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self._started = True
+
+    def _chunk(self, frames):
+        for data in frames:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
     def _whole(self, handles, reply):
         for choice, handle in zip(reply.choices, handles):
@@ -172,12 +242,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(200, reply.whole())
 
     def _stream(self, handles, reply):
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        self._started = True
+        self._open_stream("text/event-stream")
         for choice, handle in zip(reply.choices, handles):  # choices one after the other, each with its index
             for chunk in choice.opening():
                 self._event(chunk)
@@ -197,8 +262,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
 
     def _event(self, obj):
-        data = b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n"
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self._chunk([b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n"])
 
     def _client_gone(self) -> bool:
         """Whether the client has closed its end (checked between tokens of a whole reply)."""
@@ -243,12 +307,16 @@ class HttpFrontEnd:
         self.server.shutdown()
         self.server.server_close()
 
-    def check_auth(self, header) -> None:
+    def check_auth(self, headers) -> None:
+        """`Authorization: Bearer TOKEN`, or Anthropic's `x-api-key: TOKEN`."""
         if self.auth_token is None:
             return
-        scheme, _, token = (header or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.auth_token.encode()):
-            raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)", code="invalid_api_key")
+        scheme, _, token = (headers.get("Authorization") or "").partition(" ")
+        if scheme.lower() != "bearer":
+            token = headers.get("x-api-key") or ""
+        if not hmac.compare_digest(token.strip().encode(), self.auth_token.encode()):
+            raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN, or x-api-key: TOKEN)",
+                           "authentication_error", code="invalid_api_key")
 
     def attached(self):
         reason = self.health.refusal

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..runtime.request import MAX_TOP_LOGPROBS, GenerationRequest, RequestError
+from .constraints import forced_tools, response_grammar, tool_call_grammar
 from .requests import ModelInfo, build_request, chat_ids, prompt_ids
 from .tools import chat_messages, request_tools
 
@@ -32,7 +33,8 @@ SHARED = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_
           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs") + EXTENSIONS
 IMPLEMENTED = {
     "completions": SHARED + ("prompt", "echo"),
-    "chat": SHARED + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"),
+    "chat": SHARED + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                      "parallel_tool_calls", "response_format"),
 }
 # Accepted with no effect on the output: identifiers and caching hints for OpenAI's own service.
 HINTS = {"completions": ("user",), "chat": ("user", "safety_identifier", "prompt_cache_key")}
@@ -40,9 +42,6 @@ HINTS = {"completions": ("user",), "chat": ("user", "safety_identifier", "prompt
 NEUTRAL = {
     "best_of": ((1,), "only 1 (use n for several completions)"),
     "suffix": (("",), "text after the completion (insertion) is not supported"),
-    "parallel_tool_calls": ((True,), "the model may always call several tools at once"),
-    "response_format": (({"type": "text"},), "only {\"type\": \"text\"}: structured output (json_object, "
-                                             "json_schema) needs constrained decoding, which is not supported"),
     "service_tier": (("auto", "default"), "there is one service tier"),
     "store": ((False,), "completions are not stored"),
     "metadata": (({},), "metadata tags stored completions, which are not supported"),
@@ -117,6 +116,7 @@ class Plan:
     include_usage: bool = False
     logprobs: Optional[int] = None  # None: not asked; else top alternatives per token
     tools: Optional[List[dict]] = None  # chat: tools whose calls the reply parses
+    constrained_by: Optional[str] = None  # the field whose grammar the requests carry (its errors name it)
 
 
 def _completion_prompts(body: dict, tokenizer) -> List[tuple]:
@@ -182,6 +182,18 @@ def _sampling(body: dict, chat: bool, max_name: str, prompt_len: int, info: Mode
     )
 
 
+def _constraint(body: dict, tokenizer, tools) -> tuple:
+    """(grammar, the field it comes from) of a chat request: response_format's, or a forced tool call's."""
+    grammar = response_grammar(body.get("response_format"))
+    parallel = get(body, "parallel_tool_calls", (bool,), True)
+    forced = forced_tools(tools, body.get("tool_choice")) if tools else None
+    if forced and grammar:
+        raise RequestError("response_format", "cannot constrain the reply while tool_choice forces a tool call")
+    if forced:
+        return tool_call_grammar(tokenizer, forced, parallel), "tool_choice"
+    return grammar, "response_format" if grammar else None
+
+
 def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
     """The choices to run for `body`; RequestError names a bad field (HTTP 400)."""
     check_fields(body, "chat" if chat else "completions", info)
@@ -196,10 +208,11 @@ def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
     if unknown is not None or (options or {}).get("include_obfuscation"):
         raise RequestError("stream_options", f"only include_usage is supported, got {json.dumps(options)[:60]}")
     logprobs = _logprobs(body, chat)
-    tools = None
+    tools = grammar = constrained_by = None
     if chat:
         messages = chat_messages(body.get("messages"))
         tools = request_tools(body, tokenizer)
+        grammar, constrained_by = _constraint(body, tokenizer, tools)
         prompts = [(chat_ids(tokenizer, messages, tools), None)]
         max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         echo = False
@@ -207,7 +220,7 @@ def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
         prompts = _completion_prompts(body, tokenizer)
         max_name, echo = "max_tokens", get(body, "echo", (bool,), False)
     out = Plan(chat, [], [], stream=stream, include_usage=bool((options or {}).get("include_usage")),
-               logprobs=logprobs, tools=tools)
+               logprobs=logprobs, tools=tools, constrained_by=constrained_by)
     for k, (ids, text) in enumerate(prompts):
         sampling = _sampling(body, chat, max_name, len(ids), info)
         # echo with logprobs scores the prompt; echo alone with max_tokens 0 too (nothing else to run)
@@ -215,7 +228,8 @@ def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
         for j in range(n):
             seed = sampling["seed"]
             choice = dict(sampling, seed=None if seed is None else seed + j)  # so that n choices differ
-            out.requests.append(build_request(info, ids, top_logprobs=logprobs or 0, prompt_logprobs=scored, **choice))
+            out.requests.append(build_request(info, ids, top_logprobs=logprobs or 0, prompt_logprobs=scored,
+                                              grammar=grammar, **choice))
             out.prompts.append(k)
             out.echo.append((text if text is not None else tokenizer.decode(ids)) if echo else None)
     return out

@@ -87,11 +87,11 @@ def chat_messages(messages) -> List[dict]:
 def request_tools(body: dict, tokenizer) -> Optional[List[dict]]:
     """The tools to give the chat template (None: none, or tool_choice "none")."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        # "required" or a named function would need constrained decoding.
-        raise RequestError("tool_choice", f"only \"auto\" and \"none\" are supported, got {json.dumps(choice)[:60]}")
+    if not (choice is None or choice in ("none", "auto", "required") or isinstance(choice, dict)):
+        raise RequestError("tool_choice", f"expected \"none\", \"auto\", \"required\" or a function, "
+                                          f"got {json.dumps(choice)[:60]}")
     if not tools:
-        if choice == "auto":
+        if choice is not None and choice != "none":
             raise RequestError("tool_choice", "needs tools")
         if tools is not None and not isinstance(tools, list):
             raise RequestError("tools", "expected a list of tools")
@@ -103,8 +103,9 @@ def request_tools(body: dict, tokenizer) -> Optional[List[dict]]:
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
                 or not isinstance(function.get("name"), str):
             raise RequestError(f"tools[{k}]", "expected {\"type\": \"function\", \"function\": {\"name\": …}}")
-        if function.get("strict"):
-            raise RequestError(f"tools[{k}].function.strict", "strict schema adherence (constrained decoding) is not supported")
+        if function.get("strict") and choice in (None, "auto"):
+            # Forced calls (tool_choice "required" or a function) keep to the schema; free ones cannot be told apart from text.
+            raise RequestError(f"tools[{k}].function.strict", "strict arguments need tool_choice \"required\" or a named function")
     if choice == "none":
         return None  # the model answers in text: no tools in its prompt, nothing parsed
     if not tokenizer.has_tool_calling:

@@ -1,0 +1,129 @@
+"""Constrained decoding on rank 0: a sequence whose request carries a grammar samples
+only tokens the grammar allows (llguidance: JSON schemas, Lark, regular expressions).
+
+Each constrained sequence has a Constraint: an llguidance matcher fed the tokens it
+generated, and the token mask of its next position. The mask is computed in a worker
+thread as soon as the previous token is known (prepare), while the ring computes the
+step that needs it, and applied to that row's logits only: rows without a grammar
+pay nothing. A speculative pass asks for the mask of each verified position in turn
+(the matcher then takes the drafts that hold), so a draft the grammar forbids is never
+accepted.
+"""
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .request import RequestError
+
+_WORKERS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+_BITS = mx.arange(32, dtype=mx.uint32)
+
+
+class Grammars:
+    """The llguidance tokenizer of a model (built once: about a second for a real
+    vocabulary), and checking a grammar against it."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._lock, self._ll = threading.Lock(), None
+
+    @property
+    def ll_tokenizer(self):
+        with self._lock:
+            if self._ll is None:
+                import llguidance.hf
+
+                hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+                self._ll = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
+                                                        eos_token=sorted(self._tokenizer.eos_token_ids))
+            return self._ll
+
+    def check(self, grammar: str, field: str = "grammar") -> None:
+        """RequestError naming `field` if llguidance rejects `grammar`."""
+        import llguidance
+
+        error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if error:
+            raise RequestError(field, f"the grammar library rejects it: {messages[0].strip()[:300]}")
+
+    def constraint(self, grammar: str) -> "Constraint":
+        return Constraint(self, grammar)
+
+
+def json_schema_grammar(schema, strict: bool = True) -> str:
+    """llguidance's grammar for JSON that validates against `schema` (compact, as
+    OpenAI's structured output writes it; `strict` False: keywords llguidance cannot
+    enforce are ignored rather than refused)."""
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": False, "lenient": not strict})
+
+
+def lark_grammar(lark: str) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def regex_grammar(regex: str) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_regex(regex)
+
+
+class Constraint:
+    """One sequence's matcher and its next mask (see the module's docstring)."""
+
+    def __init__(self, grammars: Grammars, grammar: str):
+        import llguidance
+
+        self.vocab_size = grammars.vocab_size
+        self.matcher = llguidance.LLMatcher(grammars.ll_tokenizer, grammar, log_level=0)
+        self._check()
+        self.consumed = 0  # generated tokens the matcher has taken
+        self._mask: Optional[Future] = None
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise RequestError("grammar", self.matcher.get_error()[:300])
+
+    def _bitmask(self) -> np.ndarray:
+        words = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
+        self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        return words
+
+    def _catch_up(self, generated: List[int]) -> None:
+        if self._mask is not None:  # the matcher is the worker's until its mask is done
+            self._mask.result()
+        new = generated[self.consumed:]
+        if new:
+            self._mask = None
+            if not self.matcher.consume_tokens(new):
+                self._check()
+                raise RequestError("grammar", f"token {new} is not allowed here")
+            self.consumed = len(generated)
+
+    def prepare(self, generated: List[int]) -> None:
+        """The tokens so far are known: start computing the next position's mask."""
+        self._catch_up(generated)
+        if self._mask is None and not self.matcher.is_stopped():
+            self._mask = _WORKERS.submit(self._bitmask)
+
+    def mask(self, logits: mx.array, generated: List[int]) -> mx.array:
+        """`logits` (1, vocab) with every token the grammar forbids after `generated` at -inf."""
+        self._catch_up(generated)
+        if self._mask is None:
+            self._mask = _WORKERS.submit(self._bitmask)
+        words = mx.array(self._mask.result().view(np.uint32))
+        allowed = ((words[:, None] >> _BITS) & 1).reshape(-1)[: logits.shape[-1]].astype(mx.bool_)
+        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def valid_prefix(self, generated: List[int], drafts: List[int]) -> List[int]:
+        """The drafts the grammar allows after `generated`, up to the first it forbids."""
+        self._catch_up(generated)
+        return drafts[: self.matcher.validate_tokens(drafts)] if drafts else drafts

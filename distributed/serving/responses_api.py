@@ -1,0 +1,3 @@
+"""(being written)"""
+
+ADAPTERS, ROUTES, ERROR_BODIES = {}, {}, {}

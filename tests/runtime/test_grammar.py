@@ -1,0 +1,148 @@
+"""Constrained decoding (grammar.py through the Batcher): each constrained row keeps to its
+grammar and equals mlx-lm's generate_step masked by llguidance directly (a reference that
+does not use grammar.py), beside unconstrained rows that stay as they are; with speculative
+decoding too; max_tokens before the JSON closes; grammars the library rejects."""
+
+import json
+import re
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_tokenizer
+
+from distributed.runtime.grammar import json_schema_grammar, lark_grammar, regex_grammar
+from distributed.runtime.request import GenerationRequest, RequestError, TokenEvent
+from distributed.runtime.scheduler import Scheduler
+from distributed.runtime.speculation import SpeculationOptions
+from reference import PROMPT, mlx_lm_greedy, mlx_lm_model
+from stages import in_process_pipeline
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def pipeline(hf_checkpoint):
+    return in_process_pipeline(hf_checkpoint, (4, 4))[0]
+
+
+def masked_reference(path, grammar: str, max_tokens: int):
+    """mlx-lm's greedy generate_step with llguidance's own mask as a logits processor."""
+    tokenizer = load_tokenizer(path)
+    vocab = mlx_lm_model(path).args.vocab_size
+    ll = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=vocab, eos_token=sorted(tokenizer.eos_token_ids))
+    matcher = llguidance.LLMatcher(ll, grammar)
+    fed = []
+
+    def mask(history, logits):
+        for token in history.tolist()[len(PROMPT) + len(fed):]:
+            assert matcher.consume_token(token)
+            fed.append(token)
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[:vocab].astype(bool)
+        return mx.where(mx.array(allowed), logits, -mx.inf)
+
+    tokens = []
+    for token, _ in generate_step(mx.array(PROMPT), mlx_lm_model(path), max_tokens=max_tokens,
+                                  prefill_step_size=16, logits_processors=[mask]):
+        if token in tokenizer.eos_token_ids:
+            break
+        tokens.append(token)
+    return tokens
+
+
+def run(pipeline, path, requests, speculation=None, drafter=None):
+    scheduler = Scheduler(pipeline, load_tokenizer(path), prefill_step_size=16, speculation=speculation)
+    if drafter is not None:
+        scheduler.batcher.drafter = drafter
+    handles = [scheduler.submit(r) for r in requests]
+    scheduler.run_pending()
+    assert scheduler.failure is None, scheduler.failure
+    out = []
+    for handle in handles:
+        events = list(handle.events())
+        out.append(([e.token_id for e in events if isinstance(e, TokenEvent)], events[-1]))
+    return out, scheduler
+
+
+def test_constrained_rows_keep_to_their_grammar_beside_rows_that_do_not(pipeline, hf_checkpoint):
+    grammar = json_schema_grammar(SCHEMA)
+    reference = masked_reference(hf_checkpoint, grammar, 80)
+    plain = mlx_lm_greedy(hf_checkpoint, PROMPT, 40, 16)[0]
+    requests = [GenerationRequest(list(PROMPT), max_tokens=80, grammar=grammar),
+                GenerationRequest(list(PROMPT), max_tokens=40),
+                GenerationRequest(list(PROMPT), max_tokens=80, grammar=grammar)]
+    (a, fa), (b, _), (c, _) = run(pipeline, hf_checkpoint, requests)[0]
+    tokenizer = load_tokenizer(hf_checkpoint)
+    assert a == c == reference and fa.finish_reason == "stop"  # the grammar closed, then EOS
+    jsonschema.validate(json.loads(tokenizer.decode(a)), SCHEMA)
+    assert b == plain  # the unconstrained row beside them: as on its own
+
+
+def test_sampled_rows_keep_to_lark_and_regex_grammars(pipeline, hf_checkpoint):
+    tokenizer = load_tokenizer(hf_checkpoint)
+    lark = lark_grammar('start: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[0-9]{1,3}/')
+    regex = regex_grammar(r"[a-c]{2,5}-[0-9]{2}")
+    requests = [GenerationRequest(list(PROMPT), max_tokens=20, temperature=1.5, seed=s, grammar=g)
+                for s in range(4) for g in (lark, regex)]
+    outs, _ = run(pipeline, hf_checkpoint, requests)
+    for k, (tokens, finish) in enumerate(outs):
+        text = tokenizer.decode(tokens)
+        pattern = r"yes|no|maybe [0-9]{1,3}" if k % 2 == 0 else r"[a-c]{2,5}-[0-9]{2}"
+        assert re.fullmatch(pattern, text), text
+        assert finish.finish_reason == "stop"
+
+
+class Drafter:
+    """Drafts the reference continuation, a wrong token in every second pass; half the
+    wrong ones are tokens the grammar forbids (a letter where JSON needs a quote)."""
+
+    def __init__(self, reference, forbidden):
+        self.reference, self.forbidden, self.passes = reference, forbidden, 0
+
+    def propose(self, seq, k):
+        at = len(seq.generated)
+        drafts = list(self.reference[at:at + k])
+        self.passes += 1
+        if self.passes % 2 and drafts:
+            drafts[-1] = self.forbidden if self.passes % 4 == 1 else (drafts[-1] + 1) % 250
+        return drafts
+
+
+def test_speculation_checks_drafts_against_the_grammar(pipeline, hf_checkpoint):
+    grammar = json_schema_grammar(SCHEMA)
+    reference = masked_reference(hf_checkpoint, grammar, 80)
+    forbidden = load_tokenizer(hf_checkpoint).encode("z", add_special_tokens=False)[0]
+    drafter = Drafter(reference, forbidden)
+    spec = SpeculationOptions(prompt_lookup=True, num_draft_tokens=3)
+    [(tokens, finish)], scheduler = run(pipeline, hf_checkpoint, [GenerationRequest(list(PROMPT), max_tokens=80,
+                                                                                    grammar=grammar)], spec, drafter)
+    assert tokens == reference and finish.finish_reason == "stop"
+    stats = scheduler.batcher.spec_stats
+    assert stats.passes > 0 and 0 < stats.accepted < stats.drafted
+
+
+def test_max_tokens_before_the_json_closes_is_length(pipeline, hf_checkpoint):
+    grammar = json_schema_grammar(SCHEMA)
+    reference = masked_reference(hf_checkpoint, grammar, 80)
+    [(tokens, finish)], _ = run(pipeline, hf_checkpoint, [GenerationRequest(list(PROMPT), max_tokens=5, grammar=grammar)])
+    assert tokens == reference[:5] and finish.finish_reason == "length"
+
+
+@pytest.mark.parametrize("grammar, message", [
+    (json_schema_grammar({"type": "object", "properties": {"a": {"type": "wat"}}}), "Invalid type: wat"),
+    (lark_grammar("start: undefined_rule"), "undefined_rule"),
+    (regex_grammar("(unclosed"), "grammar"),
+])
+def test_a_grammar_the_library_rejects_is_refused_at_submit(pipeline, hf_checkpoint, grammar, message):
+    scheduler = Scheduler(pipeline, load_tokenizer(hf_checkpoint))
+    with pytest.raises(RequestError, match=message) as e:
+        scheduler.submit(GenerationRequest(list(PROMPT), max_tokens=5, grammar=grammar))
+    assert e.value.field == "grammar"

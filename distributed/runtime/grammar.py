@@ -87,6 +87,9 @@ class Constraint:
         self._check()
         self.consumed = 0  # generated tokens the matcher has taken
         self._mask: Optional[Future] = None
+        # Set if the matcher fails on a token (a bug here or in the library): the sequence
+        # then ends with this error; the ring and every other request go on.
+        self.error: Optional[str] = None
 
     def _check(self) -> None:
         if self.matcher.is_error():
@@ -101,22 +104,26 @@ class Constraint:
         if self._mask is not None:  # the matcher is the worker's until its mask is done
             self._mask.result()
         new = generated[self.consumed:]
-        if new:
+        if new and self.error is None:
             self._mask = None
             if not self.matcher.consume_tokens(new):
-                self._check()
-                raise RequestError("grammar", f"token {new} is not allowed here")
+                reason = self.matcher.get_error() if self.matcher.is_error() else f"tokens {new} are not allowed here"
+                self.error = f"the grammar cannot go on: {reason.splitlines()[0][:200]}"
+            # (A verification pass feeds its tokens here before they join `generated`:
+            # a shorter `generated` is behind the matcher, not a rollback.)
             self.consumed = len(generated)
 
     def prepare(self, generated: List[int]) -> None:
         """The tokens so far are known: start computing the next position's mask."""
         self._catch_up(generated)
-        if self._mask is None and not self.matcher.is_stopped():
+        if self._mask is None and self.error is None and not self.matcher.is_stopped():
             self._mask = _WORKERS.submit(self._bitmask)
 
     def mask(self, logits: mx.array, generated: List[int]) -> mx.array:
         """`logits` (1, vocab) with every token the grammar forbids after `generated` at -inf."""
         self._catch_up(generated)
+        if self.error is not None:
+            return logits  # the sequence ends at this token (Sequence.accept)
         if self._mask is None:
             self._mask = _WORKERS.submit(self._bitmask)
         words = mx.array(self._mask.result().view(np.uint32))
@@ -126,4 +133,4 @@ class Constraint:
     def valid_prefix(self, generated: List[int], drafts: List[int]) -> List[int]:
         """The drafts the grammar allows after `generated`, up to the first it forbids."""
         self._catch_up(generated)
-        return drafts[: self.matcher.validate_tokens(drafts)] if drafts else drafts
+        return drafts[: self.matcher.validate_tokens(drafts)] if drafts and self.error is None else []

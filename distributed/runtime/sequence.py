@@ -156,8 +156,11 @@ class Sequence:
         text, hit = self._stops.feed(self._detokenizer.last_segment)
         self.count += 1
         self.generated.append(token)
-        if self.logits.constraint is not None:  # its next mask, computed while the ring runs
-            self.logits.constraint.prepare(self.generated)
+        constraint = self.logits.constraint
+        if constraint is not None:  # its next mask, computed while the ring runs
+            constraint.prepare(self.generated)
+            if constraint.error is not None:
+                return "error"
         self.handle.emit(TokenEvent(token, logprob, text, top))
         if hit:
             self._stops = None  # nothing after the stop string is sent
@@ -167,6 +170,8 @@ class Sequence:
 
     def finish(self, reason: str, error: Optional[str] = None) -> None:
         self.finished = True
+        if reason == "error" and error is None and self.logits.constraint is not None:
+            error = self.logits.constraint.error
         tail = ""
         if self._stops is not None and reason != "error":
             self._detokenizer.finalize()

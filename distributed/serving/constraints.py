@@ -73,8 +73,11 @@ def forced_tools(tools: List[dict], choice) -> Optional[List[dict]]:
     return named
 
 
-def _literal(text: str) -> str:
-    return json.dumps(text)  # a Lark string literal takes JSON's escapes
+def _literal(tokenizer, text: str) -> str:
+    """`text` in Lark: a token the tokenizer added (llguidance matches those as special
+    tokens, by id, not as bytes), or a string literal (which takes JSON's escapes)."""
+    added = getattr(tokenizer, "_tokenizer", tokenizer).get_added_vocab()
+    return f"<[{added[text]}]>" if text in added else json.dumps(text)
 
 
 def tool_call_grammar(tokenizer, tools: List[dict], parallel: bool = True) -> str:
@@ -93,9 +96,10 @@ def tool_call_grammar(tokenizer, tools: List[dict], parallel: bool = True) -> st
         calls.append({"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
                       "required": ["name", "arguments"], "additionalProperties": False})
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    body = json.dumps(schema)
+    # Compact JSON, as in response_format (by default %json lets whitespace run on).
+    body = json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
     lark = (f"start: call{'+' if parallel else ''}\n"
-            f"call: {_literal(start)} \"\\n\"? body \"\\n\"? {_literal(end)} \"\\n\"?\n"
+            f"call: {_literal(tokenizer, start)} \"\\n\"? body \"\\n\"? {_literal(tokenizer, end)} \"\\n\"?\n"
             f"body: %json {body}\n")
     return lark_grammar(lark)

@@ -42,12 +42,13 @@ def _down(reason: str) -> ApiError:
     return ApiError(503, f"the pipeline is down: {reason}", "service_unavailable")
 
 
-def submit(scheduler, request, run):
-    """scheduler.submit; a grammar the library rejects is a 400 naming the field it came from."""
+def submit(scheduler, request, run, name=lambda param: param):
+    """scheduler.submit; a grammar the library rejects is a 400 naming the field it came from
+    (`name`: as the client's API calls it)."""
     try:
         return scheduler.submit(request)
     except RequestError as e:
-        param = run.constrained_by if e.field == "grammar" else e.field
+        param = name(run.constrained_by if e.field == "grammar" else e.field)
         raise ApiError(400, f"{param}: {str(e).split(': ', 1)[1]}", param=param) from None
 
 
@@ -178,14 +179,14 @@ class _Handler(BaseHTTPRequestHandler):
         """An API served over chat completions (adapters.py): its body as a chat body, its
         reply made from the OpenAI one, event by event."""
         try:
-            chat_body = adapter.to_chat(body, info, tokenizer)
-            run = plan(chat_body, True, tokenizer, info)
+            chat_body = adapter.to_chat(body, info, tokenizer)  # or a completions body: "prompt", no "messages"
+            run = plan(chat_body, "messages" in chat_body or "prompt" not in chat_body, tokenizer, info)
         except RequestError as e:
             param = adapter.param(param_of(e, {}, True))
             raise ApiError(400, f"{param}: {str(e).split(': ', 1)[1]}", param=param) from None
         handle = None
         try:
-            handle = submit(scheduler, run.requests[0], run)
+            handle = submit(scheduler, run.requests[0], run, adapter.param)
             reply = self._trace.reply = Reply(run, info.model_id, tokenizer)
             out, choice = adapter.reply(reply, body), reply.choices[0]
             if not run.stream:

@@ -1,3 +1,374 @@
-"""(being written)"""
+"""Ollama's API on the HTTP port, served over chat completions (api_adapter.py), so the
+`ollama` package works unchanged and a greedy message gets the same text as through
+/v1/chat/completions.
 
-ADAPTERS, ROUTES, ERROR_BODIES = {}, {}, {}
+Implemented: GET /api/version, GET /api/tags, POST /api/show, GET /api/ps (the one model,
+always loaded); POST /api/chat and /api/generate, streamed as NDJSON unless `stream: false`,
+the last line (or the whole answer) `done: true` with done_reason and Ollama's counts and
+durations (nanoseconds). `options`: temperature, top_p, top_k, min_p, seed, stop,
+num_predict (-1, -2: the server's default), repeat_penalty, repeat_last_n, presence_penalty,
+frequency_penalty; num_ctx only as the server's context length; typical_p 1, tfs_z 1,
+mirostat 0 only; num_keep, mirostat_tau, mirostat_eta, penalize_newline change nothing
+here and are taken. `format` ("json" or a JSON schema, strict), `tools`, tool calls and
+tool messages, `keep_alive` (no effect: never unloaded), `think` false, /api/generate's
+`system` and `raw`. Defaults are the server's (as chat completions'), not Ollama's: no
+Modelfile sets any.
+
+Refused by name (400): load-time options, `think` other than false, images, logprobs,
+generate's suffix / context / template and image-generation fields, an empty prompt;
+unknown fields and options. Another model: 404. Model management (pull, push, create,
+copy) and embeddings: 501.
+"""
+
+import hashlib
+import json
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+from ..runtime.request import RequestError
+from .api_adapter import Adapter, ndjson
+from .openai_fields import ApiError
+
+# Ollama option -> the chat-completions field(s) it becomes (repeat_last_n: llama.cpp's one window for all penalties).
+OPTIONS = {"temperature": ("temperature",), "top_p": ("top_p",), "top_k": ("top_k",), "min_p": ("min_p",),
+           "seed": ("seed",), "stop": ("stop",), "num_predict": ("max_tokens",),
+           "repeat_penalty": ("repetition_penalty",), "presence_penalty": ("presence_penalty",),
+           "frequency_penalty": ("frequency_penalty",),
+           "repeat_last_n": ("repetition_context_size", "presence_context_size", "frequency_context_size")}
+NEUTRAL_OPTIONS = {"typical_p": 1, "tfs_z": 1, "mirostat": 0}  # the values that turn these samplers off
+NO_EFFECT = ("num_keep", "mirostat_tau", "mirostat_eta", "penalize_newline")  # context shift, mirostat: never here
+LOAD_TIME = ("numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
+             "use_mmap", "use_mlock", "embedding_only", "num_thread")
+PARAMS = {chat: f"options.{name}" for name, chats in OPTIONS.items() for chat in chats}  # error names back
+COMMON = ("model", "stream", "format", "options", "keep_alive", "think")
+CHAT_FIELDS = COMMON + ("messages", "tools")
+GENERATE_FIELDS = COMMON + ("prompt", "system", "raw")
+REFUSED = {"images": "images are not supported (a text-only model)",
+           "logprobs": "not implemented in Ollama's API here (/v1/chat/completions has it)",
+           "top_logprobs": "not implemented in Ollama's API here (/v1/chat/completions has it)",
+           "suffix": "text after the completion (fill-in-the-middle) is not supported",
+           "context": "token context from an earlier reply is not supported (send the history as /api/chat messages)",
+           "template": "the checkpoint's chat template is the only one",
+           "width": "image generation is not supported", "height": "image generation is not supported",
+           "steps": "image generation is not supported"}
+MANAGEMENT = ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/embed", "/api/embeddings")
+NEVER = "9999-12-31T23:59:59Z"  # ps's expires_at: the model is never unloaded
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _model(body: dict, info, key: str = "model") -> str:
+    """The model the body names: the server's id, or it with Ollama's default tag; else 404."""
+    name = body.get(key)
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, f"{key}: required (this server serves '{info.model_id}')")
+    if name not in (info.model_id, f"{info.model_id}:latest"):
+        raise ApiError(404, f"model '{name[:200]}' not found")
+    return name
+
+
+def _config(tokenizer) -> tuple:
+    """(config.json, its path) of the checkpoint the tokenizer came from; ({}, None) where unknown."""
+    path = Path(getattr(getattr(tokenizer, "_tokenizer", tokenizer), "name_or_path", "") or ".") / "config.json"
+    try:
+        return json.loads(path.read_text()), path
+    except (OSError, ValueError):
+        return {}, None
+
+
+def _facts(tokenizer, info) -> dict:
+    """What tags, show and ps say of the model: weights' bytes (the ranks' shares), details, digest."""
+    config, path = _config(tokenizer)
+    size = sum(r.get("parameter_bytes", 0) for r in info.ranks)
+    quant = config.get("quantization") or {}
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    if quant.get("bits"):  # packed weights plus a 16-bit scale and bias per group
+        level, per_param = f"Q{quant['bits']}", quant["bits"] / 8 + 4 / quant.get("group_size", 64)
+    else:
+        level, per_param = {"float32": "F32", "float16": "F16"}.get(dtype, "BF16"), 4 if dtype == "float32" else 2
+    count = int(size / per_param)
+    details = {"parent_model": "", "format": "safetensors", "family": config.get("model_type", "afmoe"),
+               "families": [config.get("model_type", "afmoe")],
+               "parameter_size": f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M",
+               "quantization_level": level}
+    seed = (path.read_bytes() if path else b"") + info.model_id.encode()
+    modified = datetime.fromtimestamp(path.stat().st_mtime if path else time.time(), timezone.utc).isoformat()
+    return {"name": info.model_id, "model": info.model_id, "modified_at": modified, "size": size,
+            "digest": hashlib.sha256(seed).hexdigest(), "details": details, "config": config, "count": count}
+
+
+def _version(body, scheduler, tokenizer, info):
+    return 200, {"version": metadata.version("trinity-pipeline")}
+
+
+def _tags(body, scheduler, tokenizer, info):
+    facts = _facts(tokenizer, info)
+    return 200, {"models": [{k: facts[k] for k in ("name", "model", "modified_at", "size", "digest", "details")}]}
+
+
+def _ps(body, scheduler, tokenizer, info):
+    facts = _facts(tokenizer, info)
+    model = {k: facts[k] for k in ("name", "model", "size", "digest", "details")}
+    return 200, {"models": [{**model, "expires_at": NEVER, "size_vram": facts["size"], "context_length": info.max_context}]}
+
+
+def _show(body, scheduler, tokenizer, info):
+    extra = next((k for k in body if k not in ("model", "name", "verbose")), None)
+    if extra is not None:
+        raise ApiError(400, f"{extra}: unknown field")
+    if body.get("verbose"):
+        raise ApiError(400, "verbose: not supported (the tokenizer's vocabulary is not listed)")
+    _model(body, info, "name" if "name" in body and "model" not in body else "model")  # "name": Ollama's older spelling
+    facts = _facts(tokenizer, info)
+    config, arch = facts["config"], facts["details"]["family"]
+    keys = {"embedding_length": "hidden_size", "block_count": "num_hidden_layers",
+            "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+            "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok", "vocab_size": "vocab_size"}
+    model_info = {"general.architecture": arch, "general.parameter_count": facts["count"],
+                  f"{arch}.context_length": info.max_context,
+                  **{f"{arch}.{k}": config[c] for k, c in keys.items() if c in config}}
+    capabilities = ["completion"] + (["tools"] if tokenizer.has_tool_calling else [])
+    return 200, {"modelfile": f"FROM {info.model_id}\n", "parameters": "", "template": tokenizer.chat_template or "",
+                 "details": facts["details"], "model_info": model_info, "capabilities": capabilities,
+                 "modified_at": facts["modified_at"]}
+
+
+def _not_here(path: str):
+    def answer(body, scheduler, tokenizer, info):
+        raise ApiError(501, f"{path} is not supported: this server serves one model, loaded at its start"
+                       + (", and does not embed" if "embed" in path else ""))
+    return answer
+
+
+# ---- requests: an Ollama body as a chat-completions (or, raw, a completions) body
+
+
+def _options(options, info) -> dict:
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise RequestError("options", "expected an object")
+    out = {}
+    for name, value in options.items():
+        where = f"options.{name}"
+        if value is None:
+            continue
+        if name in OPTIONS:
+            out.update({field: value for field in OPTIONS[name]})
+        elif name in NEUTRAL_OPTIONS:
+            if isinstance(value, bool) or value != NEUTRAL_OPTIONS[name]:
+                raise RequestError(where, f"only {NEUTRAL_OPTIONS[name]} (off) is supported")
+        elif name == "num_ctx":
+            if value != info.max_context:
+                raise RequestError(where, f"the context is the server's, {info.max_context} tokens (see /api/show)")
+        elif name in LOAD_TIME:
+            raise RequestError(where, "a load-time option: the model is loaded once, at the server's start")
+        elif name not in NO_EFFECT:
+            raise RequestError(where, "unknown option")
+    if out.get("max_tokens") in (-1, -2):  # Ollama's "unlimited" and "fill the context": the server's default
+        del out["max_tokens"]
+    if isinstance(out.get("repetition_context_size"), int) and out["repetition_context_size"] < 1:
+        raise RequestError("repetition_context_size", "must be at least 1 here")
+    return out
+
+
+def _format(value):
+    """Ollama's `format` as response_format."""
+    if value in (None, ""):
+        return None
+    if value == "json":
+        return {"type": "json_object"}
+    if isinstance(value, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": value, "strict": True}}
+    raise RequestError("format", f"expected \"json\" or a JSON schema object, got {json.dumps(value)[:60]}")
+
+
+def _check(body: dict, names: tuple) -> None:
+    for name, value in body.items():
+        if name in REFUSED and value not in (None, "", [], False):
+            raise RequestError(name, REFUSED[name])
+        if name not in names and name not in REFUSED:
+            raise RequestError(name, "unknown field")
+    if body.get("think") not in (None, False):
+        raise RequestError("think", "thinking is not supported (only false)")
+    if not isinstance(body.get("keep_alive", 0), (int, float, str)):
+        raise RequestError("keep_alive", "expected a duration (a number of seconds or a string such as \"5m\")")
+    if not isinstance(body.get("stream", True), bool):
+        raise RequestError("stream", "expected a boolean")
+
+
+def _messages(messages) -> list:
+    """Ollama messages as OpenAI's: tool calls get ids, and tool results the id of the call they answer."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "expected a non-empty list of messages")
+    out, pending = [], []  # pending: (id, name) of calls not answered yet
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(where, "expected an object")
+        extra = next((k for k in m if k not in ("role", "content", "tool_calls", "tool_name", "images", "thinking")), None)
+        if extra is not None:
+            raise RequestError(f"{where}.{extra}", "unknown field")
+        if m.get("images"):
+            raise RequestError(f"{where}.images", REFUSED["images"])
+        if m.get("thinking"):
+            raise RequestError(f"{where}.thinking", "thinking is not supported")
+        calls = m.get("tool_calls") or []
+        message = {"role": m.get("role"), "content": m.get("content", None if calls else "")}
+        for k, call in enumerate(calls if isinstance(calls, list) else [None]):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                    or not isinstance(function.get("arguments", {}), dict):
+                raise RequestError(f"{where}.tool_calls[{k}]", "expected {\"function\": {\"name\": …, \"arguments\": {…}}}")
+            pending.append((f"call_{i}_{k}", function["name"]))
+            message.setdefault("tool_calls", []).append({"id": pending[-1][0], "type": "function", "function": {
+                "name": function["name"], "arguments": function.get("arguments", {})}})
+        if m.get("role") == "tool":
+            name = m.get("tool_name")
+            if not isinstance(name, (str, type(None))):
+                raise RequestError(f"{where}.tool_name", "expected a string")
+            match = next((c for c in pending if name is None or c[1] == name), None)
+            if match:
+                pending.remove(match)
+            message.update({"tool_call_id": match[0] if match else f"call_{i}", **({"name": name} if name else {})})
+        out.append(message)
+    return out
+
+
+def _sampling(body: dict, info) -> dict:
+    _model(body, info)
+    return {"stream": body.get("stream", True), **_options(body.get("options"), info)}
+
+
+def chat_to_chat(body: dict, info, tokenizer) -> dict:
+    _check(body, CHAT_FIELDS)
+    out = {"messages": _messages(body.get("messages")), **_sampling(body, info)}
+    if body.get("tools"):
+        out["tools"] = body["tools"]
+    if _format(body.get("format")):
+        out["response_format"] = _format(body["format"])
+    return out
+
+
+def generate_to_chat(body: dict, info, tokenizer) -> dict:
+    """A user message (after `system`), or with `raw` the prompt as is (a completions body)."""
+    _check(body, GENERATE_FIELDS)
+    prompt, system = body.get("prompt"), body.get("system")
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("prompt", "expected a non-empty string (the model is always loaded: no need to load it)")
+    if not isinstance(system, (str, type(None))):
+        raise RequestError("system", "expected a string")
+    if not isinstance(body.get("raw", False), bool):
+        raise RequestError("raw", "expected a boolean")
+    out = _sampling(body, info)
+    if body.get("raw"):
+        for name in ("system", "format"):
+            if body.get(name):
+                raise RequestError(name, "not taken with raw (the prompt goes as is, without the template)")
+        n = len(tokenizer.encode(prompt))  # completions' default is 16 tokens; Ollama's, the context's rest
+        return {"prompt": prompt, "max_tokens": max(1, min(info.max_tokens_cap, info.max_context - n)), **out}
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    response_format = _format(body.get("format"))
+    return {"messages": messages, **out, **({"response_format": response_format} if response_format else {})}
+
+
+def _param(generate: bool):
+    def param(name: str) -> str:
+        if name.startswith("response_format"):
+            return "format"
+        if generate and name.startswith(("messages", "prompt")):
+            return "prompt"
+        return PARAMS.get(name, name)
+    return param
+
+
+# ---- replies
+
+
+class OllamaReply:
+    """What an Ollama client gets, made from the OpenAI reply of the one choice."""
+
+    content_type = "application/x-ndjson"
+
+    def __init__(self, reply, body: dict, chat: bool):
+        self.reply, self.model, self.chat = reply, body["model"], chat
+        self.start, self.first, self.last = time.perf_counter_ns(), None, None
+        choice = reply.choices[0]
+        add = choice.add
+
+        def timed(event):  # a whole reply's events reach only Choice.add: their times, for the durations
+            self.first = self.first or time.perf_counter_ns()
+            self.last = time.perf_counter_ns()
+            return add(event)
+
+        choice.add = timed
+
+    def _line(self, text: str, calls=(), **done) -> dict:
+        if self.chat:
+            message = {"role": "assistant", "content": text,
+                       **({"tool_calls": [_call(c) for c in calls]} if calls else {})}
+            return {"model": self.model, "created_at": _now(), "message": message, **done}
+        return {"model": self.model, "created_at": _now(), "response": text, **done}
+
+    def _done(self, finish, usage: dict) -> dict:
+        first, last = self.first or self.start, self.last or self.start
+        return {"done": True, "done_reason": "length" if finish == "length" else "stop",
+                "total_duration": time.perf_counter_ns() - self.start, "load_duration": 0,
+                "prompt_eval_count": usage["prompt_tokens"], "prompt_eval_duration": first - self.start,
+                "eval_count": usage["completion_tokens"], "eval_duration": last - first}
+
+    def opening(self, chunks) -> list:
+        return []  # Ollama's stream has no opening line (the role comes with each message)
+
+    def add(self, chunks) -> list:
+        frames = []
+        for chunk in chunks:
+            part = chunk["choices"][0]
+            delta = part.get("delta", {})
+            text, calls = (delta.get("content") or "", delta.get("tool_calls") or []) if self.reply.plan.chat \
+                else (part["text"], [])  # raw generate: a completion's chunk
+            if text or calls:
+                frames.append(ndjson(self._line(text, calls, done=False)))
+        return frames
+
+    def closing(self) -> list:
+        return [ndjson(self._line("", **self._done(self.reply.choices[0].finish, self.reply.usage())))]
+
+    def failure(self, error_body: dict) -> bytes:
+        return ndjson(error_body)  # the `ollama` package raises ResponseError on a line with "error"
+
+    def whole(self, openai_whole: dict) -> dict:
+        choice = openai_whole["choices"][0]
+        if self.reply.plan.chat:
+            text, calls = choice["message"].get("content") or "", choice["message"].get("tool_calls") or []
+        else:
+            text, calls = choice["text"], []
+        return self._line(text, calls, **self._done(choice["finish_reason"], openai_whole["usage"]))
+
+
+def _call(call: dict) -> dict:
+    """An OpenAI tool call as Ollama shapes it: arguments an object, no id."""
+    arguments = call["function"]["arguments"]
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        arguments = {}  # the parser's calls are JSON; this keeps Ollama's type if one is not
+    return {"function": {"name": call["function"]["name"], "arguments": arguments}}
+
+
+def _error(e: ApiError) -> dict:
+    return {"error": str(e)}
+
+
+ADAPTERS = {
+    ("POST", "/api/chat"): Adapter(chat_to_chat, lambda reply, body: OllamaReply(reply, body, True), _param(False)),
+    ("POST", "/api/generate"): Adapter(generate_to_chat, lambda reply, body: OllamaReply(reply, body, False), _param(True)),
+}
+ROUTES = {("GET", "/api/version"): _version, ("GET", "/api/tags"): _tags, ("POST", "/api/show"): _show,
+          ("GET", "/api/ps"): _ps, **{("POST", path): _not_here(path) for path in MANAGEMENT}}
+ERROR_BODIES = {path: _error for path in ("/api/version", "/api/tags", "/api/show", "/api/ps", "/api/chat",
+                                          "/api/generate", *MANAGEMENT)}

@@ -146,3 +146,20 @@ def test_a_grammar_the_library_rejects_is_refused_at_submit(pipeline, hf_checkpo
     with pytest.raises(RequestError, match=message) as e:
         scheduler.submit(GenerationRequest(list(PROMPT), max_tokens=5, grammar=grammar))
     assert e.value.field == "grammar"
+
+
+def test_a_token_the_matcher_refuses_ends_only_its_sequence(hf_checkpoint):
+    """A token the grammar does not allow (only a bug could sample one) sets the error the
+    sequence ends with, instead of raising in the scheduler's loop."""
+    from distributed.runtime.grammar import Grammars
+
+    tokenizer = load_tokenizer(hf_checkpoint)
+    constraint = Grammars(tokenizer, mlx_lm_model(hf_checkpoint).args.vocab_size).constraint(regex_grammar("ab"))
+    a, z = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "az")
+    constraint.prepare([a])
+    assert constraint.error is None
+    constraint.prepare([a, z])
+    assert constraint.error.startswith("the grammar cannot go on")
+    logits = mx.zeros((1, 8))
+    assert mx.array_equal(constraint.mask(logits, [a, z]), logits).item()
+    assert constraint.valid_prefix([a, z], [a]) == []

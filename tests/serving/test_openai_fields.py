@@ -235,8 +235,8 @@ def bad(served, chat, fields, status=400):
 
 REFUSALS = [(True, {name: "x"}, name) for name in REFUSED] + [
     (chat, {name: value}, name) for name, chat, value in [
-        ("best_of", False, 2), ("suffix", False, "end"), ("parallel_tool_calls", True, False),
-        ("response_format", True, {"type": "json_object"}), ("service_tier", True, "priority"), ("store", True, True),
+        ("best_of", False, 2), ("suffix", False, "end"), ("response_format", False, {"type": "json_object"}),
+        ("service_tier", True, "priority"), ("store", True, True),
         ("metadata", True, {"a": "b"}), ("modalities", True, ["text", "audio"])]] + [
     (False, {"tools": []}, "tools"), (True, {"echo": True}, "echo"), (True, {"frobnicate": 1}, "frobnicate"),
     (True, {"stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
@@ -244,6 +244,11 @@ REFUSALS = [(True, {name: "x"}, name) for name in REFUSED] + [
     (False, {"logprobs": 21}, "logprobs"), (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (True, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (True, {"tool_choice": "required"}, "tool_choice"), (False, {"presence_penalty": 3}, "presence_penalty"),
+    (True, {"response_format": {"type": "xml"}}, "response_format.type"),
+    (True, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
+     "response_format"),
+    (True, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": 1}}},
+     "response_format.json_schema.strict"),
     (False, {"logit_bias": {"999": 1}}, "logit_bias"), (False, {"logit_bias": {"a": 1}}, "logit_bias"),
     (True, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     (True, {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),

@@ -39,3 +39,34 @@ def mlx_lm_greedy(path: Path, prompt: List[int], max_tokens: int, prefill_step_s
         tokens.append(token)
         logprobs.append(lp[token].item())
     return tokens, logprobs
+
+
+def mlx_lm_masked_greedy(path: Path, prompt: List[int], grammar: str, max_tokens: int) -> List[int]:
+    """Greedy tokens of mlx-lm's generate_step with llguidance's own mask as a logits
+    processor (constrained decoding's reference), up to EOS."""
+    import llguidance
+    import llguidance.hf
+    import numpy as np
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    vocab = mlx_lm_model(path).args.vocab_size
+    ll = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=vocab, eos_token=sorted(tokenizer.eos_token_ids))
+    matcher = llguidance.LLMatcher(ll, grammar)
+    fed = []
+
+    def mask(history, logits):
+        for token in history.tolist()[len(prompt) + len(fed):]:
+            assert matcher.consume_token(token)
+            fed.append(token)
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[:vocab].astype(bool)
+        return mx.where(mx.array(allowed), logits, -mx.inf)
+
+    tokens = []
+    for token, _ in generate_step(mx.array(prompt), mlx_lm_model(path), max_tokens=max_tokens,
+                                  prefill_step_size=16, logits_processors=[mask]):
+        if token in tokenizer.eos_token_ids:
+            break
+        tokens.append(token)
+    return tokens

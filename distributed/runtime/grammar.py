@@ -25,7 +25,7 @@ _BITS = mx.arange(32, dtype=mx.uint32)
 
 class Grammars:
     """The llguidance tokenizer of a model (built once: about a second for a real
-    vocabulary), and checking a grammar against it."""
+    vocabulary), and the constraints made with it."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
@@ -42,16 +42,13 @@ class Grammars:
                                                         eos_token=sorted(self._tokenizer.eos_token_ids))
             return self._ll
 
-    def check(self, grammar: str, field: str = "grammar") -> None:
-        """RequestError naming `field` if llguidance rejects `grammar`."""
-        import llguidance
-
-        error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
-        if error:
-            raise RequestError(field, f"the grammar library rejects it: {messages[0].strip()[:300]}")
-
     def constraint(self, grammar: str) -> "Constraint":
         return Constraint(self, grammar)
+
+
+def one_line(message: str, limit: int = 300) -> str:
+    """llguidance's multi-line messages (a regex error draws a caret) as one line."""
+    return " ".join(part.strip() for part in message.splitlines() if part.strip())[:limit]
 
 
 def json_schema_grammar(schema, strict: bool = True) -> str:
@@ -93,7 +90,7 @@ class Constraint:
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise RequestError("grammar", self.matcher.get_error()[:300])
+            raise RequestError("grammar", f"the grammar library rejects it: {one_line(self.matcher.get_error())}")
 
     def _bitmask(self) -> np.ndarray:
         words = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
@@ -108,7 +105,7 @@ class Constraint:
             self._mask = None
             if not self.matcher.consume_tokens(new):
                 reason = self.matcher.get_error() if self.matcher.is_error() else f"tokens {new} are not allowed here"
-                self.error = f"the grammar cannot go on: {reason.splitlines()[0][:200]}"
+                self.error = f"the grammar cannot go on: {one_line(reason)}"
             # (A verification pass feeds its tokens here before they join `generated`:
             # a shorter `generated` is behind the matcher, not a rollback.)
             self.consumed = len(generated)

@@ -21,6 +21,7 @@ token check refuses excepted (they never reach it).
 """
 
 import hmac
+import json
 import math
 import sys
 import threading
@@ -33,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .. import TrinityError
+from ..runtime.grammar import json_schema_grammar, lark_grammar, regex_grammar
 from ..runtime.request import FinishEvent, GenerationRequest, PromptEvent, RequestError
 from ..runtime.scheduler import QueueFull, RingUnavailable
 from ..shard.kv_budget import MAX_BATCH
@@ -47,6 +49,21 @@ DEFAULT_MAX_TOKENS = 100
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # served without a token
 STOP_GRACE_S = 2.0  # in-flight streams get this long to finish at shutdown, then are cancelled
 
+
+def _grammar(r: pb.GenerateRequest) -> Optional[str]:
+    """The llguidance grammar of the request's constraint field, if one is set."""
+    which = r.WhichOneof("constraint")
+    if which == "json_schema":
+        try:
+            schema = json.loads(r.json_schema)
+        except ValueError as e:
+            raise RequestError("json_schema", f"not JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError("json_schema", "expected a JSON schema object")
+        return json_schema_grammar(schema)
+    if which == "lark_grammar":
+        return lark_grammar(r.lark_grammar)
+    return regex_grammar(r.regex) if which == "regex" else None
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, requests: Optional[RequestLog] = None):
@@ -84,6 +101,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             handle = scheduler.submit(req)
+        except RequestError as e:  # a grammar the library rejects: named as the client set it
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.WhichOneof('constraint')}: {str(e).split(': ', 1)[1]}")
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy, retry later: {e}")
         except RingUnavailable as e:
@@ -155,6 +174,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             prompt_logprobs=r.prompt_logprobs,
             resume_ids=list(r.resume_token_ids),  # a replay (the launcher's router); gRPC only
             speculative=given("speculative", True),
+            grammar=_grammar(r),
         )
 
     def GetModelInfo(self, request, context):

@@ -1,25 +1,21 @@
 """Constrained decoding (grammar.py through the Batcher): each constrained row keeps to its
 grammar and equals mlx-lm's generate_step masked by llguidance directly (a reference that
-does not use grammar.py), beside unconstrained rows that stay as they are; with speculative
+does not use grammar.py: reference.mlx_lm_masked_greedy), beside unconstrained rows that stay as they are; with speculative
 decoding too; max_tokens before the JSON closes; grammars the library rejects."""
 
 import json
 import re
 
 import jsonschema
-import llguidance
-import llguidance.hf
 import mlx.core as mx
-import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 
 from distributed.runtime.grammar import json_schema_grammar, lark_grammar, regex_grammar
 from distributed.runtime.request import GenerationRequest, RequestError, TokenEvent
 from distributed.runtime.scheduler import Scheduler
 from distributed.runtime.speculation import SpeculationOptions
-from reference import PROMPT, mlx_lm_greedy, mlx_lm_model
+from reference import PROMPT, mlx_lm_greedy, mlx_lm_masked_greedy, mlx_lm_model
 from stages import in_process_pipeline
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -31,31 +27,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 @pytest.fixture(scope="module")
 def pipeline(hf_checkpoint):
     return in_process_pipeline(hf_checkpoint, (4, 4))[0]
-
-
-def masked_reference(path, grammar: str, max_tokens: int):
-    """mlx-lm's greedy generate_step with llguidance's own mask as a logits processor."""
-    tokenizer = load_tokenizer(path)
-    vocab = mlx_lm_model(path).args.vocab_size
-    ll = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=vocab, eos_token=sorted(tokenizer.eos_token_ids))
-    matcher = llguidance.LLMatcher(ll, grammar)
-    fed = []
-
-    def mask(history, logits):
-        for token in history.tolist()[len(PROMPT) + len(fed):]:
-            assert matcher.consume_token(token)
-            fed.append(token)
-        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[:vocab].astype(bool)
-        return mx.where(mx.array(allowed), logits, -mx.inf)
-
-    tokens = []
-    for token, _ in generate_step(mx.array(PROMPT), mlx_lm_model(path), max_tokens=max_tokens,
-                                  prefill_step_size=16, logits_processors=[mask]):
-        if token in tokenizer.eos_token_ids:
-            break
-        tokens.append(token)
-    return tokens
 
 
 def run(pipeline, path, requests, speculation=None, drafter=None):
@@ -74,7 +45,7 @@ def run(pipeline, path, requests, speculation=None, drafter=None):
 
 def test_constrained_rows_keep_to_their_grammar_beside_rows_that_do_not(pipeline, hf_checkpoint):
     grammar = json_schema_grammar(SCHEMA)
-    reference = masked_reference(hf_checkpoint, grammar, 80)
+    reference = mlx_lm_masked_greedy(hf_checkpoint, PROMPT, grammar, 80)
     plain = mlx_lm_greedy(hf_checkpoint, PROMPT, 40, 16)[0]
     requests = [GenerationRequest(list(PROMPT), max_tokens=80, grammar=grammar),
                 GenerationRequest(list(PROMPT), max_tokens=40),
@@ -118,7 +89,7 @@ class Drafter:
 
 def test_speculation_checks_drafts_against_the_grammar(pipeline, hf_checkpoint):
     grammar = json_schema_grammar(SCHEMA)
-    reference = masked_reference(hf_checkpoint, grammar, 80)
+    reference = mlx_lm_masked_greedy(hf_checkpoint, PROMPT, grammar, 80)
     forbidden = load_tokenizer(hf_checkpoint).encode("z", add_special_tokens=False)[0]
     drafter = Drafter(reference, forbidden)
     spec = SpeculationOptions(prompt_lookup=True, num_draft_tokens=3)
@@ -131,7 +102,7 @@ def test_speculation_checks_drafts_against_the_grammar(pipeline, hf_checkpoint):
 
 def test_max_tokens_before_the_json_closes_is_length(pipeline, hf_checkpoint):
     grammar = json_schema_grammar(SCHEMA)
-    reference = masked_reference(hf_checkpoint, grammar, 80)
+    reference = mlx_lm_masked_greedy(hf_checkpoint, PROMPT, grammar, 80)
     [(tokens, finish)], _ = run(pipeline, hf_checkpoint, [GenerationRequest(list(PROMPT), max_tokens=5, grammar=grammar)])
     assert tokens == reference[:5] and finish.finish_reason == "length"
 

@@ -10,10 +10,12 @@ queue's bound and health over a server's life: test_grpc_access.py.
 import json
 import math
 import os
+import re
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import jsonschema
 import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
@@ -21,9 +23,10 @@ from mlx_lm.sample_utils import make_logits_processors
 from conftest import run_json
 from grpc_server import (CONFIGS, IDS, LONG, MAX_TOKENS, SERVER_ARGS, SERVICE, SERVING, Server, assert_matches, client,
                          generate, reflection_generate, rpc_error)
+from distributed.runtime.grammar import json_schema_grammar
 from distributed.serving.proto import generation_pb2 as pb
 from distributed.shard.kv_budget import MAX_BATCH
-from reference import PROMPT, mlx_lm_greedy, mlx_lm_logprobs
+from reference import PROMPT, mlx_lm_greedy, mlx_lm_logprobs, mlx_lm_masked_greedy
 
 # ---------------------------------------------------------------- fixtures
 
@@ -125,6 +128,10 @@ BAD = [  # (request fields, field named in the message, words in the message)
     ({"messages": [pb.ChatMessage(role="wizard", content="hi")]}, "messages[0].role", "unknown role"),
     ({"token_ids": PROMPT, "max_tokens": 3, "resume_token_ids": [1, 2, 3]}, "resume_token_ids", "leave none"),
     ({"token_ids": PROMPT, "max_tokens": 8, "resume_token_ids": [1, 259]}, "resume_token_ids", "259"),
+    ({"token_ids": PROMPT, "json_schema": "{not json"}, "json_schema", "not JSON"),
+    ({"token_ids": PROMPT, "json_schema": '{"type": "wat"}'}, "json_schema", "Invalid type: wat"),
+    ({"token_ids": PROMPT, "lark_grammar": "start: missing_rule"}, "lark_grammar", "missing_rule"),
+    ({"token_ids": PROMPT, "regex": "(open"}, "regex", "unclosed group"),
 ]
 
 
@@ -230,6 +237,28 @@ def test_speculative_false_changes_nothing_but_the_passes(server, reference):
     one-rank command line's), its verification passes only when allowed (metrics)."""
     out = generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, speculative=False)
     assert_matches(out, reference)
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "tag": {"enum": ["x", "y", "z"]}}, "required": ["n", "tag"],
+          "additionalProperties": False}
+
+
+def test_constraints_keep_the_output_to_the_grammar(server, hf_checkpoint):
+    """Greedy under a JSON schema: mlx-lm's tokens masked by llguidance itself, on every
+    split (ranks2 speculates); sampled under a regex and a Lark grammar: always a match."""
+    reference = mlx_lm_masked_greedy(hf_checkpoint, PROMPT, json_schema_grammar(SCHEMA), 60)
+    out = generate(server.stub, token_ids=PROMPT, max_tokens=60, json_schema=json.dumps(SCHEMA))
+    assert out["token_ids"] == reference and out["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    for seed in range(3):
+        out = generate(server.stub, token_ids=PROMPT, max_tokens=20, temperature=1.3, seed=seed, regex=r"[0-9]{3}-[ab]+")
+        assert re.fullmatch(r"[0-9]{3}-[ab]+", out["text"]) or out["finish_reason"] == "length", out
+        out = generate(server.stub, token_ids=PROMPT, max_tokens=20, temperature=1.3, seed=seed,
+                       lark_grammar='start: "on" | "off"')
+        assert out["text"] in ("on", "off") and out["finish_reason"] == "stop"
+    cut = generate(server.stub, token_ids=PROMPT, max_tokens=3, json_schema=json.dumps(SCHEMA))
+    assert cut["token_ids"] == reference[:3] and cut["finish_reason"] == "length"
 
 
 # Keep this test last: it breaks the module's server (pytest runs each server's

@@ -14,10 +14,9 @@ together, in chunks that follow each other along the ring. While groups are
 decoding, each chunk rides in a group's decode step, in the same frame
 (chunked prefill, as vLLM and Sarathi-Serve mix them: Stage.mixed runs the
 MoE over both), so the running rows take a token per chunk, and a step is
-delayed by one bounded chunk at most. (With one rank, a chunk goes alone,
-before the step: see `mix`.) Then the batch's rows join the groups,
-each with its last prompt token as its next input: its first decode step,
-beside the running rows' next one, gives its first token.
+delayed by one bounded chunk at most. (With one rank, a chunk goes alone, before
+the step: see `mix`.) Then the batch's rows join the groups, each with its last
+prompt token as its next input: its first decode step gives its first token.
 """
 
 from collections import deque
@@ -332,20 +331,21 @@ class Batcher:
         in_slot = [(i, s) for i, s in enumerate(frame.sequences) if not s.finished]
         # Rows whose first token this is (their last prompt token was this step's input).
         fresh = {id(s) for _, s in in_slot if s.awaiting_first}
-        group = frame.group
+        group, local = frame.group, self.pipeline.transport is None
         if (lookahead and not self.ready and not fresh
                 and not all(s.ends_at_next_token for _, s in in_slot)
-                and not any(s.logits.shapes for _, s in in_slot)
+                and not any(s.logits.processors or (s.logits.constraint and local) for _, s in in_slot)
                 and not self._speculates(group)):
             # Lookahead (as mlx-lm's generate): the group's next step goes now, on the
-            # tokens just sampled, still on the device; they are looked at while it
-            # runs. A row that finishes here costs one wasted row-step. Not when every
-            # row reaches max_tokens with this token (the step would only delay what
-            # comes next: a waiting prompt), nor while rows wait to join a group (they
-            # join between steps), nor with logits processors or a grammar (their next
-            # draw needs this token in the history), nor on a row's first token (the prefix cache
-            # keeps its caches as they are now: its whole prompt, nothing more), nor where
-            # the next step may verify drafts (they follow from the token just drawn).
+            # tokens just sampled, still on the device; they are looked at while it runs.
+            # A row that finishes here costs one wasted row-step. Not when every row
+            # reaches max_tokens with this token (the step would only delay a waiting
+            # prompt), nor while rows wait to join a group (they join between steps), nor
+            # with logits processors (their next draw needs this token in the history),
+            # nor with a grammar on one rank (its reply is picked at once; over a ring its
+            # mask is made from this token while the step runs), nor on a row's first token
+            # (the prefix cache keeps its caches as they are: its whole prompt), nor where
+            # the next step may verify drafts (they follow from this token).
             rows = [i for i, _ in in_slot]
             self._send_step(group, tokens if len(rows) == len(frame.sequences) else tokens[mx.array(rows)])
         else:

@@ -116,18 +116,33 @@ class Constraint:
         if self._mask is None and self.error is None and not self.matcher.is_stopped():
             self._mask = _WORKERS.submit(self._bitmask)
 
-    def mask(self, logits: mx.array, generated: List[int]) -> mx.array:
-        """`logits` (1, vocab) with every token the grammar forbids after `generated` at -inf."""
+    def words(self, generated: List[int]) -> Optional[np.ndarray]:
+        """The bitmask (32 tokens a word) of what the grammar allows after `generated`;
+        None: anything (the matcher failed, and the sequence ends at this token)."""
         self._catch_up(generated)
         if self.error is not None:
-            return logits  # the sequence ends at this token (Sequence.accept)
+            return None
         if self._mask is None:
             self._mask = _WORKERS.submit(self._bitmask)
-        words = mx.array(self._mask.result().view(np.uint32))
-        allowed = ((words[:, None] >> _BITS) & 1).reshape(-1)[: logits.shape[-1]].astype(mx.bool_)
-        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+        return self._mask.result()
+
+    def mask(self, logits: mx.array, generated: List[int]) -> mx.array:
+        """`logits` (1, vocab) with every token the grammar forbids after `generated` at -inf."""
+        return apply_masks([self], [generated], logits)
 
     def valid_prefix(self, generated: List[int], drafts: List[int]) -> List[int]:
         """The drafts the grammar allows after `generated`, up to the first it forbids."""
         self._catch_up(generated)
         return drafts[: self.matcher.validate_tokens(drafts)] if drafts and self.error is None else []
+
+
+def apply_masks(constraints: List[Optional[Constraint]], generated: List[List[int]], logits: mx.array) -> mx.array:
+    """Each row of `logits` (rows, vocab) with what its constraint forbids at -inf (a row
+    without one: as it is), in one operation for the batch."""
+    words = [c.words(g) if c is not None else None for c, g in zip(constraints, generated)]
+    if all(w is None for w in words):
+        return logits
+    full = np.full((logits.shape[-1] + 31) // 32, -1, dtype=np.int32)
+    stacked = mx.array(np.stack([full if w is None else w for w in words]).view(np.uint32))
+    allowed = ((stacked[:, :, None] >> _BITS) & 1).reshape(len(words), -1)[:, : logits.shape[-1]].astype(mx.bool_)
+    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))

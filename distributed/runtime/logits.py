@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import TokenBuffer
 from mlx_lm.sample_utils import make_logits_processors
 
+from .grammar import apply_masks
 from .request import GenerationRequest, PromptEvent, TopLogprobs
 
 HEAD_BLOCK = 128  # prompt positions per lm_head call: bounds rank 0's memory (a vocabulary of logits each)
@@ -93,10 +94,10 @@ class SequenceLogits:
         """Apply the processors, then the grammar's mask, to one row of logits (1, vocab),
         after the tokens generated so far (each one fed back before this step) joined the history."""
         if self.processors:
-            logits = self._processed(logits, generated)
+            logits = self.processed(logits, generated)
         return self.constraint.mask(logits, generated) if self.constraint is not None else logits
 
-    def _processed(self, logits: mx.array, generated: List[int]) -> mx.array:
+    def processed(self, logits: mx.array, generated: List[int]) -> mx.array:
         new = generated[self._fed:]
         self._fed = len(generated)
         history = self._history.update_and_fetch(mx.array(new, dtype=mx.int32)) if new else self._history.tokens
@@ -106,18 +107,16 @@ class SequenceLogits:
 
 
 def shaped_logprobs(sequences, logits: mx.array, logprobs: mx.array) -> mx.array:
-    """What each row samples from: its logprobs, or (a sequence with processors or a
-    grammar) its processed logits, normalised."""
+    """What each row samples from: its logprobs, or (a batch where some sequence has
+    processors or a grammar) the processed, masked logits of every row, normalised (for a
+    row without either, the same numbers as its logprobs)."""
     if not any(s.logits.shapes for s in sequences):
         return logprobs
-    rows = []
-    for i, seq in enumerate(sequences):
-        if seq.logits.shapes:
-            row = seq.logits.process(logits[i:i + 1], seq.generated)
-            rows.append(row - mx.logsumexp(row, axis=-1, keepdims=True))
-        else:
-            rows.append(logprobs[i:i + 1])
-    return mx.concatenate(rows)
+    if any(s.logits.processors for s in sequences):
+        logits = mx.concatenate([s.logits.processed(logits[i:i + 1], s.generated) if s.logits.processors
+                                 else logits[i:i + 1] for i, s in enumerate(sequences)])
+    logits = apply_masks([s.logits.constraint for s in sequences], [s.generated for s in sequences], logits)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def top_candidates(sequences, logprobs: mx.array):

@@ -82,8 +82,8 @@ class Constraint:
         self.vocab_size = grammars.vocab_size
         self.matcher = llguidance.LLMatcher(grammars.ll_tokenizer, grammar, log_level=0)
         self._check()
-        self.consumed = 0  # generated tokens the matcher has taken
-        self._mask: Optional[Future] = None
+        self.consumed = 0  # generated tokens given to the matcher
+        self._mask: Optional[Future] = None  # the next position's mask (None: not started)
         # Set if the matcher fails on a token (a bug here or in the library): the sequence
         # then ends with this error; the ring and every other request go on.
         self.error: Optional[str] = None
@@ -92,39 +92,40 @@ class Constraint:
         if self.matcher.is_error():
             raise RequestError("grammar", f"the grammar library rejects it: {one_line(self.matcher.get_error())}")
 
-    def _bitmask(self) -> np.ndarray:
+    def _advance(self, new: List[int]) -> Optional[np.ndarray]:
+        """Feed `new` tokens to the matcher, then compute the mask after them (None: it failed)."""
+        if new and not self.matcher.consume_tokens(new):
+            reason = self.matcher.get_error() if self.matcher.is_error() else f"tokens {new} are not allowed here"
+            self.error = f"the grammar cannot go on: {one_line(reason)}"
+            return None
         words = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         return words
 
-    def _catch_up(self, generated: List[int]) -> None:
-        if self._mask is not None:  # the matcher is the worker's until its mask is done
+    def _take(self, generated: List[int]) -> List[int]:
+        """The tokens of `generated` the matcher has not been given. (A verification pass gives
+        it its tokens before they join `generated`: a shorter one is behind, not a rollback.)"""
+        if self._mask is not None:  # the matcher is the worker's until that job is done
             self._mask.result()
         new = generated[self.consumed:]
-        if new and self.error is None:
-            self._mask = None
-            if not self.matcher.consume_tokens(new):
-                reason = self.matcher.get_error() if self.matcher.is_error() else f"tokens {new} are not allowed here"
-                self.error = f"the grammar cannot go on: {one_line(reason)}"
-            # (A verification pass feeds its tokens here before they join `generated`:
-            # a shorter `generated` is behind the matcher, not a rollback.)
-            self.consumed = len(generated)
+        self.consumed = max(self.consumed, len(generated))
+        return new
 
     def prepare(self, generated: List[int]) -> None:
-        """The tokens so far are known: start computing the next position's mask."""
-        self._catch_up(generated)
-        if self._mask is None and self.error is None and not self.matcher.is_stopped():
-            self._mask = _WORKERS.submit(self._bitmask)
+        """The tokens so far are known: the worker feeds them to the matcher and computes the
+        next position's mask while the ring computes the step that needs it."""
+        new = self._take(generated)
+        if self.error is None:
+            self._mask = _WORKERS.submit(self._advance, new)
 
     def words(self, generated: List[int]) -> Optional[np.ndarray]:
         """The bitmask (32 tokens a word) of what the grammar allows after `generated`;
-        None: anything (the matcher failed, and the sequence ends at this token)."""
-        self._catch_up(generated)
-        if self.error is not None:
-            return None
-        if self._mask is None:
-            self._mask = _WORKERS.submit(self._bitmask)
-        return self._mask.result()
+        None: anything (the matcher failed, and the sequence ends: Sequence.accept)."""
+        new = self._take(generated)
+        if self.error is None and (new or self._mask is None):
+            self._mask = Future()
+            self._mask.set_result(self._advance(new))
+        return None if self.error is not None else self._mask.result()
 
     def mask(self, logits: mx.array, generated: List[int]) -> mx.array:
         """`logits` (1, vocab) with every token the grammar forbids after `generated` at -inf."""
@@ -132,7 +133,7 @@ class Constraint:
 
     def valid_prefix(self, generated: List[int], drafts: List[int]) -> List[int]:
         """The drafts the grammar allows after `generated`, up to the first it forbids."""
-        self._catch_up(generated)
+        self.words(generated)  # the matcher where `generated` ends
         return drafts[: self.matcher.validate_tokens(drafts)] if drafts and self.error is None else []
 
 

@@ -159,7 +159,7 @@ class Sequence:
         constraint = self.logits.constraint
         if constraint is not None:  # its next mask, computed while the ring runs
             constraint.prepare(self.generated)
-            if constraint.error is not None:
+            if constraint.error is not None:  # the matcher failed on an earlier token
                 return "error"
         self.handle.emit(TokenEvent(token, logprob, text, top))
         if hit:

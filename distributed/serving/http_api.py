@@ -317,7 +317,7 @@ class HttpFrontEnd:
             token = headers.get("x-api-key") or ""
         if not hmac.compare_digest(token.strip().encode(), self.auth_token.encode()):
             raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN, or x-api-key: TOKEN)",
-                           "authentication_error", code="invalid_api_key")
+                           code="invalid_api_key")
 
     def attached(self):
         reason = self.health.refusal

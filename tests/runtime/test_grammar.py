@@ -128,9 +128,9 @@ def test_a_token_the_matcher_refuses_ends_only_its_sequence(hf_checkpoint):
     constraint = Grammars(tokenizer, mlx_lm_model(hf_checkpoint).args.vocab_size).constraint(regex_grammar("ab"))
     a, z = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "az")
     constraint.prepare([a])
-    assert constraint.error is None
-    constraint.prepare([a, z])
-    assert constraint.error.startswith("the grammar cannot go on")
+    assert constraint.words([a]) is not None and constraint.error is None
+    constraint.prepare([a, z])  # the worker finds it
+    assert constraint.words([a, z]) is None and constraint.error.startswith("the grammar cannot go on")
     logits = mx.zeros((1, 8))
     assert mx.array_equal(constraint.mask(logits, [a, z]), logits).item()
     assert constraint.valid_prefix([a, z], [a]) == []

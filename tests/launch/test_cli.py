@@ -189,7 +189,7 @@ def test_bundled_names_and_a_missing_one(capsys):
     assert code == 0 and [h["host"] for h in json.loads(out)["hosts"]] == ["127.0.0.1", "127.0.0.1"]
     code, _, err = cli(capsys, "plan", "--preset", "trinity-huge", "--memory-gb", "8")
     assert code == 2 and err.strip() == ("launch: error: preset trinity-huge does not exist, and no bundled preset "
-                                         "has that name (bundled: trinity-mini, trinity-nano)")
+                                         "has that name (bundled: trinity-large, trinity-mini, trinity-nano)")
     code, _, err = cli(capsys, "run", "--hostfile", "nowhere/hosts.json", "--dry-run", "--", "run-trinity")
     assert code == 2 and "hostfile nowhere/hosts.json does not exist" in err and "localhost-2" in err
 

@@ -11,6 +11,9 @@ SUPPORTED_MODEL_TYPES = ("afmoe",)
 # mlx-lm's ModelArgs defaults every size to Trinity-Mini's: a config without these
 # would load as the wrong shape, or fail with a KeyError.
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# What mlx_lm.models.rope_utils.initialize_rope builds (it raises on any other, mid-load).
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "deepseek_yarn", "telechat3-yarn", "longrope",
+              "proportional", "mrope")
 
 
 def read_config(model_path: Path) -> dict:
@@ -46,6 +49,10 @@ def model_args(config: dict) -> afmoe.ModelArgs:
         config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
         if rope.get("rope_type", "default") != "default":
             config.setdefault("rope_scaling", rope)
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("type") or scaling.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise TrinityError(f"config.json's RoPE type {kind!r} is not one mlx-lm implements ({', '.join(ROPE_TYPES)})")
     if "layer_types" not in config:
         every = config.get("global_attn_every_n_layers", 4)
         config["layer_types"] = [

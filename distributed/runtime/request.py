@@ -160,3 +160,4 @@ class FinishEvent:
     error: Optional[str] = None
     text: str = ""  # text the detokenizer held back until the end
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not computed
+    stop_sequence: Optional[str] = None  # the stop string that ended it, if one did

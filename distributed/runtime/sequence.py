@@ -42,6 +42,7 @@ class StopStrings:
     def __init__(self, stops: List[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.hit: Optional[str] = None  # the stop string found
 
     def feed(self, text: str):
         """Returns (text safe to emit, whether a stop string was hit)."""
@@ -49,7 +50,7 @@ class StopStrings:
         for stop in self.stops:
             at = self.pending.find(stop)
             if at >= 0:
-                out, self.pending = self.pending[:at], ""
+                out, self.pending, self.hit = self.pending[:at], "", stop
                 return out, True
         keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
         out = self.pending[: len(self.pending) - keep]
@@ -86,6 +87,7 @@ class Sequence:
         self.logits = SequenceLogits(req, handle.constraint)  # processors, grammar, top and prompt logprobs
         self._detokenizer = tokenizer.detokenizer
         self._stops = StopStrings(req.stop)
+        self.stop_sequence: Optional[str] = None  # the stop string that ended it
         self._eos = tokenizer.eos_token_ids
         self.count = 0
         self._stopped_before = False  # a stop string ended within the resumed tokens
@@ -163,7 +165,7 @@ class Sequence:
                 return "error"
         self.handle.emit(TokenEvent(token, logprob, text, top))
         if hit:
-            self._stops = None  # nothing after the stop string is sent
+            self.stop_sequence, self._stops = self._stops.hit, None  # nothing after the stop string is sent
             return "stop"
         self.next_token = token
         return "length" if self.count >= self.request.max_tokens else None
@@ -189,5 +191,6 @@ class Sequence:
                 error=error,
                 text=tail,
                 cached_tokens=min(self.cached_tokens, len(self.request.prompt_ids)),  # of the prompt's tokens
+                stop_sequence=self.stop_sequence,
             )
         )

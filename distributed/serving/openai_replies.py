@@ -35,7 +35,7 @@ class Choice:
         self.echo_waits = echo is not None and scored  # the echo goes out with the prompt's logprobs
         self.text, self.entries, self.calls = [], [], []
         self.offset = 0  # text_offset of the next entry
-        self.finish = self.error = None
+        self.finish = self.error = self.stop_sequence = None
         self.usage = (0, 0, 0)  # prompt, completion and cached tokens
 
     def opening(self) -> List[dict]:
@@ -57,6 +57,7 @@ class Choice:
             entries = [self._entry(event.token_id, event.logprob, event.top_logprobs or [])] if logprobs else []
             return self._text(event.text, entries)
         self.error = event.error if event.finish_reason == "error" else None
+        self.stop_sequence = event.stop_sequence  # the Messages API names it
         self.usage = (event.prompt_tokens, event.completion_tokens, event.cached_tokens)
         chunks = self._text(event.text, [])
         tail, calls = self.tools.finish() if self.tools else ("", [])

@@ -74,8 +74,6 @@ def main() -> None:
     args = p.parse_args()
     counts = [int(s) for s in args.streams.split(",")]
 
-    import grpc
-
     from distributed.serving.proto import generation_pb2_grpc as pb_grpc
 
     port = free_ports(1)[0]

@@ -1,3 +1,293 @@
-"""(being written)"""
+"""OpenAI's Responses API on the HTTP port (POST /v1/responses), served over chat completions
+(api_adapter.py), so `client.responses.create` / `.stream` (and Codex-style agents) work
+unchanged and a greedy input gets the same text as through /v1/chat/completions.
 
-ADAPTERS, ROUTES, ERROR_BODIES = {}, {}, {}
+Implemented: `model`, `input` (a string, or items: messages with text content, `function_call`
+and `function_call_output`), `instructions`, `max_output_tokens`, `temperature`, `top_p`,
+`tools` (function tools; `strict` honoured where `tool_choice` forces a call, as in chat),
+`tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema:
+constrained decoding), `stream` with the Responses event sequence, `usage`. Stateless: nothing
+is stored, so `store` is only false (absent: not stored) and `previous_response_id`,
+`conversation` and `background` are refused by name. Hints with no effect: `metadata`, `user`,
+`safety_identifier`, `prompt_cache_key`; `truncation` only "disabled", `service_tier` only
+auto / default. Refused by name: `reasoning`, `include`, `prompt`, `top_logprobs`,
+`max_tool_calls`, built-in tools, `text.verbosity`, unknown fields (400, OpenAI's error shape).
+"""
+
+import time
+import uuid
+
+from ..runtime.request import RequestError
+from .api_adapter import Adapter, sse
+
+HINTS = ("metadata", "user", "safety_identifier", "prompt_cache_key")
+FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+          "parallel_tool_calls", "text", "stream", "store", "truncation", "service_tier", "stream_options") + HINTS
+REFUSED = {"previous_response_id": "responses are not stored (send the whole conversation as input)",
+           "conversation": "conversations are not stored (send the whole conversation as input)",
+           "background": "background responses are not supported",
+           "reasoning": "reasoning options are not supported (the chat template decides)",
+           "include": "no extra output data can be included",
+           "prompt": "stored prompt templates are not supported",
+           "top_logprobs": "not supported here (/v1/chat/completions has logprobs)",
+           "max_tool_calls": "not supported"}
+NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input", "stop": "input"}
+
+
+def _content(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(where, "expected a string or a list of text parts")
+    parts = []
+    for k, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise RequestError(f"{where}[{k}]", f"only text parts are supported, got {kind!r}")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _input(items) -> list:
+    """`input` as chat messages: function_call items join an assistant message's tool_calls,
+    function_call_output items become tool messages."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise RequestError("input", "expected a string or a non-empty list of items")
+    out = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            if item.get("role") not in ("user", "assistant", "system", "developer"):
+                raise RequestError(f"{where}.role", "expected user, assistant, system or developer")
+            out.append({"role": item["role"], "content": _content(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise RequestError(where, "a function_call item needs call_id, name and arguments (strings)")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            elif out and out[-1]["role"] == "assistant":
+                out[-1]["tool_calls"] = [call]
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise RequestError(f"{where}.call_id", "expected the call_id of the function_call it answers")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _content(item.get("output", ""), f"{where}.output")})
+        else:
+            raise RequestError(f"{where}.type", f"items of type {kind!r} are not supported")
+    return out
+
+
+def _tools(tools, forced: bool) -> list:
+    if not isinstance(tools, list):
+        raise RequestError("tools", "expected a list of tools")
+    out = []
+    for k, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise RequestError(f"tools[{k}]", f"only function tools are supported, got {kind!r}")
+        extra = next((key for key in tool if key not in ("type", "name", "description", "parameters", "strict")), None)
+        if extra is not None or not isinstance(tool.get("name"), str):
+            raise RequestError(f"tools[{k}]" + (f".{extra}" if extra else ""), "expected {type, name, description, parameters}")
+        function = {"name": tool["name"], "description": tool.get("description") or "",
+                    "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
+        # strict (the Responses default) is kept where a call is forced: only a forced call is constrained.
+        out.append({"type": "function", "function": {**function, **({"strict": True} if forced and tool.get("strict") else {})}})
+    return out
+
+
+def _tool_choice(choice):
+    if choice in (None, "auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise RequestError("tool_choice", "expected \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": …}")
+
+
+def _format(text):
+    """`text.format` as chat's response_format."""
+    if text is None:
+        return None
+    if not isinstance(text, dict) or next((k for k in text if k not in ("format", "verbosity")), None):
+        raise RequestError("text", "expected {\"format\": {…}}")
+    if text.get("verbosity") not in (None, "medium"):
+        raise RequestError("text.verbosity", "not supported (only medium)")
+    form = text.get("format")
+    if form is None or form == {"type": "text"}:
+        return None
+    if not isinstance(form, dict) or form.get("type") not in ("json_object", "json_schema"):
+        raise RequestError("text.format", "expected text, json_object or json_schema")
+    if form["type"] == "json_object":
+        return {"type": "json_object"}
+    spec = {k: form[k] for k in ("name", "schema", "strict", "description") if k in form}
+    extra = next((k for k in form if k not in ("type", "name", "schema", "strict", "description")), None)
+    if extra is not None:
+        raise RequestError(f"text.format.{extra}", "not supported")
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def to_chat(body: dict, info, tokenizer) -> dict:
+    for name, value in body.items():
+        if name in REFUSED and value not in (None, [], False):
+            raise RequestError(name, REFUSED[name])
+        if name not in FIELDS and name not in REFUSED:
+            raise RequestError(name, "unknown field")
+    if body.get("store"):
+        raise RequestError("store", "responses are not stored here (only false)")
+    if body.get("truncation") not in (None, "disabled"):
+        raise RequestError("truncation", "only \"disabled\" (a request that does not fit is refused)")
+    if body.get("service_tier") not in (None, "auto", "default"):
+        raise RequestError("service_tier", "there is one service tier")
+    if (body.get("stream_options") or {}).get("include_obfuscation"):
+        raise RequestError("stream_options", "obfuscation is not supported")
+    instructions = body.get("instructions")
+    if not isinstance(instructions, (str, type(None))):
+        raise RequestError("instructions", "expected a string")
+    choice = _tool_choice(body.get("tool_choice"))
+    out = {"messages": ([{"role": "system", "content": instructions}] if instructions else []) + _input(body.get("input")),
+           "stream": body.get("stream", False)}
+    for name, chat in (("model", "model"), ("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
+                       ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls")):
+        if body.get(name) is not None:
+            out[chat] = body[name]
+    if body.get("tools"):
+        out["tools"] = _tools(body["tools"], choice not in (None, "auto", "none"))
+    if choice is not None:
+        out["tool_choice"] = choice
+    if _format(body.get("text")):
+        out["response_format"] = _format(body["text"])
+    return out
+
+
+def param(name: str) -> str:
+    head, dot, rest = name.partition(".")
+    return NAMES.get(head, head) + dot + rest if head in NAMES else name
+
+
+class ResponsesReply:
+    """What a Responses client gets, made from the OpenAI reply of the one choice."""
+
+    content_type = "text/event-stream"
+
+    def __init__(self, reply, body: dict):
+        self.reply, self.body = reply, body
+        self.id, self.created = "resp_" + uuid.uuid4().hex, int(time.time())
+        self.sequence = 0
+        self.output = []  # items so far
+        self.text = None  # the open message item's text, or None
+
+    def _response(self, status: str, usage=None) -> dict:
+        b = self.body
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "model": b.get("model") or self.reply.model, "output": self.output, "error": None,
+                "incomplete_details": incomplete, "instructions": b.get("instructions"),
+                "max_output_tokens": b.get("max_output_tokens"), "temperature": b.get("temperature", 1.0),
+                "top_p": b.get("top_p", 1.0), "tools": b.get("tools") or [], "tool_choice": b.get("tool_choice", "auto"),
+                "parallel_tool_calls": b.get("parallel_tool_calls", True), "text": b.get("text") or {"format": {"type": "text"}},
+                "truncation": "disabled", "store": False, "metadata": b.get("metadata") or {}, "usage": usage}
+
+    @staticmethod
+    def _usage(usage: dict) -> dict:
+        return {"input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage["total_tokens"]}
+
+    def _event(self, kind: str, **data) -> bytes:
+        self.sequence += 1
+        return sse(kind, {"type": kind, "sequence_number": self.sequence - 1, **data})
+
+    @staticmethod
+    def _message(text: str, status: str) -> dict:
+        return {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed"
+                or text else []}
+
+    @staticmethod
+    def _call(call: dict) -> dict:
+        return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+
+    def opening(self, chunks) -> list:
+        return [self._event("response.created", response=self._response("in_progress")),
+                self._event("response.in_progress", response=self._response("in_progress"))]
+
+    def _open_text(self) -> list:
+        item = self._message("", "in_progress")
+        self.output.append(item)
+        self.text = []
+        index = len(self.output) - 1
+        return [self._event("response.output_item.added", output_index=index, item=item),
+                self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": []})]
+
+    def _close_text(self) -> list:
+        if self.text is None:
+            return []
+        index, text = len(self.output) - 1, "".join(self.text)
+        item = self.output[index] = {**self.output[index], **self._message(text, "completed"), "id": self.output[index]["id"]}
+        part = item["content"][0]
+        self.text = None
+        return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=text, logprobs=[]),
+                self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                            part=part),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def add(self, chunks) -> list:
+        frames = []
+        for chunk in chunks:
+            delta = chunk["choices"][0]["delta"]
+            if delta.get("content"):
+                if self.text is None:
+                    frames += self._open_text()
+                self.text.append(delta["content"])
+                frames.append(self._event("response.output_text.delta", item_id=self.output[-1]["id"],
+                                          output_index=len(self.output) - 1, content_index=0, delta=delta["content"],
+                                          logprobs=[]))
+            for call in delta.get("tool_calls") or []:
+                frames += self._close_text()
+                item = self._call(call)
+                self.output.append(item)
+                index = len(self.output) - 1
+                frames += [self._event("response.output_item.added", output_index=index,
+                                       item={**item, "arguments": "", "status": "in_progress"}),
+                           self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                       delta=item["arguments"]),
+                           self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                       arguments=item["arguments"], name=item["name"]),
+                           self._event("response.output_item.done", output_index=index, item=item)]
+        return frames
+
+    def _status(self, finish) -> str:
+        return "incomplete" if finish == "length" else "completed"
+
+    def closing(self) -> list:
+        frames = self._close_text()
+        status = self._status(self.reply.choices[0].finish)
+        return frames + [self._event(f"response.{status}", response=self._response(status, self._usage(self.reply.usage())))]
+
+    def failure(self, error_body: dict) -> bytes:
+        error = error_body["error"]
+        return self._event("error", code=error.get("code") or error.get("type"), message=error["message"],
+                           param=error.get("param"))
+
+    def whole(self, openai_whole: dict) -> dict:
+        choice = openai_whole["choices"][0]
+        message = choice["message"]
+        if message.get("content") or not message.get("tool_calls"):
+            self.output.append(self._message(message.get("content") or "", "completed"))
+        self.output += [self._call(call) for call in message.get("tool_calls") or []]
+        return self._response(self._status(choice["finish_reason"]), self._usage(openai_whole["usage"]))
+
+
+ADAPTERS = {("POST", "/v1/responses"): Adapter(to_chat, ResponsesReply, param)}
+ROUTES, ERROR_BODIES = {}, {}

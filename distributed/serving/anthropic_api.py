@@ -1,298 +1,381 @@
-"""Anthropic's Messages API on the HTTP port (POST /v1/messages, POST /v1/messages/count_tokens),
-served over chat completions (api_adapter.py), so the `anthropic` package and Claude-style
-agents work unchanged and a greedy message gets the same text as through /v1/chat/completions.
+"""Anthropic's Messages API over chat completions' path (api_adapter.py): POST /v1/messages,
+whole or streamed as Anthropic's server-sent events, and POST /v1/messages/count_tokens, so
+the `anthropic` package works unchanged (headers such as anthropic-version and
+anthropic-beta are not read; --auth-token takes `x-api-key` as well as a bearer token).
 
-Implemented: `model`, `max_tokens` (required), `system` (a string or text blocks), `messages`
-(text, `tool_use` and `tool_result` blocks), `tools` (client tools: name, description,
-input_schema), `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`),
-`stop_sequences`, `temperature`, `top_p`, `top_k` (the SDK sends them in extra_body), `output_config.format`
-(a JSON schema: constrained decoding), `stream` (message_start, content_block_start
-/ _delta (text_delta, input_json_delta) / _stop, message_delta with stop_reason and usage,
-message_stop); `usage` with `cache_read_input_tokens` from the prefix cache (`input_tokens` is
-the rest, as Anthropic counts it). Accepted with no effect: `metadata`, `cache_control` (top level and on
-blocks: the prefix cache finds shared prefixes itself), `service_tier` auto / standard_only,
-`speed` standard, `thinking` disabled, `inference_geo`, `user_profile_id`, `workspace_id`.
-Refused by name (400): thinking enabled, `output_config.effort`, images, documents, server
-tools, `container`, `mcp_servers`, `context_management`, `diagnostics`, unknown fields. Errors are Anthropic's shape.
+Implemented: model (required, the served one), max_tokens (required), system (a string or
+text blocks), messages (user and assistant turns; content a string or blocks: text,
+tool_use in assistant turns -> OpenAI tool_calls, tool_result in user turns -> `tool`
+messages, its content a string or text blocks, is_error prefixing it with "Error: "),
+tools (client tools: name, description, input_schema, strict), tool_choice (auto, any ->
+"required", tool -> the named function, none; disable_parallel_tool_use), stop_sequences
+(the one that ended the reply in stop_sequence), temperature, top_p, top_k, stream,
+output_config.format (json_schema: constrained decoding). Accepted with no effect:
+metadata.user_id, inference_geo, cache_control (the prefix cache finds shared prefixes by
+itself). Only the value that changes nothing: thinking {"type": "disabled"}, service_tier
+auto / standard_only, speed standard. Refused by name (400): thinking enabled or adaptive,
+image, document, thinking and server-tool blocks, server tools (web_search, bash, …),
+container, mcp_servers, context_management, diagnostics, output_config.effort, a last
+assistant turn (prefill); any other field is unknown (400).
+
+usage follows Anthropic: input_tokens are the prompt tokens computed, cache_read_input_tokens
+those the prefix cache restored (their sum is the prompt, count_tokens' input_tokens),
+cache_creation_input_tokens 0 (entries are stored without being asked for). Errors are
+Anthropic's {"type": "error", "error": {"type", "message"}}, with the status the server
+gives (503 while loading or the ring is down: overloaded_error, not Anthropic's 529).
 """
 
 import json
-import uuid
 
 from ..runtime.request import RequestError
 from .api_adapter import Adapter, sse
-from .openai_fields import ApiError
+from .constraints import forced_tools
+from .openai_fields import ApiError, check_fields
 from .requests import chat_ids
 from .tools import chat_messages, request_tools
 
-FIELDS = ("model", "max_tokens", "system", "messages", "tools", "tool_choice", "stop_sequences", "temperature",
-          "top_p", "top_k", "stream", "metadata", "service_tier", "thinking", "output_config", "speed", "cache_control")
-HINTS = ("inference_geo", "user_profile_id", "workspace_id")  # routing and accounting for Anthropic's service
-REFUSED = {"container": "containers (code execution) are not supported",
-           "mcp_servers": "MCP servers are not supported (run the tools in the client)",
-           "context_management": "context management is not supported",
-           "diagnostics": "prompt-cache diagnostics are not reported (usage has cache_read_input_tokens)"}
-STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+PROMPT = ("model", "messages", "system", "tools", "tool_choice", "output_config")
+GENERATE = ("max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream")
+HINTS = ("metadata", "cache_control", "inference_geo")
+NEUTRAL = {
+    "thinking": (({"type": "disabled"},), "extended thinking is not supported"),
+    "service_tier": (("auto", "standard_only"), "there is one service tier"),
+    "speed": (("standard",), "there is one speed"),
+}
+REFUSED = {
+    "container": "code execution containers are not supported",
+    "mcp_servers": "MCP servers are not supported (give their tools as client tools)",
+    "context_management": "context management is not supported",
+    "diagnostics": "not supported",
+}
+ONLY_GENERATE = ("metadata", "service_tier", "container", "inference_geo", "diagnostics")
+BLOCK_KEYS = {"text": ("text", "citations"), "tool_use": ("id", "name", "input"),
+              "tool_result": ("tool_use_id", "content", "is_error")}
+TOOL_KEYS = ("type", "name", "description", "input_schema", "cache_control", "strict")
+CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+
+
+def bad(field: str, message: str) -> ApiError:
+    return ApiError(400, f"{field}: {message}", param=field)
+
+
+def _check_fields(body: dict, generate: bool) -> None:
+    """Unknown, refused and non-neutral fields are errors naming them."""
+    for name, value in body.items():
+        known = name in PROMPT or name in HINTS or name in NEUTRAL or name in REFUSED or (generate and name in GENERATE)
+        if not known or (not generate and name in ONLY_GENERATE):
+            raise bad(name, "unknown field")
+        if value is None:
+            continue  # null: the default
+        if name in REFUSED:
+            raise bad(name, REFUSED[name])
+        if name in NEUTRAL and value not in NEUTRAL[name][0]:
+            raise bad(name, f"{json.dumps(value)[:60]} is not supported: {NEUTRAL[name][1]}")
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict) or any(k != "user_id" for k in metadata) \
+            or not isinstance(metadata.get("user_id", ""), (str, type(None))):
+        raise bad("metadata", "only {\"user_id\": string} is supported")
+    if not isinstance(body.get("cache_control") or {}, dict):
+        raise bad("cache_control", "expected an object")
+    if not isinstance(body.get("inference_geo") or "", str):
+        raise bad("inference_geo", "expected a string")
+    for name in ("model",) + (("max_tokens",) if generate else ()):
+        if body.get(name) is None:
+            raise bad(name, "required")
+
+
+def _blocks(content, where: str) -> list:
+    """A turn's content as blocks (a string is one text block), their keys checked."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise bad(where, "expected a string or a list of content blocks")
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in BLOCK_KEYS:
+            raise bad(f"{where}[{j}].type", f"{json.dumps(kind)[:40]} blocks are not supported "
+                                            "(text, tool_use and tool_result only)")
+        extra = next((k for k, v in block.items() if k not in ("type", "cache_control", *BLOCK_KEYS[kind])
+                      and v is not None), None)  # null: absent (a reply's blocks sent back carry some)
+        if extra is not None or block.get("citations"):
+            raise bad(f"{where}[{j}].{extra or 'citations'}", "not supported in a block")
+    return content
 
 
 def _text(content, where: str) -> str:
-    """A string, or text blocks joined (cache_control on them is a hint)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(where, "expected a string or a list of content blocks")
+    """Text blocks (or a string) joined, as OpenAI's text parts are."""
     parts = []
-    for k, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else None
-            raise RequestError(f"{where}[{k}]", f"only text blocks are supported here, got {kind!r}")
+    for j, block in enumerate(_blocks(content, where)):
+        if block["type"] != "text" or not isinstance(block.get("text"), str):
+            raise bad(f"{where}[{j}]", "expected a text block")
         parts.append(block["text"])
     return "".join(parts)
 
 
-def _messages(messages) -> list:
-    """Anthropic's turns as OpenAI messages: tool_use blocks become an assistant's tool_calls,
-    tool_result blocks `tool` messages (before the turn's text, as they answer the calls)."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages", "expected a non-empty list of messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise RequestError(f"{where}.role", "expected \"user\" or \"assistant\"")
-        extra = next((k for k in m if k not in ("role", "content")), None)
-        if extra is not None:
-            raise RequestError(f"{where}.{extra}", "unknown field")
-        content = m.get("content")
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        if not isinstance(blocks, list):
-            raise RequestError(f"{where}.content", "expected a string or a list of content blocks")
-        text, calls, results = [], [], []
-        for k, block in enumerate(blocks):
-            at = f"{where}.content[{k}]"
-            kind = block.get("type") if isinstance(block, dict) else None
-            if kind == "text":
-                text.append(_text([block], at))
-            elif kind == "tool_use" and m["role"] == "assistant":
-                if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
-                        or not isinstance(block.get("input", {}), dict):
-                    raise RequestError(at, "a tool_use block needs an id, a name and an input object")
-                calls.append({"id": block["id"], "type": "function",
-                              "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
-            elif kind == "tool_result" and m["role"] == "user":
-                if not isinstance(block.get("tool_use_id"), str):
-                    raise RequestError(f"{at}.tool_use_id", "expected the id of the tool_use it answers")
-                result = _text(block.get("content", ""), f"{at}.content")
-                results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                                "content": ("Error: " + result) if block.get("is_error") else result})
-            elif kind in ("thinking", "redacted_thinking"):
-                raise RequestError(at, "thinking blocks are not supported")
-            else:
-                raise RequestError(at, f"a block of type {kind!r} is not supported in a {m['role']} turn")
-        out += results
-        if calls:
-            out.append({"role": "assistant", "content": "".join(text) or None, "tool_calls": calls})
-        elif text or not results:
-            out.append({"role": m["role"], "content": "".join(text)})
+def _turn(m, i: int, last: bool) -> list:
+    """One Anthropic turn as OpenAI messages: an assistant's tool_use blocks become its
+    tool_calls; a user's tool_result blocks become `tool` messages, in their order."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        raise bad(f"{where}.role", "expected \"user\" or \"assistant\"")
+    extra = next((k for k in m if k not in ("role", "content")), None)
+    if extra is not None:
+        raise bad(f"{where}.{extra}", "not supported in a message")
+    if m["role"] == "assistant" and last:
+        raise bad(where, "a last assistant turn (prefill) is not supported")
+    out, text, calls = [], [], []
+    for j, block in enumerate(_blocks(m.get("content"), f"{where}.content")):
+        at = f"{where}.content[{j}]"
+        if block["type"] == "text":
+            if not isinstance(block.get("text"), str):
+                raise bad(f"{at}.text", "expected a string")
+            text.append(block["text"])
+        elif m["role"] == "assistant" and block["type"] == "tool_use":
+            if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+                    and isinstance(block.get("input"), dict)):
+                raise bad(at, "a tool_use block needs a string id and name and an input object")
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"], "arguments": block["input"]}})
+        elif m["role"] == "user" and block["type"] == "tool_result":
+            if not isinstance(block.get("tool_use_id"), str) or not isinstance(block.get("is_error", False), bool):
+                raise bad(at, "a tool_result block needs a string tool_use_id (and is_error a boolean)")
+            if text:  # text before a result stays before it
+                out.append({"role": "user", "content": "".join(text)})
+                text = []
+            result = _text(block.get("content", ""), f"{at}.content")
+            # the chat template has no place for is_error: the result's text says it
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                        "content": f"Error: {result}" if block.get("is_error") else result})
+        else:
+            raise bad(f"{at}.type", f"{block['type']} blocks belong in "
+                                    f"{'assistant' if block['type'] == 'tool_use' else 'user'} turns")
+    if m["role"] == "assistant":
+        out.append({"role": "assistant", **({"content": "".join(text)} if text or not calls else {}),
+                    **({"tool_calls": calls} if calls else {})})
+    elif text or not out:
+        out.append({"role": "user", "content": "".join(text)})
     return out
 
 
 def _tools(tools) -> list:
     if not isinstance(tools, list):
-        raise RequestError("tools", "expected a list of tools")
+        raise bad("tools", "expected a list of tools")
     out = []
     for k, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise RequestError(f"tools[{k}]", f"server tools ({kind}) are not supported: only client tools")
-        extra = next((key for key in tool if key not in ("type", "name", "description", "input_schema", "cache_control")), None)
-        if extra is not None or not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
-            raise RequestError(f"tools[{k}]" + (f".{extra}" if extra else ""), "expected {name, description, input_schema}")
-        out.append({"type": "function", "function": {"name": tool["name"], "description": tool.get("description", ""),
-                                                      "parameters": tool["input_schema"]}})
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind not in (None, "custom"):
+            raise bad(f"tools[{k}].type", f"server tool {json.dumps(kind)[:40]} is not supported "
+                                          "(client tools only: name, description, input_schema)")
+        extra = next((key for key, v in tool.items() if key not in TOOL_KEYS and v is not None), None)
+        if extra is not None:
+            raise bad(f"tools[{k}].{extra}", "not supported in a tool")
+        if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+            raise bad(f"tools[{k}]", "a tool needs a string name and an input_schema object")
+        function = {"name": tool["name"], "parameters": tool["input_schema"]}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        if tool.get("strict"):
+            function["strict"] = True
+        out.append({"type": "function", "function": function})
     return out
 
 
-def _tool_choice(choice, out: dict) -> None:
-    if choice is None:
-        return
+def _tool_choice(choice, chat: dict) -> None:
     kind = choice.get("type") if isinstance(choice, dict) else None
-    extra = next((k for k in choice if k not in ("type", "name", "disable_parallel_tool_use")), None) \
-        if isinstance(choice, dict) else None
-    if kind not in ("auto", "any", "tool", "none") or extra is not None:
-        raise RequestError("tool_choice", "expected {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}")
-    if kind == "tool":
-        if not isinstance(choice.get("name"), str):
-            raise RequestError("tool_choice.name", "expected the name of a tool")
-        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
-    else:
-        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+    if kind not in ("auto", "any", "tool", "none"):
+        raise bad("tool_choice", "expected {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}")
+    extra = next((k for k in choice if k not in ("type", "name", "disable_parallel_tool_use")), None)
+    if extra is not None or (kind != "tool" and "name" in choice):
+        raise bad(f"tool_choice.{extra or 'name'}", f"not supported with type {kind!r}")
+    if kind == "tool" and not isinstance(choice.get("name"), str):
+        raise bad("tool_choice.name", "the tool to use, a string")
+    named = {"type": "function", "function": {"name": choice.get("name")}}
+    chat["tool_choice"] = named if kind == "tool" else CHOICES[kind]
     if choice.get("disable_parallel_tool_use"):
-        out["parallel_tool_calls"] = False
+        chat["parallel_tool_calls"] = False
+
+
+def _output_config(config, chat: dict) -> None:
+    if not isinstance(config, dict) or any(k not in ("format", "effort") for k in config):
+        raise bad("output_config", "only format is supported")
+    if config.get("effort") is not None:
+        raise bad("output_config.effort", "not supported (the chat template decides)")
+    form = config.get("format")
+    if form is not None:
+        if not isinstance(form, dict) or form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict) \
+                or len(form) != 2:
+            raise bad("output_config.format", "expected {\"type\": \"json_schema\", \"schema\": {…}}")
+        chat["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": form["schema"], "strict": True}}
+
+
+def _prompt(body: dict) -> dict:
+    """The fields that make the prompt (and its constraint), as a chat-completions body."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "expected a non-empty list of turns")
+    out = []
+    if body.get("system") is not None:
+        out.append({"role": "system", "content": _text(body["system"], "system")})
+    for i, m in enumerate(messages):
+        out += _turn(m, i, i == len(messages) - 1)
+    chat = {"model": body["model"], "messages": out}
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        _tool_choice(body["tool_choice"], chat)
+    if body.get("output_config") is not None:
+        _output_config(body["output_config"], chat)
+    return chat
 
 
 def to_chat(body: dict, info, tokenizer) -> dict:
-    for name in body:
-        if name in REFUSED:
-            raise RequestError(name, REFUSED[name])
-        if name not in FIELDS + HINTS:
-            raise RequestError(name, "unknown field")
-    if body.get("speed") not in (None, "standard"):
-        raise RequestError("speed", "only standard: there is one speed")
-    thinking = body.get("thinking")
-    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
-        raise RequestError("thinking", "extended thinking is not supported (only {\"type\": \"disabled\"})")
-    if body.get("service_tier") not in (None, "auto", "standard_only"):
-        raise RequestError("service_tier", "only auto and standard_only: there is one service tier")
-    if not isinstance(body.get("metadata", {}), dict):
-        raise RequestError("metadata", "expected an object")
-    if body.get("max_tokens") is None:
-        raise RequestError("max_tokens", "required (the most tokens to generate)")
-    system = body.get("system")
-    messages = ([{"role": "system", "content": _text(system, "system")}] if system else []) + _messages(body.get("messages"))
-    out = {"messages": messages, "max_tokens": body["max_tokens"], "stream": body.get("stream", False)}
-    for name, chat in (("model", "model"), ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                       ("stop_sequences", "stop")):
+    _check_fields(body, generate=True)
+    chat = _prompt(body)
+    chat.update({"max_tokens": body["max_tokens"], "stream": body.get("stream", False)})
+    for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
-            out[chat] = body[name]
-    if body.get("tools"):
-        out["tools"] = _tools(body["tools"])
-    _tool_choice(body.get("tool_choice"), out)
-    _output_config(body.get("output_config"), out)
-    return out
-
-
-def _output_config(config, out: dict) -> None:
-    """Structured output: {"format": {"type": "json_schema", "schema": …}} (constrained decoding)."""
-    if config is None:
-        return
-    if not isinstance(config, dict) or next((k for k in config if k not in ("format", "effort")), None):
-        raise RequestError("output_config", "expected {\"format\": {\"type\": \"json_schema\", \"schema\": {…}}}")
-    if config.get("effort") is not None:
-        raise RequestError("output_config.effort", "not supported (the chat template decides)")
-    form = config.get("format")
-    if form is None:
-        return
-    if not isinstance(form, dict) or form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict):
-        raise RequestError("output_config.format", "expected {\"type\": \"json_schema\", \"schema\": {…}}")
-    out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": form["schema"],
-                                                                     "strict": True}}
+            chat[name] = body[name]
+    stops = body.get("stop_sequences")
+    if stops:
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise bad("stop_sequences", "expected a list of non-empty strings")
+        chat["stop"] = stops
+    return chat
 
 
 def param(name: str) -> str:
-    """The Messages API's name for a chat-completions field an error names."""
+    """The Anthropic field a chat-completions error is about."""
+    if name.startswith("messages"):
+        return "messages"  # the chat body's indices are not the request's
+    if name == "stop":
+        return "stop_sequences"
+    if name == "parallel_tool_calls":
+        return "tool_choice.disable_parallel_tool_use"
     if name.startswith("response_format"):
         return "output_config.format"
-    return {"stop": "stop_sequences"}.get(name, name)
+    return name.replace(".function.", ".")  # tools[k].function.strict -> tools[k].strict
 
 
-def count_tokens(body: dict, scheduler, tokenizer, info):
-    """POST /v1/messages/count_tokens: the prompt's tokens (system, messages, tools) as a
-    /v1/messages request with the same body would be charged."""
-    try:
-        chat = to_chat({"max_tokens": 1, **{k: v for k, v in body.items() if k != "max_tokens"}}, info, tokenizer)
-        tools = request_tools(chat, tokenizer)
-        ids = chat_ids(tokenizer, chat_messages(chat["messages"]), tools)
-    except RequestError as e:
-        raise ApiError(400, str(e), param=e.field) from None
-    return 200, {"input_tokens": len(ids)}
+def _usage(usage: dict) -> dict:
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-class MessagesReply:
-    """What an Anthropic client gets, made from the OpenAI reply of the one choice."""
+def _tool_use(call: dict) -> dict:
+    arguments = call["function"]["arguments"]
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
+            "input": json.loads(arguments) if arguments else {}}
+
+
+class MessageReply:
+    """The Message (or its events) made from the OpenAI reply of its one choice."""
 
     content_type = "text/event-stream"
 
     def __init__(self, reply, body: dict):
-        self.reply, self.model = reply, body.get("model") or reply.model
-        self.id = "msg_" + uuid.uuid4().hex[:24]
-        self.blocks = 0  # content blocks started
-        self.text_open = False  # a text block is open
-
-    def _usage(self, usage: dict) -> dict:
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
-        return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
-                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
-
-    def _stop(self, finish) -> tuple:
-        choice = self.reply.choices[0]
-        if finish == "stop" and choice.stop_sequence is not None:
-            return "stop_sequence", choice.stop_sequence
-        return STOP_REASONS.get(finish, "end_turn"), None
+        self.reply = reply
+        self.id = "msg_" + reply.id.split("-", 1)[1]
+        self.blocks = 0  # blocks started
+        self.open = None  # the type of the last one while it is not stopped
 
     def _message(self, content: list, stop_reason, stop_sequence, usage: dict) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.reply.model, "content": content,
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
-    def opening(self, chunks) -> list:
-        usage = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
-        return [sse("message_start", {"type": "message_start", "message": self._message([], None, None, usage)})]
+    def _stop_reason(self, finish: str):
+        """(stop_reason, stop_sequence) of an OpenAI finish reason."""
+        if finish == "tool_calls":
+            return "tool_use", None
+        if finish == "length":
+            return "max_tokens", None
+        hit = self.reply.choices[0].stop_sequence  # the runtime names the stop string that ended it
+        return ("stop_sequence", hit) if hit else ("end_turn", None)
 
-    def _close_text(self) -> list:
-        if not self.text_open:
+    def whole(self, openai_whole: dict) -> dict:
+        choice = openai_whole["choices"][0]
+        message = choice["message"]
+        content = [{"type": "text", "text": message["content"]}] if message["content"] else []
+        content += [_tool_use(call) for call in message.get("tool_calls") or []]
+        return self._message(content, *self._stop_reason(choice["finish_reason"]), _usage(openai_whole["usage"]))
+
+    def _start(self, block: dict) -> list:
+        frames = self._stop()
+        frames.append(sse("content_block_start", {"type": "content_block_start", "index": self.blocks,
+                                                  "content_block": block}))
+        self.blocks, self.open = self.blocks + 1, block["type"]
+        return frames
+
+    def _delta(self, delta: dict) -> bytes:
+        return sse("content_block_delta", {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta})
+
+    def _stop(self) -> list:
+        if not self.open:
             return []
-        self.text_open = False
+        self.open = None
         return [sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
+
+    def opening(self, chunks) -> list:
+        """message_start (the prompt's tokens; what the cache restored comes in message_delta) and a ping."""
+        usage = {"input_tokens": len(self.reply.plan.requests[0].prompt_ids), "output_tokens": 0,
+                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        return [sse("message_start", {"type": "message_start", "message": self._message([], None, None, usage)}),
+                sse("ping", {"type": "ping"})]
 
     def add(self, chunks) -> list:
         frames = []
         for chunk in chunks:
             delta = chunk["choices"][0]["delta"]
             if delta.get("content"):
-                if not self.text_open:
-                    frames.append(sse("content_block_start", {"type": "content_block_start", "index": self.blocks,
-                                                              "content_block": {"type": "text", "text": ""}}))
-                    self.blocks, self.text_open = self.blocks + 1, True
-                frames.append(sse("content_block_delta", {"type": "content_block_delta", "index": self.blocks - 1,
-                                                          "delta": {"type": "text_delta", "text": delta["content"]}}))
-            for call in delta.get("tool_calls") or []:
-                frames += self._close_text()
-                index, self.blocks = self.blocks, self.blocks + 1
-                block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}}
-                frames += [sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": block}),
-                           sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                               "type": "input_json_delta", "partial_json": call["function"]["arguments"]}}),
-                           sse("content_block_stop", {"type": "content_block_stop", "index": index})]
+                if self.open != "text":
+                    frames += self._start({"type": "text", "text": ""})
+                frames.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+            for call in delta.get("tool_calls") or []:  # each call comes whole
+                block = _tool_use(call)
+                frames += self._start({**block, "input": {}})
+                frames.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
+                frames += self._stop()
         return frames
 
     def closing(self) -> list:
-        usage = self._usage(self.reply.usage())
-        stop_reason, stop_sequence = self._stop(self.reply.choices[0].finish)
-        return self._close_text() + [
-            sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                  "usage": {"output_tokens": usage["output_tokens"], "input_tokens": usage["input_tokens"],
-                                            "cache_read_input_tokens": usage["cache_read_input_tokens"]}}),
+        choice = self.reply.choices[0]
+        stop_reason, stop_sequence = self._stop_reason(choice.finish)
+        return self._stop() + [
+            sse("message_delta", {"type": "message_delta",
+                                  "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                  "usage": _usage(self.reply.usage())}),
             sse("message_stop", {"type": "message_stop"})]
 
     def failure(self, error_body: dict) -> bytes:
         return sse("error", error_body)
 
-    def whole(self, openai_whole: dict) -> dict:
-        choice = openai_whole["choices"][0]
-        message = choice["message"]
-        content = [{"type": "text", "text": message["content"]}] if message.get("content") else []
-        for call in message.get("tool_calls") or []:
-            content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                            "input": _arguments(call["function"]["arguments"])})
-        stop_reason, stop_sequence = self._stop(choice["finish_reason"])
-        return self._message(content, stop_reason, stop_sequence, self._usage(openai_whole["usage"]))
 
-
-def _arguments(arguments: str) -> dict:
+def count_tokens(body: dict, scheduler, tokenizer, info):
+    """{"input_tokens": N}: the chat template's tokens for system, messages and tools, as
+    /v1/messages prompts them."""
+    _check_fields(body, generate=False)
+    chat = _prompt(body)
     try:
-        value = json.loads(arguments)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+        check_fields(chat, "chat", info)  # a model we do not serve is 404
+        messages, tools = chat_messages(chat["messages"]), request_tools(chat, tokenizer)
+        if tools:
+            forced_tools(tools, chat.get("tool_choice"))  # a tool_choice naming no tool is an error here too
+        ids = chat_ids(tokenizer, messages, tools)
+    except RequestError as e:
+        name = param(e.field)
+        raise ApiError(400, f"{name}: {str(e).split(': ', 1)[1]}", param=name) from None
+    return 200, {"input_tokens": len(ids)}
 
 
 def error_body(e: ApiError) -> dict:
-    kind = ERROR_TYPES.get(e.status, "api_error")
+    kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": str(e)}}
 
 
-ADAPTERS = {("POST", "/v1/messages"): Adapter(to_chat, MessagesReply, param)}
+ADAPTERS = {("POST", "/v1/messages"): Adapter(to_chat, MessageReply, param)}
 ROUTES = {("POST", "/v1/messages/count_tokens"): count_tokens}
 ERROR_BODIES = {"/v1/messages": error_body, "/v1/messages/count_tokens": error_body}

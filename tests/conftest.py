@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,14 @@ def run_trinity(args, env=None, prefix=(), timeout=120):
     finally:
         kill_group(proc)
     return proc.returncode, out, err
+
+
+def wait_until(condition, timeout=30, interval=0.01):
+    """Poll until condition() holds (a test waits on the event itself, never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(interval)
 
 
 def kill_group(proc):

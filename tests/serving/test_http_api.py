@@ -1,7 +1,6 @@
 """The OpenAI-compatible HTTP API, with the `openai` package as the client, over an
 in-process 2-stage pipeline; greedy output is checked against `run_trinity.py --json`."""
 
-import http.client
 import json
 import os
 import shutil
@@ -10,7 +9,6 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from types import SimpleNamespace
@@ -19,7 +17,7 @@ import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from conftest import ROOT, RUN, free_port_range, run_json
+from conftest import ROOT, RUN, free_port_range, run_json, wait_until
 from distributed.runtime.request import FinishEvent
 from distributed.runtime.scheduler import RequestHandle, RingUnavailable, Scheduler
 from distributed.serving.http_api import start_http_server
@@ -239,11 +237,6 @@ def test_503_until_attached_and_after_the_ring_breaks(served):
         front.stop()
 
 
-def wait_until(condition, timeout=30, interval=0.01):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(interval)
 
 
 def test_queue_full_is_429(served, cli):
@@ -274,15 +267,6 @@ def test_queue_full_is_429(served, cli):
         for t in waiting:
             t.join()
     assert [r.choices[0].text for r in results] == [ids_reference(cli)["text"]] * bound
-
-
-@pytest.fixture
-def submitted(served, monkeypatch):
-    """The handles of requests submitted during a test."""
-    handles = []
-    submit = served.scheduler.submit
-    monkeypatch.setattr(served.scheduler, "submit", lambda request: handles.append(submit(request)) or handles[-1])
-    return handles
 
 
 def finish_of(handle) -> FinishEvent:
@@ -395,67 +379,3 @@ def test_run_trinity_serve_process(hf_checkpoint, cli):
         stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-3000:]
     assert f"127.0.0.1:{base + 1} (HTTP)" in stdout
-
-
-# One request path for every API (api_adapter.py): a streamed request whose client hangs up is
-# cancelled, and a full queue is a 429 in the API's own error shape.
-API_STREAMS = {
-    "chat": ("/v1/chat/completions", {"model": "tiny", "messages": HI, "max_tokens": 900, "stream": True}),
-    "responses": ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 900, "stream": True}),
-    "messages": ("/v1/messages", {"model": "tiny", "messages": HI, "max_tokens": 900, "stream": True}),
-    "ollama": ("/api/chat", {"model": "tiny", "messages": HI, "options": {"num_predict": 900}}),
-}
-
-
-def post(port: int, route: str, body: dict):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", route, json.dumps(body), {"Content-Type": "application/json"})
-    return conn, conn.getresponse()
-
-
-@pytest.mark.parametrize("api", API_STREAMS)
-def test_every_api_cancels_a_stream_whose_client_hangs_up(served, cli, submitted, api):
-    route, body = API_STREAMS[api]
-    conn, response = post(served.front.port, route, body)
-    assert response.status == 200
-    response.read1(64)  # the stream has begun
-    conn.close()
-    finish = finish_of(submitted[0])
-    assert finish.finish_reason == "cancelled" and finish.completion_tokens < 900
-    out = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
-    assert out.choices[0].text == ids_reference(cli)["text"]
-
-
-def error_message(api: str, body: dict) -> str:
-    """The message of an error body in each API's shape."""
-    if api == "messages":
-        assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
-        return body["error"]["message"]
-    if api == "ollama":
-        return body["error"]
-    return body["error"]["message"]
-
-
-@pytest.mark.parametrize("api", API_STREAMS)
-def test_every_api_answers_a_full_queue_with_429(served, api):
-    started, release = threading.Event(), threading.Event()
-    blocker = threading.Thread(target=served.scheduler.call, args=(lambda _: (started.set(), release.wait()),))
-    blocker.start()
-    started.wait(30)
-    bound = served.scheduler.capacity
-    waiting = [threading.Thread(target=served.client.completions.create,
-                                kwargs=dict(model="tiny", prompt=PROMPT, max_tokens=2)) for _ in range(bound)]
-    try:
-        for t in waiting:
-            t.start()
-        wait_until(lambda: served.scheduler.waiting == bound)
-        route, body = API_STREAMS[api]
-        conn, response = post(served.front.port, route, body)
-        assert response.status == 429
-        assert f"{bound} requests are already running or waiting" in error_message(api, json.loads(response.read()))
-        conn.close()
-    finally:
-        release.set()
-        blocker.join()
-        for t in waiting:
-            t.join()

@@ -86,7 +86,9 @@ def main() -> None:
     try:
         channel, _ = wait_serving(f"127.0.0.1:{port}", procs)
         stub = pb_grpc.GenerationStub(channel)
-        round_of(stub, 2, 8, True, args.timeout)  # warm-up: both paths, the grammar tokenizer built
+        for n in counts:  # warm-up at each batch size, both paths: kernels compiled, the grammar tokenizer built
+            round_of(stub, n, 8, False, args.timeout)
+            round_of(stub, n, 8, True, args.timeout)
         for n in counts:
             results = {"none": [], "half": []}
             for _ in range(args.reps):

@@ -28,6 +28,7 @@ import mlx.core as mx
 from ..transport import Reply
 from .logits import shaped_logprobs, top_candidates, top_logprobs
 from .caches import is_batch
+from .grammar import prepare_masks
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .sequence import Sequence
@@ -364,6 +365,7 @@ class Batcher:
         if len(keep) < len(in_slot):
             self.pipeline.filter(frame.slot, keep)
         kept = [in_slot[row][1] for row in keep]
+        prepare_masks([s.logits.constraint for s in kept], [s.generated for s in kept])  # while the ring runs
         for row, seq in enumerate(kept):
             if id(seq) in fresh:
                 self.prefix.prefilled(seq, frame.slot, row)

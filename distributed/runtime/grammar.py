@@ -2,17 +2,17 @@
 only tokens the grammar allows (llguidance: JSON schemas, Lark, regular expressions).
 
 Each constrained sequence has a Constraint: an llguidance matcher fed the tokens it
-generated, and the token mask of its next position. The mask is computed in a worker
-thread as soon as the previous token is known (prepare), while the ring computes the
-step that needs it, and applied to that row's logits only: rows without a grammar
-pay nothing. A speculative pass asks for the mask of each verified position in turn
+generated, and the token mask of its next position. A group's masks are computed in
+one worker job as soon as its previous tokens are known (prepare_masks), while the
+ring computes the step that needs them, and applied to the rows with a grammar only:
+a batch without one pays nothing. A speculative pass asks for the mask of each verified position in turn
 (the matcher then takes the drafts that hold), so a draft the grammar forbids is never
 accepted.
 """
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -83,7 +83,8 @@ class Constraint:
         self.matcher = llguidance.LLMatcher(grammars.ll_tokenizer, grammar, log_level=0)
         self._check()
         self.consumed = 0  # generated tokens given to the matcher
-        self._mask: Optional[Future] = None  # the next position's mask (None: not started)
+        # The next position's mask: (the job writing it, its row in the job's words), or None: not started.
+        self._mask: Optional[Tuple[Future, int]] = None
         # Set if the matcher fails on a token (a bug here or in the library): the sequence
         # then ends with this error; the ring and every other request go on.
         self.error: Optional[str] = None
@@ -92,40 +93,34 @@ class Constraint:
         if self.matcher.is_error():
             raise RequestError("grammar", f"the grammar library rejects it: {one_line(self.matcher.get_error())}")
 
-    def _advance(self, new: List[int]) -> Optional[np.ndarray]:
-        """Feed `new` tokens to the matcher, then compute the mask after them (None: it failed)."""
+    def _advance(self, new: List[int], words: np.ndarray) -> None:
+        """Feed `new` tokens to the matcher, then write the mask after them into `words`
+        (left allowing everything if the matcher fails: the sequence then ends)."""
         if new and not self.matcher.consume_tokens(new):
             reason = self.matcher.get_error() if self.matcher.is_error() else f"tokens {new} are not allowed here"
             self.error = f"the grammar cannot go on: {one_line(reason)}"
-            return None
-        words = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
+            return
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        return words
 
     def _take(self, generated: List[int]) -> List[int]:
         """The tokens of `generated` the matcher has not been given. (A verification pass gives
         it its tokens before they join `generated`: a shorter one is behind, not a rollback.)"""
         if self._mask is not None:  # the matcher is the worker's until that job is done
-            self._mask.result()
+            self._mask[0].result()
         new = generated[self.consumed:]
         self.consumed = max(self.consumed, len(generated))
         return new
-
-    def prepare(self, generated: List[int]) -> None:
-        """The tokens so far are known: the worker feeds them to the matcher and computes the
-        next position's mask while the ring computes the step that needs it."""
-        new = self._take(generated)
-        if self.error is None:
-            self._mask = _WORKERS.submit(self._advance, new)
 
     def words(self, generated: List[int]) -> Optional[np.ndarray]:
         """The bitmask (32 tokens a word) of what the grammar allows after `generated`;
         None: anything (the matcher failed, and the sequence ends: Sequence.accept)."""
         new = self._take(generated)
         if self.error is None and (new or self._mask is None):
-            self._mask = Future()
-            self._mask.set_result(self._advance(new))
-        return None if self.error is not None else self._mask.result()
+            done: Future = Future()
+            done.set_result(_words(1, self.vocab_size))
+            self._advance(new, done.result()[0])
+            self._mask = (done, 0)
+        return None if self.error is not None else self._mask[0].result()[self._mask[1]]
 
     def mask(self, logits: mx.array, generated: List[int]) -> mx.array:
         """`logits` (1, vocab) with every token the grammar forbids after `generated` at -inf."""
@@ -137,13 +132,46 @@ class Constraint:
         return drafts[: self.matcher.validate_tokens(drafts)] if drafts and self.error is None else []
 
 
+def _words(rows: int, vocab_size: int) -> np.ndarray:
+    """Masks that allow every token, a row of 32-token words each."""
+    return np.full((rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
+
+
+def prepare_masks(constraints: List[Optional[Constraint]], generated: List[List[int]]) -> None:
+    """A group's tokens so far are known: one worker job feeds each row's matcher its new
+    tokens and writes every row's next mask into one array (all ones for a row without a
+    grammar), while the ring computes the step that needs them; apply_masks then takes
+    that array as it is when the step's rows are these."""
+    rows = [(i, c, c._take(g)) for i, (c, g) in enumerate(zip(constraints, generated))
+            if c is not None and c.error is None]
+    if not rows:
+        return
+    words = _words(len(constraints), rows[0][1].vocab_size)
+
+    def advance() -> np.ndarray:
+        for i, c, new in rows:
+            c._advance(new, words[i])
+        return words
+
+    job = _WORKERS.submit(advance)
+    for i, c, _ in rows:
+        c._mask = (job, i)
+
+
 def apply_masks(constraints: List[Optional[Constraint]], generated: List[List[int]], logits: mx.array) -> mx.array:
     """Each row of `logits` (rows, vocab) with what its constraint forbids at -inf (a row
     without one: as it is), in one operation for the batch."""
+    if all(c is None for c in constraints):
+        return logits
     words = [c.words(g) if c is not None else None for c, g in zip(constraints, generated)]
     if all(w is None for w in words):
         return logits
-    full = np.full((logits.shape[-1] + 31) // 32, -1, dtype=np.int32)
-    stacked = mx.array(np.stack([full if w is None else w for w in words]).view(np.uint32))
+    marks = [(i, c._mask) for i, c in enumerate(constraints) if c is not None]
+    job = next(m[0] for _, m in marks if m is not None)
+    table = job.result()
+    if len(table) != len(constraints) or any(m is None or m[0] is not job or m[1] != i for i, m in marks):
+        full = _words(1, logits.shape[-1])[0]  # not prepared together: gathered
+        table = np.stack([full if w is None else w for w in words])
+    stacked = mx.array(table.view(np.uint32))
     allowed = ((stacked[:, :, None] >> _BITS) & 1).reshape(len(words), -1)[:, : logits.shape[-1]].astype(mx.bool_)
     return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))

@@ -109,13 +109,15 @@ class SequenceLogits:
 def shaped_logprobs(sequences, logits: mx.array, logprobs: mx.array) -> mx.array:
     """What each row samples from: its logprobs, or (a batch where some sequence has
     processors or a grammar) the processed, masked logits of every row, normalised (for a
-    row without either, the same numbers as its logprobs)."""
+    row without either, the same numbers as its logprobs) unless every row is greedy."""
     if not any(s.logits.shapes for s in sequences):
         return logprobs
     if any(s.logits.processors for s in sequences):
         logits = mx.concatenate([s.logits.processed(logits[i:i + 1], s.generated) if s.logits.processors
                                  else logits[i:i + 1] for i, s in enumerate(sequences)])
     logits = apply_masks([s.logits.constraint for s in sequences], [s.generated for s in sequences], logits)
+    if all(s.greedy for s in sequences):  # argmax needs no normalising (which costs more than the mask)
+        return logits
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 

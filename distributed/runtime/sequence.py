@@ -159,10 +159,8 @@ class Sequence:
         self.count += 1
         self.generated.append(token)
         constraint = self.logits.constraint
-        if constraint is not None:  # its next mask, computed while the ring runs
-            constraint.prepare(self.generated)
-            if constraint.error is not None:  # the matcher failed on an earlier token
-                return "error"
+        if constraint is not None and constraint.error is not None:  # the matcher failed on an earlier token
+            return "error"
         self.handle.emit(TokenEvent(token, logprob, text, top))
         if hit:
             self.stop_sequence, self._stops = self._stops.hit, None  # nothing after the stop string is sent

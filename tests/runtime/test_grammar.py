@@ -8,6 +8,7 @@ import re
 
 import jsonschema
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.utils import load_tokenizer
 
@@ -122,15 +123,57 @@ def test_a_grammar_the_library_rejects_is_refused_at_submit(pipeline, hf_checkpo
 def test_a_token_the_matcher_refuses_ends_only_its_sequence(hf_checkpoint):
     """A token the grammar does not allow (only a bug could sample one) sets the error the
     sequence ends with, instead of raising in the scheduler's loop."""
-    from distributed.runtime.grammar import Grammars
+    from distributed.runtime.grammar import Grammars, prepare_masks
 
     tokenizer = load_tokenizer(hf_checkpoint)
     constraint = Grammars(tokenizer, mlx_lm_model(hf_checkpoint).args.vocab_size).constraint(regex_grammar("ab"))
     a, z = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "az")
-    constraint.prepare([a])
+    prepare_masks([constraint], [[a]])
     assert constraint.words([a]) is not None and constraint.error is None
-    constraint.prepare([a, z])  # the worker finds it
+    prepare_masks([None, constraint], [[], [a, z]])  # the worker finds it
     assert constraint.words([a, z]) is None and constraint.error.startswith("the grammar cannot go on")
     logits = mx.zeros((1, 8))
     assert mx.array_equal(constraint.mask(logits, [a, z]), logits).item()
     assert constraint.valid_prefix([a, z], [a]) == []
+
+
+def test_masks_prepared_for_a_group_equal_masks_made_row_by_row(hf_checkpoint):
+    """prepare_masks' one array for a group (rows without a grammar allow everything) is
+    what each row's own mask is; apply_masks takes it as it is when the rows line up and
+    gathers the rows' masks when they do not (another order, a row whose tokens moved on)."""
+    from distributed.runtime.grammar import Grammars, apply_masks, prepare_masks
+
+    tokenizer = load_tokenizer(hf_checkpoint)
+    vocab = mlx_lm_model(hf_checkpoint).args.vocab_size
+    grammars = Grammars(tokenizer, vocab)
+    grammar = json_schema_grammar({"type": "object", "properties": {"n": {"type": "integer"}}})
+    tokens = tokenizer.encode('{"n": 12', add_special_tokens=False)
+    histories = [tokens[:2], [], tokens[:1], tokens[:3]]
+
+    def fresh():
+        return [grammars.constraint(grammar), None, grammars.constraint(grammar), grammars.constraint(grammar)]
+
+    alone = [c.words(h) if c is not None else None for c, h in zip(fresh(), histories)]
+    logits = mx.random.normal((4, vocab))
+
+    def masked(row, w):
+        if w is None:
+            return logits[row]
+        return mx.where(mx.array(np.unpackbits(w.view(np.uint8), bitorder="little")[:vocab].astype(bool)), logits[row], -mx.inf)
+
+    expected = mx.stack([masked(i, w) for i, w in enumerate(alone)])
+    together = fresh()
+    prepare_masks(together, histories)
+    job = together[0]._mask[0]
+    assert all(c._mask == (job, i) for i, c in enumerate(together) if c is not None)
+    assert np.array_equal(job.result()[1], np.full_like(alone[0], -1))
+    assert mx.array_equal(apply_masks(together, histories, logits), expected).item()
+    # Rows in another order than prepared: each row's own mask still applies.
+    order = [3, 1, 0, 2]
+    assert mx.array_equal(apply_masks([together[i] for i in order], [histories[i] for i in order], logits[mx.array(order)]),
+                          expected[mx.array(order)]).item()
+    # A row whose history moved on since: its mask is made for the new history.
+    moved = fresh()
+    prepare_masks(moved, histories)
+    histories[0] = tokens[:3]
+    assert mx.array_equal(apply_masks(moved, histories, logits), mx.concatenate([masked(0, alone[3])[None], expected[1:]])).item()

@@ -20,7 +20,8 @@ import numpy as np
 from .request import RequestError
 
 _WORKERS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-_BITS = mx.arange(32, dtype=mx.uint32)
+# From host memory, not mx.arange: a lazy array would belong to the importing thread's stream.
+_BITS = mx.array(np.arange(32, dtype=np.uint32))
 
 
 class Grammars:

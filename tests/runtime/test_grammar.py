@@ -177,3 +177,16 @@ def test_masks_prepared_for_a_group_equal_masks_made_row_by_row(hf_checkpoint):
     prepare_masks(moved, histories)
     histories[0] = tokens[:3]
     assert mx.array_equal(apply_masks(moved, histories, logits), mx.concatenate([masked(0, alone[3])[None], expected[1:]])).item()
+
+
+def test_a_scheduler_on_its_own_thread_serves_a_constrained_request(pipeline, hf_checkpoint):
+    """MLX streams belong to a thread: what the masks are made of must not be a lazy array
+    of the thread that imported the module (the scheduler's loop runs on another)."""
+    grammar = json_schema_grammar(SCHEMA)
+    reference = mlx_lm_masked_greedy(hf_checkpoint, PROMPT, grammar, 12)
+    scheduler = Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=16).start()
+    try:
+        events = list(scheduler.submit(GenerationRequest(list(PROMPT), max_tokens=12, grammar=grammar)).events())
+    finally:
+        scheduler.close()
+    assert events[-1].error is None and [e.token_id for e in events if isinstance(e, TokenEvent)] == reference

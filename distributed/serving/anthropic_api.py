@@ -361,7 +361,7 @@ def count_tokens(body: dict, scheduler, tokenizer, info):
     chat = _prompt(body)
     try:
         check_fields(chat, "chat", info)  # a model we do not serve is 404
-        messages, tools = chat_messages(chat["messages"]), request_tools(chat, tokenizer)
+        messages, tools = chat_messages(chat["messages"], tokenizer.has_thinking), request_tools(chat, tokenizer)
         if tools:
             forced_tools(tools, chat.get("tool_choice"))  # a tool_choice naming no tool is an error here too
         ids = chat_ids(tokenizer, messages, tools)

@@ -210,7 +210,7 @@ def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
     logprobs = _logprobs(body, chat)
     tools = grammar = constrained_by = None
     if chat:
-        messages = chat_messages(body.get("messages"))
+        messages = chat_messages(body.get("messages"), tokenizer.has_thinking)
         tools = request_tools(body, tokenizer)
         grammar, constrained_by = _constraint(body, tokenizer, tools)
         prompts = [(chat_ids(tokenizer, messages, tools), None)]

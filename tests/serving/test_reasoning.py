@@ -9,17 +9,23 @@ import urllib.request
 from types import SimpleNamespace
 
 import anthropic
+import grpc
 import ollama
 import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from conftest import wait_until
 from distributed.runtime.scheduler import Scheduler
+from distributed.serving.grpc_service import start_grpc_server
 from distributed.serving.http_api import start_http_server
 from distributed.serving.options import ServeOptions
+from distributed.serving.proto import generation_pb2 as pb
+from distributed.serving.proto import generation_pb2_grpc as pb_grpc
 from distributed.serving.reply_split import ReplySplitter
-from distributed.shard.config import read_config
+from distributed.serving.request_log import RequestLog
 from distributed.serving.requests import ModelInfo
+from distributed.shard.config import read_config
 from stages import in_process_pipeline
 from tool_checkpoint import ANSWER, REASONING, make_think_checkpoint
 
@@ -33,14 +39,20 @@ def served(tmp_path_factory):
     pipeline, _ = in_process_pipeline(path, (4, 4))
     tokenizer = load_tokenizer(path, eos_token_ids=read_config(path)["eos_token_id"])
     scheduler = Scheduler(pipeline, tokenizer).start()
-    front = start_http_server(ServeOptions(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0"))
-    front.attach(scheduler, tokenizer, ModelInfo("think", read_config(path)["vocab_size"], 4096, 4000))
+    options, requests = ServeOptions(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0"), RequestLog()
+    front, grpc_front = start_http_server(options, requests), start_grpc_server(options, requests)
+    info = ModelInfo("think", read_config(path)["vocab_size"], 4096, 4000)
+    front.attach(scheduler, tokenizer, info)
+    grpc_front.attach(scheduler, tokenizer, info)
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_front.port}")
     base = f"http://127.0.0.1:{front.port}"
     yield SimpleNamespace(
-        base=base, tokenizer=tokenizer, front=front, scheduler=scheduler,
+        base=base, tokenizer=tokenizer, front=front, scheduler=scheduler, requests=requests, grpc=pb_grpc.GenerationStub(channel),
         openai=openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60),
         anthropic=anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=60),
         ollama=ollama.Client(host=base, timeout=60))
+    channel.close()
+    grpc_front.stop()
     front.stop()
     scheduler.close()
 
@@ -183,3 +195,43 @@ def test_ollama_thinking(served):
     request = urllib.request.Request(f"{served.base}/api/show", data=json.dumps({"model": "think"}).encode())
     with urllib.request.urlopen(request, timeout=60) as r:
         assert "thinking" in json.loads(r.read())["capabilities"]
+
+
+def generate(served, **fields):
+    return list(served.grpc.Generate(pb.GenerateRequest(max_tokens=16, **fields), timeout=60))
+
+
+def test_grpc_separate_reasoning(served):
+    ask = [pb.ChatMessage(role="user", content=ASK[0]["content"])]
+    split = generate(served, messages=ask, separate_reasoning=True)
+    assert [r.reasoning_text for r in split if r.reasoning_text] == REASONING
+    assert "".join(r.text for r in split) == SAID and split[-1].usage.reasoning_tokens == 3
+    raw = generate(served, messages=ask)  # unset: the text as it came (the router's way), no reasoning_text
+    assert "".join(r.text for r in raw) == THOUGHT + "</think>" + SAID and not any(r.reasoning_text for r in raw)
+    assert raw[-1].usage.reasoning_tokens == 0
+
+    history = [*ask, pb.ChatMessage(role="assistant", content=SAID, reasoning_content=THOUGHT),
+               pb.ChatMessage(role="user", content="And?")]
+    expected = [*ASK, {"role": "assistant", "content": SAID, "reasoning_content": THOUGHT},
+                {"role": "user", "content": "And?"}]
+    assert generate(served, messages=history)[-1].usage.prompt_tokens == prompt_len(served, expected)
+    with pytest.raises(grpc.RpcError) as e:
+        generate(served, messages=[pb.ChatMessage(role="user", content="x", reasoning_content="y")])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("messages[0].reasoning_content: ")
+
+
+def test_metrics_count_reasoning_tokens(served):
+    def counted(front_end):
+        with urllib.request.urlopen(f"{served.base}/metrics", timeout=60) as r:
+            text = r.read().decode()
+        line = next(x for x in text.splitlines() if x.startswith(f'trinity_reasoning_tokens_total{{front_end="{front_end}"}}'))
+        return float(line.split()[-1])
+
+    wait_until(lambda: served.requests._open == 0)  # the earlier tests' requests all counted
+    before = counted("http"), counted("grpc")
+    chat(served)
+    chat(served, max_tokens=1)
+    generate(served, messages=[pb.ChatMessage(role="user", content="x")], separate_reasoning=True)
+    expected = (before[0] + 3 + 1, before[1] + 3)
+    wait_until(lambda: (counted("http"), counted("grpc")) == expected)  # counted once each answer is out

@@ -17,6 +17,7 @@ from mlx_lm.utils import load_tokenizer
 
 from conftest import wait_until
 from distributed.runtime.scheduler import Scheduler
+from distributed.serving.client import generate as client_generate
 from distributed.serving.grpc_service import start_grpc_server
 from distributed.serving.http_api import start_http_server
 from distributed.serving.options import ServeOptions
@@ -209,6 +210,10 @@ def test_grpc_separate_reasoning(served):
     raw = generate(served, messages=ask)  # unset: the text as it came (the router's way), no reasoning_text
     assert "".join(r.text for r in raw) == THOUGHT + "</think>" + SAID and not any(r.reasoning_text for r in raw)
     assert raw[-1].usage.reasoning_tokens == 0
+
+    result = client_generate(served.grpc, pb.GenerateRequest(messages=ask, separate_reasoning=True, max_tokens=16),
+                             None, 60, stream=False)  # python -m distributed.client --separate-reasoning
+    assert (result["reasoning_text"], result["text"], result["usage"]["reasoning_tokens"]) == (THOUGHT, SAID, 3)
 
     history = [*ask, pb.ChatMessage(role="assistant", content=SAID, reasoning_content=THOUGHT),
                pb.ChatMessage(role="user", content="And?")]

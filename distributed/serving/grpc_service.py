@@ -46,7 +46,7 @@ from ..shard.kv_budget import MAX_BATCH
 from .options import ServeOptions, split_address
 from .proto import generation_pb2 as pb
 from .proto import generation_pb2_grpc as pb_grpc
-from .reply_split import ReplySplitter
+from .reply_split import ReplySplitter, reply_prompt
 from .request_log import RequestLog, Trace
 from .requests import ModelInfo, build_request, prompt_ids
 from .tools import NO_THINKING
@@ -116,7 +116,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the pipeline is down: {e}")
         if not context.add_callback(handle.cancel):  # client cancelled, deadline passed or server stopping
             handle.cancel()  # the RPC had already ended
-        split = ReplySplitter(tokenizer, None, req.prompt_ids) if request.separate_reasoning else None
+        split = ReplySplitter(tokenizer, None, reply_prompt(req)) if request.separate_reasoning else None
         reasoning_tokens = 0
         try:
             for event in trace.events(handle):

@@ -18,7 +18,7 @@ from typing import List, Optional
 
 from ..runtime.request import PromptEvent, TokenEvent
 from .openai_fields import Plan
-from .reply_split import ReplySplitter
+from .reply_split import ReplySplitter, reply_prompt
 
 
 class Entry:
@@ -35,7 +35,7 @@ class Choice:
 
     def __init__(self, reply: "Reply", index: int, echo: Optional[str], scored: bool):
         self.reply, self.index, self.echo = reply, index, echo
-        prompt = reply.plan.requests[index].prompt_ids
+        prompt = reply_prompt(reply.plan.requests[index])
         self.tools = ReplySplitter(reply.tokenizer, reply.plan.tools, prompt) if reply.plan.chat else None
         self.echo_waits = echo is not None and scored  # the echo goes out with the prompt's logprobs
         self.text, self.reasoning, self.entries, self.calls = [], [], [], []

@@ -21,6 +21,12 @@ class Split(NamedTuple):
     calls: List[dict]
 
 
+def reply_prompt(request):
+    """The prompt whose end decides where a request's reply starts: none for a constrained one,
+    whose grammar holds from its first token (the reply is all answer, even after an open think)."""
+    return request.prompt_ids if request.grammar is None else None
+
+
 def prompt_opens_reasoning(tokenizer, prompt_ids) -> bool:
     """Whether the prompt ends inside an open think (mlx-lm's server's test)."""
     if not getattr(tokenizer, "has_thinking", False) or not prompt_ids:

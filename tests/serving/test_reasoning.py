@@ -240,3 +240,4 @@ def test_metrics_count_reasoning_tokens(served):
     generate(served, messages=[pb.ChatMessage(role="user", content="x")], separate_reasoning=True)
     expected = (before[0] + 3 + 1, before[1] + 3)
     wait_until(lambda: (counted("http"), counted("grpc")) == expected)  # counted once each answer is out
+

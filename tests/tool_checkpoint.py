@@ -42,35 +42,44 @@ TURNS = (
     "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TOOL_TEMPLATE = (  # json_tools: mlx-lm infers it from "<tool_call>" and "tool_call.name"
-    TOOLS_HEADER + "Call a function with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n"
-    + SYSTEM + "{%- for message in messages %}"
-    "{%- if message.role == 'system' and loop.first %}"
-    "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
-    "{% if message.content %}{{ message.content }}{% endif %}"
-    "{%- for tool_call in message.tool_calls %}{% set tool_call = tool_call.function %}<tool_call>\n"
-    "{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}\n</tool_call>"
-    "{% endfor %}<|im_end|>\n" + TURNS)
-QWEN3_TEMPLATE = (  # qwen3_coder: mlx-lm infers it from "<tool_call>\n<function="
-    TOOLS_HEADER + "Call a function with <tool_call>\n<function=NAME>\n<parameter=P>\nvalue\n</parameter>\n"
-    "</function>\n</tool_call>.<|im_end|>\n"
-    + SYSTEM + "{%- for message in messages %}"
-    "{%- if message.role == 'system' and loop.first %}"
-    "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
-    "{% if message.content %}{{ message.content }}{% endif %}"
-    "{%- for tool_call in message.tool_calls %}{% set tool_call = tool_call.function %}<tool_call>\n"
-    "<function={{ tool_call.name }}>\n{% for name, value in tool_call.arguments.items() %}<parameter={{ name }}>\n"
-    "{{ value }}\n</parameter>\n{% endfor %}</function>\n</tool_call>"
-    "{% endfor %}<|im_end|>\n" + TURNS)
+HOWTO = {  # the tools header's last line, and how an assistant's calls render, in each form
+    "json_tools": ("Call a function with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n",
+                   "{%- for tool_call in message.tool_calls %}{% set tool_call = tool_call.function %}<tool_call>\n"
+                   "{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}\n</tool_call>"
+                   "{% endfor %}"),
+    "qwen3_coder": ("Call a function with <tool_call>\n<function=NAME>\n<parameter=P>\nvalue\n</parameter>\n"
+                    "</function>\n</tool_call>.<|im_end|>\n",
+                    "{%- for tool_call in message.tool_calls %}{% set tool_call = tool_call.function %}<tool_call>\n"
+                    "<function={{ tool_call.name }}>\n{% for name, value in tool_call.arguments.items() %}"
+                    "<parameter={{ name }}>\n{{ value }}\n</parameter>\n{% endfor %}</function>\n</tool_call>"
+                    "{% endfor %}"),
+}
+REASONING_JINJA = "{% if message.reasoning_content %}<think>\n{{ message.reasoning_content }}\n</think>\n{% endif %}"
+OPEN_THINK = "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}"
+
+
+def tool_template(form: str, thinking: bool = False) -> str:
+    """A chat template taking tools in `form`'s syntax (mlx-lm infers json_tools from "<tool_call>"
+    and "tool_call.name", qwen3_coder from "<tool_call>\\n<function="); `thinking`: an assistant's
+    reasoning inside <think>, and a generation prompt that opens one."""
+    howto, calls = HOWTO[form]
+    assistant = ("{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+                 if not thinking else "{%- elif message.role == 'assistant' %}<|im_start|>assistant\n" + REASONING_JINJA)
+    calls = calls if not thinking else "{% if message.tool_calls %}" + calls + "{% endif %}"
+    template = (TOOLS_HEADER + howto + SYSTEM + "{%- for message in messages %}"
+                "{%- if message.role == 'system' and loop.first %}" + assistant
+                + "{% if message.content %}{{ message.content }}{% endif %}" + calls + "<|im_end|>\n" + TURNS)
+    return template.removesuffix("{% endif %}") + OPEN_THINK + "{% endif %}" if thinking else template
+
+
+TOOL_TEMPLATE, QWEN3_TEMPLATE = tool_template("json_tools"), tool_template("qwen3_coder")
 THINK_TEMPLATE = (  # Qwen3 / Trinity-Thinking style: reasoning inside <think>, the generation prompt opens one
     "{%- for message in messages %}"
     "{%- if message.role == 'assistant' %}<|im_start|>assistant\n"
-    "{% if message.reasoning_content %}<think>\n{{ message.reasoning_content }}\n</think>\n{% endif %}"
-    "{{ message.content or '' }}<|im_end|>\n"
+    + REASONING_JINJA + "{{ message.content or '' }}<|im_end|>\n"
     "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}{% endif %}")
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n" + OPEN_THINK + "{% endif %}")
 FORMS = {"json_tools": (ADDED, TOOL_TEMPLATE), "qwen3_coder": (QWEN3_ADDED, QWEN3_TEMPLATE)}
 
 
@@ -80,9 +89,14 @@ def make_tool_checkpoint(path, form: str = "json_tools") -> Path:
     return _chain_checkpoint(path, added, template, ["\n", *added, "<|im_end|>"])
 
 
-def make_think_checkpoint(path) -> Path:
-    """A checkpoint that thinks REASONING, then answers ANSWER."""
-    return _chain_checkpoint(path, THINK_ADDED, THINK_TEMPLATE, ["\n", *THINK_ADDED[1:], "<|im_end|>"])
+def make_think_checkpoint(path, form: str = None) -> Path:
+    """A checkpoint that thinks REASONING, then answers ANSWER; with a tool-call `form`, its
+    template takes tools too and, after the same reasoning, it calls get_weather instead."""
+    if form is None:
+        return _chain_checkpoint(path, THINK_ADDED, THINK_TEMPLATE, ["\n", *THINK_ADDED[1:], "<|im_end|>"])
+    added = FORMS[form][0]
+    return _chain_checkpoint(path, ["<think>", *REASONING, "</think>", *added], tool_template(form, thinking=True),
+                             ["\n", *REASONING, "</think>", *added, "<|im_end|>"])
 
 
 def _chain_checkpoint(path, added, template: str, links) -> Path:

@@ -36,7 +36,8 @@ class Choice:
     def __init__(self, reply: "Reply", index: int, echo: Optional[str], scored: bool):
         self.reply, self.index, self.echo = reply, index, echo
         prompt = reply_prompt(reply.plan.requests[index])
-        self.tools = ReplySplitter(reply.tokenizer, reply.plan.tools, prompt) if reply.plan.chat else None
+        # chat: the reply split into reasoning, content and tool calls (completions are text as it comes)
+        self.split = ReplySplitter(reply.tokenizer, reply.plan.tools, prompt) if reply.plan.chat else None
         self.echo_waits = echo is not None and scored  # the echo goes out with the prompt's logprobs
         self.text, self.reasoning, self.entries, self.calls = [], [], [], []
         self.reasoning_tokens = 0  # tokens generated while the reply was reasoning (their </think> too)
@@ -61,13 +62,13 @@ class Choice:
             return self._text(self.echo or "", entries) if self.echo_waits else []
         if isinstance(event, TokenEvent):
             entries = [self._entry(event.token_id, event.logprob, event.top_logprobs or [])] if logprobs else []
-            self.reasoning_tokens += self.tools is not None and self.tools.state == "reasoning"
+            self.reasoning_tokens += self.split is not None and self.split.state == "reasoning"
             return self._text(event.text, entries)
         self.error = event.error if event.finish_reason == "error" else None
         self.stop_sequence = event.stop_sequence  # the Messages API names it
         self.usage = (event.prompt_tokens, event.completion_tokens, event.cached_tokens)
         chunks = self._text(event.text, [])
-        reasoning, tail, calls = self.tools.finish() if self.tools else ("", "", [])
+        reasoning, tail, calls = self.split.finish() if self.split else ("", "", [])
         self.finish = "length" if event.finish_reason == "length" else "stop"  # "cancelled": nobody listens
         if self.calls or calls:
             self.finish = "tool_calls" if self.finish == "stop" else self.finish
@@ -81,8 +82,8 @@ class Choice:
 
     def _text(self, text: str, entries: List[Entry]) -> List[dict]:
         calls, reasoning = [], ""
-        if self.tools is not None:
-            reasoning, text, calls = self.tools.feed(text)
+        if self.split is not None:
+            reasoning, text, calls = self.split.feed(text)
         return self._content(text, calls, entries, None, reasoning)
 
     def _content(self, text: str, calls: List[dict], entries: List[Entry], finish, reasoning: str = "") -> List[dict]:
@@ -112,7 +113,7 @@ class Choice:
             reasoning = "".join(self.reasoning)
             out["message"] = {"role": "assistant", "content": text if text or not calls else None,
                               **({"tool_calls": calls} if calls else {}), "refusal": None,
-                              **({"reasoning_content": reasoning or None} if self.tools.thinks else {})}
+                              **({"reasoning_content": reasoning or None} if self.split.thinks else {})}
         else:
             out["text"] = text
         return {**out, "logprobs": self.reply.logprobs(self.entries), "finish_reason": self.finish}

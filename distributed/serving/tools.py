@@ -49,7 +49,7 @@ def _tool_calls(calls, where: str) -> List[dict]:
     return out
 
 
-NO_THINKING = "this model's tokenizer has no think tokens (its chat template has no place for reasoning)"
+NO_THINKING = "this model's tokenizer has no think tokens, so its chat template has no place for reasoning"
 
 
 def chat_messages(messages, thinking: bool = False) -> List[dict]:

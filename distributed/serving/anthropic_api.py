@@ -12,9 +12,14 @@ tools (client tools: name, description, input_schema, strict), tool_choice (auto
 (the one that ended the reply in stop_sequence), temperature, top_p, top_k, stream,
 output_config.format (json_schema: constrained decoding). Accepted with no effect:
 metadata.user_id, inference_geo, cache_control (the prefix cache finds shared prefixes by
-itself). Only the value that changes nothing: thinking {"type": "disabled"}, service_tier
-auto / standard_only, speed standard. Refused by name (400): thinking enabled or adaptive,
-image, document, thinking and server-tool blocks, server tools (web_search, bash, …),
+itself). thinking: where the checkpoint thinks (think tokens), enabled (budget_tokens at
+least 1024 and below max_tokens, which bounds thinking and text together: the budget is not
+enforced apart) or adaptive return the reasoning as a thinking block (anthropic_reply.py),
+disabled tells the chat template enable_thinking false, and an assistant turn's thinking
+blocks go back into the prompt (reasoning_content); elsewhere only disabled, and thinking
+blocks are refused. Only the value that changes nothing: service_tier auto / standard_only,
+speed standard. Refused by name (400): image, document, redacted_thinking and server-tool
+blocks, server tools (web_search, bash, …),
 container, mcp_servers, context_management, diagnostics, output_config.effort, a last
 assistant turn (prefill); any other field is unknown (400).
 
@@ -28,17 +33,17 @@ gives (503 while loading or the ring is down: overloaded_error, not Anthropic's 
 import json
 
 from ..runtime.request import RequestError
-from .api_adapter import Adapter, sse
+from .anthropic_reply import MessageReply
+from .api_adapter import Adapter
 from .constraints import forced_tools
 from .openai_fields import ApiError, check_fields
 from .requests import chat_ids
-from .tools import chat_messages, request_tools
+from .tools import NO_THINKING, chat_messages, request_tools
 
-PROMPT = ("model", "messages", "system", "tools", "tool_choice", "output_config")
+PROMPT = ("model", "messages", "system", "tools", "tool_choice", "output_config", "thinking")
 GENERATE = ("max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream")
 HINTS = ("metadata", "cache_control", "inference_geo")
 NEUTRAL = {
-    "thinking": (({"type": "disabled"},), "extended thinking is not supported"),
     "service_tier": (("auto", "standard_only"), "there is one service tier"),
     "speed": (("standard",), "there is one speed"),
 }
@@ -49,7 +54,7 @@ REFUSED = {
     "diagnostics": "not supported",
 }
 ONLY_GENERATE = ("metadata", "service_tier", "container", "inference_geo", "diagnostics")
-BLOCK_KEYS = {"text": ("text", "citations"), "tool_use": ("id", "name", "input"),
+BLOCK_KEYS = {"text": ("text", "citations"), "tool_use": ("id", "name", "input"), "thinking": ("thinking", "signature"),
               "tool_result": ("tool_use_id", "content", "is_error")}
 TOOL_KEYS = ("type", "name", "description", "input_schema", "cache_control", "strict")
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -97,7 +102,7 @@ def _blocks(content, where: str) -> list:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind not in BLOCK_KEYS:
             raise bad(f"{where}[{j}].type", f"{json.dumps(kind)[:40]} blocks are not supported "
-                                            "(text, tool_use and tool_result only)")
+                                            "(text, thinking, tool_use and tool_result only)")
         extra = next((k for k, v in block.items() if k not in ("type", "cache_control", *BLOCK_KEYS[kind])
                       and v is not None), None)  # null: absent (a reply's blocks sent back carry some)
         if extra is not None or block.get("citations"):
@@ -115,9 +120,10 @@ def _text(content, where: str) -> str:
     return "".join(parts)
 
 
-def _turn(m, i: int, last: bool) -> list:
+def _turn(m, i: int, last: bool, thinking: bool) -> list:
     """One Anthropic turn as OpenAI messages: an assistant's tool_use blocks become its
-    tool_calls; a user's tool_result blocks become `tool` messages, in their order."""
+    tool_calls, its thinking blocks its reasoning_content; a user's tool_result blocks
+    become `tool` messages, in their order."""
     where = f"messages[{i}]"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         raise bad(f"{where}.role", "expected \"user\" or \"assistant\"")
@@ -126,7 +132,7 @@ def _turn(m, i: int, last: bool) -> list:
         raise bad(f"{where}.{extra}", "not supported in a message")
     if m["role"] == "assistant" and last:
         raise bad(where, "a last assistant turn (prefill) is not supported")
-    out, text, calls = [], [], []
+    out, text, calls, reasoning = [], [], [], []
     for j, block in enumerate(_blocks(m.get("content"), f"{where}.content")):
         at = f"{where}.content[{j}]"
         if block["type"] == "text":
@@ -139,6 +145,12 @@ def _turn(m, i: int, last: bool) -> list:
                 raise bad(at, "a tool_use block needs a string id and name and an input object")
             calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"], "arguments": block["input"]}})
+        elif m["role"] == "assistant" and block["type"] == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise bad(f"{at}.thinking", "expected a string")
+            if not thinking:
+                raise bad(f"{at}.type", NO_THINKING)
+            reasoning.append(block["thinking"])  # its signature is not checked: nothing here signs
         elif m["role"] == "user" and block["type"] == "tool_result":
             if not isinstance(block.get("tool_use_id"), str) or not isinstance(block.get("is_error", False), bool):
                 raise bad(at, "a tool_result block needs a string tool_use_id (and is_error a boolean)")
@@ -151,10 +163,11 @@ def _turn(m, i: int, last: bool) -> list:
                         "content": f"Error: {result}" if block.get("is_error") else result})
         else:
             raise bad(f"{at}.type", f"{block['type']} blocks belong in "
-                                    f"{'assistant' if block['type'] == 'tool_use' else 'user'} turns")
+                                    f"{'user' if block['type'] == 'tool_result' else 'assistant'} turns")
     if m["role"] == "assistant":
         out.append({"role": "assistant", **({"content": "".join(text)} if text or not calls else {}),
-                    **({"tool_calls": calls} if calls else {})})
+                    **({"tool_calls": calls} if calls else {}),
+                    **({"reasoning_content": "".join(reasoning)} if reasoning else {})})
     elif text or not out:
         out.append({"role": "user", "content": "".join(text)})
     return out
@@ -212,7 +225,29 @@ def _output_config(config, chat: dict) -> None:
                                    "json_schema": {"name": "output", "schema": form["schema"], "strict": True}}
 
 
-def _prompt(body: dict) -> dict:
+def _thinking(config, thinking: bool, chat: dict, max_tokens=None) -> None:
+    """`thinking`: where the checkpoint thinks, enabled or adaptive (its thinking blocks come
+    back) or disabled (the chat template is told enable_thinking false); elsewhere only disabled."""
+    kind = config.get("type") if isinstance(config, dict) else None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise bad("thinking", "expected {\"type\": \"enabled\" | \"adaptive\" | \"disabled\"}")
+    extra = next((k for k in config if k not in ("type", "budget_tokens") or (k == "budget_tokens" and kind != "enabled")), None)
+    if extra is not None:
+        raise bad(f"thinking.{extra}", f"not supported with type {kind!r}")
+    if not thinking:
+        if kind != "disabled":
+            raise bad("thinking", f"{json.dumps(config)[:60]} is not supported: {NO_THINKING}")
+        return
+    if kind == "enabled":
+        budget = config.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024 \
+                or (max_tokens is not None and budget >= max_tokens):
+            raise bad("thinking.budget_tokens", "expected an integer of at least 1024, below max_tokens")
+    if kind == "disabled":
+        chat["chat_template_kwargs"] = {"enable_thinking": False}
+
+
+def _prompt(body: dict, thinking: bool, max_tokens=None) -> dict:
     """The fields that make the prompt (and its constraint), as a chat-completions body."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -221,8 +256,10 @@ def _prompt(body: dict) -> dict:
     if body.get("system") is not None:
         out.append({"role": "system", "content": _text(body["system"], "system")})
     for i, m in enumerate(messages):
-        out += _turn(m, i, i == len(messages) - 1)
+        out += _turn(m, i, i == len(messages) - 1, thinking)
     chat = {"model": body["model"], "messages": out}
+    if body.get("thinking") is not None:
+        _thinking(body["thinking"], thinking, chat, max_tokens)
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
@@ -234,7 +271,7 @@ def _prompt(body: dict) -> dict:
 
 def to_chat(body: dict, info, tokenizer) -> dict:
     _check_fields(body, generate=True)
-    chat = _prompt(body)
+    chat = _prompt(body, tokenizer.has_thinking, body["max_tokens"])
     chat.update({"max_tokens": body["max_tokens"], "stream": body.get("stream", False)})
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
@@ -260,111 +297,17 @@ def param(name: str) -> str:
     return name.replace(".function.", ".")  # tools[k].function.strict -> tools[k].strict
 
 
-def _usage(usage: dict) -> dict:
-    cached = usage["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
-
-
-def _tool_use(call: dict) -> dict:
-    arguments = call["function"]["arguments"]
-    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
-            "input": json.loads(arguments) if arguments else {}}
-
-
-class MessageReply:
-    """The Message (or its events) made from the OpenAI reply of its one choice."""
-
-    content_type = "text/event-stream"
-
-    def __init__(self, reply, body: dict):
-        self.reply = reply
-        self.id = "msg_" + reply.id.split("-", 1)[1]
-        self.blocks = 0  # blocks started
-        self.open = None  # the type of the last one while it is not stopped
-
-    def _message(self, content: list, stop_reason, stop_sequence, usage: dict) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.reply.model, "content": content,
-                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
-
-    def _stop_reason(self, finish: str):
-        """(stop_reason, stop_sequence) of an OpenAI finish reason."""
-        if finish == "tool_calls":
-            return "tool_use", None
-        if finish == "length":
-            return "max_tokens", None
-        hit = self.reply.choices[0].stop_sequence  # the runtime names the stop string that ended it
-        return ("stop_sequence", hit) if hit else ("end_turn", None)
-
-    def whole(self, openai_whole: dict) -> dict:
-        choice = openai_whole["choices"][0]
-        message = choice["message"]
-        content = [{"type": "text", "text": message["content"]}] if message["content"] else []
-        content += [_tool_use(call) for call in message.get("tool_calls") or []]
-        return self._message(content, *self._stop_reason(choice["finish_reason"]), _usage(openai_whole["usage"]))
-
-    def _start(self, block: dict) -> list:
-        frames = self._stop()
-        frames.append(sse("content_block_start", {"type": "content_block_start", "index": self.blocks,
-                                                  "content_block": block}))
-        self.blocks, self.open = self.blocks + 1, block["type"]
-        return frames
-
-    def _delta(self, delta: dict) -> bytes:
-        return sse("content_block_delta", {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta})
-
-    def _stop(self) -> list:
-        if not self.open:
-            return []
-        self.open = None
-        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
-
-    def opening(self, chunks) -> list:
-        """message_start (the prompt's tokens; what the cache restored comes in message_delta) and a ping."""
-        usage = {"input_tokens": len(self.reply.plan.requests[0].prompt_ids), "output_tokens": 0,
-                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
-        return [sse("message_start", {"type": "message_start", "message": self._message([], None, None, usage)}),
-                sse("ping", {"type": "ping"})]
-
-    def add(self, chunks) -> list:
-        frames = []
-        for chunk in chunks:
-            delta = chunk["choices"][0]["delta"]
-            if delta.get("content"):
-                if self.open != "text":
-                    frames += self._start({"type": "text", "text": ""})
-                frames.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-            for call in delta.get("tool_calls") or []:  # each call comes whole
-                block = _tool_use(call)
-                frames += self._start({**block, "input": {}})
-                frames.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
-                frames += self._stop()
-        return frames
-
-    def closing(self) -> list:
-        choice = self.reply.choices[0]
-        stop_reason, stop_sequence = self._stop_reason(choice.finish)
-        return self._stop() + [
-            sse("message_delta", {"type": "message_delta",
-                                  "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                  "usage": _usage(self.reply.usage())}),
-            sse("message_stop", {"type": "message_stop"})]
-
-    def failure(self, error_body: dict) -> bytes:
-        return sse("error", error_body)
-
-
 def count_tokens(body: dict, scheduler, tokenizer, info):
     """{"input_tokens": N}: the chat template's tokens for system, messages and tools, as
     /v1/messages prompts them."""
     _check_fields(body, generate=False)
-    chat = _prompt(body)
+    chat = _prompt(body, tokenizer.has_thinking)
     try:
         check_fields(chat, "chat", info)  # a model we do not serve is 404
-        messages, tools = chat_messages(chat["messages"]), request_tools(chat, tokenizer)
+        messages, tools = chat_messages(chat["messages"], tokenizer.has_thinking), request_tools(chat, tokenizer)
         if tools:
             forced_tools(tools, chat.get("tool_choice"))  # a tool_choice naming no tool is an error here too
-        ids = chat_ids(tokenizer, messages, tools)
+        ids = chat_ids(tokenizer, messages, tools, chat.get("chat_template_kwargs"))
     except RequestError as e:
         name = param(e.field)
         raise ApiError(400, f"{name}: {str(e).split(': ', 1)[1]}", param=name) from None

@@ -17,7 +17,7 @@ An AdaptedReply has
 - `opening(chunks) -> [bytes]`: the stream's first frames (`chunks`: the OpenAI
   chunks of Choice.opening());
 - `add(chunks) -> [bytes]`: the frames for the OpenAI chunks one event made
-  (Choice.add(event): text deltas, tool-call deltas, the finish);
+  (Choice.add(event): reasoning, text and tool-call deltas, the finish);
 - `closing() -> [bytes]`: the last frames, after the finish;
 - `failure(error_body) -> bytes`: the frame that ends a stream whose generation failed;
 - `whole(openai_whole) -> dict`: the non-streamed answer, from Reply.whole().

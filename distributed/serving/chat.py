@@ -6,6 +6,11 @@ client does, to the same Scheduler the servers use; its prefix cache restores
 the KV caches of the turns before, so a turn prefills only what is new. The chat
 runs on a thread of its own, as the network front ends do, while the scheduler
 runs on the main thread (parking the other ranks between turns).
+
+Where the checkpoint thinks (think tokens), each reply is split as the servers split it
+(reply_split.py): the reasoning streams to stderr after "thinking: ", apart from the answer
+on stdout, and stays in the history (the assistant turn's reasoning_content, which the chat
+template renders as it renders an API client's).
 """
 
 import os
@@ -18,6 +23,7 @@ from typing import Callable, List, Optional, TextIO
 from .. import TrinityError
 from ..runtime.request import GenerationRequest, RequestError, TokenEvent
 from ..runtime.scheduler import Scheduler
+from .reply_split import ReplySplitter
 from .requests import prompt_ids
 
 PROMPT = ">>> "
@@ -39,8 +45,9 @@ class Conversation:
     def prompt_ids(self, user: str) -> List[int]:
         return prompt_ids(self.tokenizer, messages=[*self.messages, {"role": "user", "content": user}])
 
-    def add(self, user: str, reply: str) -> None:
-        self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    def add(self, user: str, reply: str, reasoning: str = "") -> None:
+        self.messages += [{"role": "user", "content": user},
+                          {"role": "assistant", "content": reply, **({"reasoning_content": reasoning} if reasoning else {})}]
 
     def reset(self) -> None:
         self.messages = []
@@ -135,28 +142,48 @@ class Chat:
             self._say(f"error: {e} (/reset starts a new conversation)")
             return True
         sent = time.perf_counter()
-        first, parts = None, []
+        first, parts, thoughts, reasoning_tokens = None, [], [], 0
+        split = ReplySplitter(self.conversation.tokenizer, None, request.prompt_ids)
         try:
             handle = self.scheduler.submit(request)
         except Exception as e:  # the ring is down
             self.error = str(e)
             return False
         for event in handle.events():
-            if isinstance(event, TokenEvent) and first is None:
-                first = time.perf_counter() - sent
-            parts.append(event.text)
-            self.out.write(event.text)
-            self.out.flush()
+            if isinstance(event, TokenEvent):
+                first = time.perf_counter() - sent if first is None else first
+                reasoning_tokens += split.state == "reasoning"
+            pieces = [split.feed(event.text)] + ([split.finish()] if not isinstance(event, TokenEvent) else [])
+            for reasoning, text, _ in pieces:
+                self._show(reasoning, text, thoughts, parts)
+        if thoughts and not parts:
+            self.err.write("\n")  # the reasoning's line ends even where no answer came
         self.out.write("\n")
         if event.finish_reason == "error":
             if not self.stopped.is_set():  # not our own stop: the ring broke
                 self.error = event.error
             return False
-        self.conversation.add(user, "".join(parts))
+        self.conversation.add(user, "".join(parts), "".join(thoughts))
         self._say(f"[{event.finish_reason}: {event.prompt_tokens} prompt tokens ({event.cached_tokens} cached), "
-                  f"{event.completion_tokens} generated; first token after {first or 0:.2f} s, "
+                  f"{event.completion_tokens} generated;" + (f" {reasoning_tokens} reasoning;" if split.thinks else "")
+                  + f" first token after {first or 0:.2f} s, "
                   f"{event.generation_tokens_per_sec:.1f} tokens-per-sec]")
         return True
+
+
+    def _show(self, reasoning: str, text: str, thoughts: List[str], parts: List[str]) -> None:
+        """Reasoning on stderr (its line begun with "thinking: "), the answer on stdout."""
+        if reasoning:
+            self.err.write(("" if thoughts else "thinking: ") + reasoning)
+            self.err.flush()
+            thoughts.append(reasoning)
+        if text:
+            if thoughts and not parts:
+                self.err.write("\n")
+                self.err.flush()
+            parts.append(text)
+            self.out.write(text)
+            self.out.flush()
 
 
 def chat(scheduler: Scheduler, make_request: Callable[[List[int]], GenerationRequest],

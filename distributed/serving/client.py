@@ -53,6 +53,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--top-logprobs", type=int, default=0, metavar="N", help="report the N most likely tokens at each step")
     p.add_argument("--prompt-logprobs", action="store_true",
                    help="report the prompt's logprobs (with --max-tokens 0: score the prompt only)")
+    p.add_argument("--separate-reasoning", action="store_true",
+                   help="a thinking checkpoint's reasoning apart (stderr; --json: reasoning_text), the answer as text")
     p.add_argument("--timeout", type=float, help="deadline in seconds")
     p.add_argument("--auth-token", default=os.environ.get(AUTH_TOKEN_ENV), help=f"bearer token (or {AUTH_TOKEN_ENV})")
     p.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")
@@ -87,6 +89,7 @@ def make_request(args) -> pb.GenerateRequest:
         except ValueError:
             sys.exit(f"error: --logit-bias {bias!r} is not ID=BIAS")
     request.top_logprobs, request.prompt_logprobs = args.top_logprobs, args.prompt_logprobs
+    request.separate_reasoning = args.separate_reasoning
     return request
 
 
@@ -111,6 +114,10 @@ def generate(stub, request: pb.GenerateRequest, metadata, timeout: Optional[floa
             if response.token_ids and "time_to_first_token_s" not in result:
                 result["time_to_first_token_s"] = time.perf_counter() - tic
             result["text"] += response.text
+            if request.separate_reasoning:
+                result["reasoning_text"] = result.get("reasoning_text", "") + response.reasoning_text
+                if stream and response.reasoning_text:
+                    print(response.reasoning_text, end="", file=sys.stderr, flush=True)
             result["token_ids"] += list(response.token_ids)
             result["logprobs"] += list(response.logprobs)
             if response.top_logprobs:
@@ -124,7 +131,8 @@ def generate(stub, request: pb.GenerateRequest, metadata, timeout: Optional[floa
             if response.finish_reason:
                 usage = response.usage
                 result["finish_reason"] = response.finish_reason
-                result["usage"] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens}
+                result["usage"] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                                   **({"reasoning_tokens": usage.reasoning_tokens} if request.separate_reasoning else {})}
                 result["prefill_tokens_per_sec"] = usage.prefill_tokens_per_sec
                 result["generation_tokens_per_sec"] = usage.generation_tokens_per_sec
     except KeyboardInterrupt:

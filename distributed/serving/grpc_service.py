@@ -18,6 +18,11 @@ secret; it tells only SERVING or NOT_SERVING.
 
 Each Generate call is logged and counted as it ends (request_log.py), calls the
 token check refuses excepted (they never reach it).
+
+Reasoning (think tokens): `separate_reasoning` splits each response's text into the answer
+(`text`) and the reasoning (`reasoning_text`) with reply_split.py; messages' reasoning_content
+goes to the chat template. Unset, `text` stays all that was generated (the launcher's router
+forwards it so and splits it in its own front ends).
 """
 
 import hmac
@@ -41,8 +46,10 @@ from ..shard.kv_budget import MAX_BATCH
 from .options import ServeOptions, split_address
 from .proto import generation_pb2 as pb
 from .proto import generation_pb2_grpc as pb_grpc
+from .reply_split import ReplySplitter, reply_prompt
 from .request_log import RequestLog, Trace
 from .requests import ModelInfo, build_request, prompt_ids
+from .tools import NO_THINKING
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "trinity.v1.Generation"
 DEFAULT_MAX_TOKENS = 100
@@ -109,6 +116,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the pipeline is down: {e}")
         if not context.add_callback(handle.cancel):  # client cancelled, deadline passed or server stopping
             handle.cancel()  # the RPC had already ended
+        split = ReplySplitter(tokenizer, None, reply_prompt(req)) if request.separate_reasoning else None
+        reasoning_tokens = 0
         try:
             for event in trace.events(handle):
                 if isinstance(event, FinishEvent):
@@ -119,8 +128,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         prompt_logprobs=[math.nan if lp is None else lp for lp in event.logprobs])
                     continue
                 top = [] if event.top_logprobs is None else [_top(event.top_logprobs)]
-                yield pb.GenerateResponse(text=event.text, token_ids=[event.token_id], logprobs=[event.logprob],
-                                          top_logprobs=top)
+                reasoning, text = "", event.text
+                if split is not None:
+                    reasoning_tokens += split.state == "reasoning"
+                    reasoning, text, _ = split.feed(event.text)
+                yield pb.GenerateResponse(text=text, reasoning_text=reasoning, token_ids=[event.token_id],
+                                          logprobs=[event.logprob], top_logprobs=top)
         finally:
             handle.cancel()  # the stream was closed early; a no-op once finished
         if event.finish_reason == "error":
@@ -128,8 +141,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if event.finish_reason == "cancelled" and req.expired():
             # Our own deadline check can win the race with gRPC's: answer as gRPC would.
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        reasoning, text, trace.reasoning_tokens = "", event.text, reasoning_tokens
+        if split is not None:
+            first, last = split.feed(event.text), split.finish()
+            reasoning, text = first.reasoning + last.reasoning, first.content + last.content
         yield pb.GenerateResponse(
-            text=event.text,
+            text=text,
+            reasoning_text=reasoning,
             finish_reason=event.finish_reason,
             usage=pb.Usage(
                 prompt_tokens=event.prompt_tokens,
@@ -137,12 +155,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 prefill_tokens_per_sec=event.prefill_tokens_per_sec,
                 generation_tokens_per_sec=event.generation_tokens_per_sec,
                 cached_tokens=event.cached_tokens,
+                reasoning_tokens=reasoning_tokens,
             ),
         )
 
     def _request(self, r: pb.GenerateRequest, tokenizer, info: ModelInfo,
                  time_remaining: Optional[float]) -> GenerationRequest:
+        thinking = tokenizer.has_thinking
+        if r.separate_reasoning and not thinking:
+            raise RequestError("separate_reasoning", NO_THINKING)
         messages = [{"role": m.role, "content": m.content} for m in r.messages]
+        for i, m in enumerate(r.messages):
+            if m.reasoning_content:
+                if not thinking or m.role != "assistant":
+                    raise RequestError(f"messages[{i}].reasoning_content", NO_THINKING if not thinking else
+                                       "only assistant messages carry reasoning")
+                messages[i]["reasoning_content"] = m.reasoning_content
         with self._tokenize:
             ids = prompt_ids(tokenizer, prompt=r.prompt or None, token_ids=list(r.token_ids) or None,
                              messages=messages or None, chat_template=r.chat_template)

@@ -36,6 +36,9 @@ class Metrics:
                                      "instead of computed (part of trinity_prompt_tokens)", front_end, registry=registry)
         self.generated_tokens = Counter("trinity_generated_tokens", "Tokens generated (completion tokens)",
                                         front_end, registry=registry)
+        self.reasoning_tokens = Counter("trinity_reasoning_tokens", "Of the generated tokens, those generated while "
+                                        "the reply was reasoning (checkpoints with think tokens; their end marker too)",
+                                        front_end, registry=registry)
         self.ttft = Histogram("trinity_time_to_first_token_seconds", "From a request's arrival to its first token",
                               front_end, buckets=TTFT_BUCKETS, registry=registry)
         self.itl = Histogram("trinity_inter_token_latency_seconds", "Between successive tokens of a request",

@@ -10,11 +10,15 @@ num_predict (-1, -2: the server's default), repeat_penalty, repeat_last_n, prese
 frequency_penalty; num_ctx only as the server's context length; typical_p 1, tfs_z 1,
 mirostat 0 only; num_keep, mirostat_tau, mirostat_eta, penalize_newline change nothing
 here and are taken. `format` ("json" or a JSON schema, strict), `tools`, tool calls and
-tool messages, `keep_alive` (no effect: never unloaded), `think` false, /api/generate's
-`system` and `raw`. Defaults are the server's (as chat completions'), not Ollama's: no
-Modelfile sets any.
+tool messages, `keep_alive` (no effect: never unloaded), /api/generate's `system` and `raw`.
+Where the checkpoint thinks (think tokens), its reasoning comes back in `thinking` (the
+message's in chat, the answer's in generate), an assistant message's `thinking` goes back
+into the prompt (as reasoning_content), and `think` false tells the chat template
+enable_thinking false; elsewhere `think` is only false. Defaults are the server's (as chat
+completions'), not Ollama's: no Modelfile sets any.
 
-Refused by name (400): load-time options, `think` other than false, images, logprobs,
+Refused by name (400): load-time options, `think` true where the checkpoint has no think
+tokens (and effort levels anywhere), `thinking` in messages there, images, logprobs,
 generate's suffix / context / template and image-generation fields, an empty prompt;
 unknown fields and options. Another model: 404. Model management (pull, push, create,
 copy) and embeddings: 501.
@@ -30,6 +34,7 @@ from pathlib import Path
 from ..runtime.request import RequestError
 from .api_adapter import Adapter, ndjson
 from .openai_fields import ApiError
+from .tools import NO_THINKING
 
 # Ollama option -> the chat-completions field(s) it becomes (repeat_last_n: llama.cpp's one window for all penalties).
 OPTIONS = {"temperature": ("temperature",), "top_p": ("top_p",), "top_k": ("top_k",), "min_p": ("min_p",),
@@ -131,7 +136,8 @@ def _show(body, scheduler, tokenizer, info):
     model_info = {"general.architecture": arch, "general.parameter_count": facts["count"],
                   f"{arch}.context_length": info.max_context,
                   **{f"{arch}.{k}": config[c] for k, c in keys.items() if c in config}}
-    capabilities = ["completion"] + (["tools"] if tokenizer.has_tool_calling else [])
+    capabilities = ["completion"] + (["tools"] if tokenizer.has_tool_calling else []) \
+        + (["thinking"] if tokenizer.has_thinking else [])
     return 200, {"modelfile": f"FROM {info.model_id}\n", "parameters": "", "template": tokenizer.chat_template or "",
                  "details": facts["details"], "model_info": model_info, "capabilities": capabilities,
                  "modified_at": facts["modified_at"]}
@@ -187,21 +193,26 @@ def _format(value):
     raise RequestError("format", f"expected \"json\" or a JSON schema object, got {json.dumps(value)[:60]}")
 
 
-def _check(body: dict, names: tuple) -> None:
+def _check(body: dict, names: tuple, thinking: bool) -> dict:
+    """Refused and unknown fields are errors naming them; returns the chat body's template variables."""
     for name, value in body.items():
         if name in REFUSED and value not in (None, "", [], False):
             raise RequestError(name, REFUSED[name])
         if name not in names and name not in REFUSED:
             raise RequestError(name, "unknown field")
-    if body.get("think") not in (None, False):
-        raise RequestError("think", "thinking is not supported (only false)")
+    think = body.get("think")
+    if think is not None and not isinstance(think, bool):
+        raise RequestError("think", "only true or false (there are no effort levels here)")
+    if think and not thinking:
+        raise RequestError("think", f"{NO_THINKING} (only false)")
     if not isinstance(body.get("keep_alive", 0), (int, float, str)):
         raise RequestError("keep_alive", "expected a duration (a number of seconds or a string such as \"5m\")")
     if not isinstance(body.get("stream", True), bool):
         raise RequestError("stream", "expected a boolean")
+    return {"chat_template_kwargs": {"enable_thinking": False}} if thinking and think is False else {}
 
 
-def _messages(messages) -> list:
+def _messages(messages, thinking: bool) -> list:
     """Ollama messages as OpenAI's: tool calls get ids, and tool results the id of the call they answer."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "expected a non-empty list of messages")
@@ -215,10 +226,13 @@ def _messages(messages) -> list:
             raise RequestError(f"{where}.{extra}", "unknown field")
         if m.get("images"):
             raise RequestError(f"{where}.images", REFUSED["images"])
-        if m.get("thinking"):
-            raise RequestError(f"{where}.thinking", "thinking is not supported")
         calls = m.get("tool_calls") or []
         message = {"role": m.get("role"), "content": m.get("content", None if calls else "")}
+        if m.get("thinking"):
+            if not thinking or m.get("role") != "assistant" or not isinstance(m["thinking"], str):
+                raise RequestError(f"{where}.thinking", NO_THINKING if not thinking else "only assistant messages "
+                                   "carry thinking, a string")
+            message["reasoning_content"] = m["thinking"]
         for k, call in enumerate(calls if isinstance(calls, list) else [None]):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
@@ -245,8 +259,8 @@ def _sampling(body: dict, info) -> dict:
 
 
 def chat_to_chat(body: dict, info, tokenizer) -> dict:
-    _check(body, CHAT_FIELDS)
-    out = {"messages": _messages(body.get("messages")), **_sampling(body, info)}
+    template = _check(body, CHAT_FIELDS, tokenizer.has_thinking)
+    out = {"messages": _messages(body.get("messages"), tokenizer.has_thinking), **_sampling(body, info), **template}
     if body.get("tools"):
         out["tools"] = body["tools"]
     if _format(body.get("format")):
@@ -256,7 +270,7 @@ def chat_to_chat(body: dict, info, tokenizer) -> dict:
 
 def generate_to_chat(body: dict, info, tokenizer) -> dict:
     """A user message (after `system`), or with `raw` the prompt as is (a completions body)."""
-    _check(body, GENERATE_FIELDS)
+    template = _check(body, GENERATE_FIELDS, tokenizer.has_thinking)
     prompt, system = body.get("prompt"), body.get("system")
     if not isinstance(prompt, str) or not prompt:
         raise RequestError("prompt", "expected a non-empty string (the model is always loaded: no need to load it)")
@@ -273,7 +287,7 @@ def generate_to_chat(body: dict, info, tokenizer) -> dict:
         return {"prompt": prompt, "max_tokens": max(1, min(info.max_tokens_cap, info.max_context - n)), **out}
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     response_format = _format(body.get("format"))
-    return {"messages": messages, **out, **({"response_format": response_format} if response_format else {})}
+    return {"messages": messages, **out, **template, **({"response_format": response_format} if response_format else {})}
 
 
 def _param(generate: bool):
@@ -307,12 +321,13 @@ class OllamaReply:
 
         choice.add = timed
 
-    def _line(self, text: str, calls=(), **done) -> dict:
+    def _line(self, text: str, calls=(), thinking: str = "", **done) -> dict:
         if self.chat:
-            message = {"role": "assistant", "content": text,
+            message = {"role": "assistant", "content": text, **({"thinking": thinking} if thinking else {}),
                        **({"tool_calls": [_call(c) for c in calls]} if calls else {})}
             return {"model": self.model, "created_at": _now(), "message": message, **done}
-        return {"model": self.model, "created_at": _now(), "response": text, **done}
+        return {"model": self.model, "created_at": _now(), "response": text,
+                **({"thinking": thinking} if thinking else {}), **done}
 
     def _done(self, finish, usage: dict) -> dict:
         first, last = self.first or self.start, self.last or self.start
@@ -331,8 +346,9 @@ class OllamaReply:
             delta = part.get("delta", {})
             text, calls = (delta.get("content") or "", delta.get("tool_calls") or []) if self.reply.plan.chat \
                 else (part["text"], [])  # raw generate: a completion's chunk
-            if text or calls:
-                frames.append(ndjson(self._line(text, calls, done=False)))
+            thinking = delta.get("reasoning_content") or ""
+            if text or calls or thinking:
+                frames.append(ndjson(self._line(text, calls, thinking, done=False)))
         return frames
 
     def closing(self) -> list:
@@ -343,11 +359,13 @@ class OllamaReply:
 
     def whole(self, openai_whole: dict) -> dict:
         choice = openai_whole["choices"][0]
+        thinking = ""
         if self.reply.plan.chat:
             text, calls = choice["message"].get("content") or "", choice["message"].get("tool_calls") or []
+            thinking = choice["message"].get("reasoning_content") or ""
         else:
             text, calls = choice["text"], []
-        return self._line(text, calls, **self._done(choice["finish_reason"], openai_whole["usage"]))
+        return self._line(text, calls, thinking, **self._done(choice["finish_reason"], openai_whole["usage"]))
 
 
 def _call(call: dict) -> dict:

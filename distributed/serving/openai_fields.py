@@ -29,12 +29,17 @@ class ApiError(Exception):
 # Extensions beyond OpenAI's fields (mlx-lm's server takes the same names).
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_context_size",
               "frequency_context_size", "speculative")
+CHAT_EXTENSIONS = ("chat_template_kwargs",)  # vLLM's and mlx-lm's name: the chat template's own variables
+# What apply_chat_template itself takes: not template variables.
+TEMPLATE_CALL = ("messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+                 "continue_final_message", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                 "padding", "truncation", "max_length", "return_tensors")
 SHARED = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs") + EXTENSIONS
 IMPLEMENTED = {
     "completions": SHARED + ("prompt", "echo"),
     "chat": SHARED + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                      "parallel_tool_calls", "response_format"),
+                      "parallel_tool_calls", "response_format") + CHAT_EXTENSIONS,
 }
 # Accepted with no effect on the output: identifiers and caching hints for OpenAI's own service.
 HINTS = {"completions": ("user",), "chat": ("user", "safety_identifier", "prompt_cache_key")}
@@ -62,7 +67,7 @@ REFUSED_IN = {"completions": (), "chat": tuple(REFUSED)}
 
 def fields(endpoint: str) -> dict:
     """Every field name `endpoint` knows -> "implemented", "extension", "hint", "neutral only" or "refused"."""
-    out = {name: "extension" if name in EXTENSIONS else "implemented" for name in IMPLEMENTED[endpoint]}
+    out = {name: "extension" if name in EXTENSIONS + CHAT_EXTENSIONS else "implemented" for name in IMPLEMENTED[endpoint]}
     out.update({name: "hint" for name in HINTS[endpoint]})
     out.update({name: "neutral only" for name in NEUTRAL_IN[endpoint]})
     out.update({name: "refused" for name in REFUSED_IN[endpoint]})
@@ -194,6 +199,15 @@ def _constraint(body: dict, tokenizer, tools) -> tuple:
     return grammar, "response_format" if grammar else None
 
 
+def template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs: variables for the chat template (e.g. enable_thinking)."""
+    kwargs = get(body, "chat_template_kwargs", (dict,), {})
+    taken = next((k for k in kwargs if k in TEMPLATE_CALL), None)
+    if taken is not None:
+        raise RequestError(f"chat_template_kwargs.{taken}", "not a template variable (the request sets it)")
+    return kwargs
+
+
 def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
     """The choices to run for `body`; RequestError names a bad field (HTTP 400)."""
     check_fields(body, "chat" if chat else "completions", info)
@@ -210,10 +224,10 @@ def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
     logprobs = _logprobs(body, chat)
     tools = grammar = constrained_by = None
     if chat:
-        messages = chat_messages(body.get("messages"))
+        messages = chat_messages(body.get("messages"), tokenizer.has_thinking)
         tools = request_tools(body, tokenizer)
         grammar, constrained_by = _constraint(body, tokenizer, tools)
-        prompts = [(chat_ids(tokenizer, messages, tools), None)]
+        prompts = [(chat_ids(tokenizer, messages, tools, template_kwargs(body)), None)]
         max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         echo = False
     else:

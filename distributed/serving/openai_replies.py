@@ -6,6 +6,10 @@ Logprobs follow OpenAI's two formats: completions' (`tokens`, `token_logprobs`,
 `text_offset`; with `echo`, the prompt's tokens come first and the first one has
 null logprobs, as OpenAI and vLLM answer) and chat's (`content`: a list of
 {token, logprob, bytes, top_logprobs}).
+
+Chat replies are split by reply_split.py: where the checkpoint thinks, the reasoning
+comes in `reasoning_content` (the message's, and streamed deltas', as vLLM and
+DeepSeek send it) and usage counts its tokens (`completion_tokens_details`).
 """
 
 import time
@@ -14,7 +18,7 @@ from typing import List, Optional
 
 from ..runtime.request import PromptEvent, TokenEvent
 from .openai_fields import Plan
-from .tools import ToolCallStream
+from .reply_split import ReplySplitter, reply_prompt
 
 
 class Entry:
@@ -31,9 +35,12 @@ class Choice:
 
     def __init__(self, reply: "Reply", index: int, echo: Optional[str], scored: bool):
         self.reply, self.index, self.echo = reply, index, echo
-        self.tools = ToolCallStream(reply.tokenizer, reply.plan.tools) if reply.plan.chat else None
+        prompt = reply_prompt(reply.plan.requests[index])
+        # chat: the reply split into reasoning, content and tool calls (completions are text as it comes)
+        self.split = ReplySplitter(reply.tokenizer, reply.plan.tools, prompt) if reply.plan.chat else None
         self.echo_waits = echo is not None and scored  # the echo goes out with the prompt's logprobs
-        self.text, self.entries, self.calls = [], [], []
+        self.text, self.reasoning, self.entries, self.calls = [], [], [], []
+        self.reasoning_tokens = 0  # tokens generated while the reply was reasoning (their </think> too)
         self.offset = 0  # text_offset of the next entry
         self.finish = self.error = self.stop_sequence = None
         self.usage = (0, 0, 0)  # prompt, completion and cached tokens
@@ -55,16 +62,17 @@ class Choice:
             return self._text(self.echo or "", entries) if self.echo_waits else []
         if isinstance(event, TokenEvent):
             entries = [self._entry(event.token_id, event.logprob, event.top_logprobs or [])] if logprobs else []
+            self.reasoning_tokens += self.split is not None and self.split.state == "reasoning"
             return self._text(event.text, entries)
         self.error = event.error if event.finish_reason == "error" else None
         self.stop_sequence = event.stop_sequence  # the Messages API names it
         self.usage = (event.prompt_tokens, event.completion_tokens, event.cached_tokens)
         chunks = self._text(event.text, [])
-        tail, calls = self.tools.finish() if self.tools else ("", [])
+        reasoning, tail, calls = self.split.finish() if self.split else ("", "", [])
         self.finish = "length" if event.finish_reason == "length" else "stop"  # "cancelled": nobody listens
         if self.calls or calls:
             self.finish = "tool_calls" if self.finish == "stop" else self.finish
-        return chunks + self._content(tail, calls, [], self.finish)
+        return chunks + self._content(tail, calls, [], self.finish, reasoning)
 
     def _entry(self, token_id: int, logprob: Optional[float], top) -> Entry:
         """Offsets add up the tokens' own texts, from the choice's start (as vLLM counts them)."""
@@ -73,20 +81,22 @@ class Choice:
         return entry
 
     def _text(self, text: str, entries: List[Entry]) -> List[dict]:
-        calls = []
-        if self.tools is not None:
-            text, calls = self.tools.feed(text)
-        return self._content(text, calls, entries, None)
+        calls, reasoning = [], ""
+        if self.split is not None:
+            reasoning, text, calls = self.split.feed(text)
+        return self._content(text, calls, entries, None, reasoning)
 
-    def _content(self, text: str, calls: List[dict], entries: List[Entry], finish) -> List[dict]:
+    def _content(self, text: str, calls: List[dict], entries: List[Entry], finish, reasoning: str = "") -> List[dict]:
         self.text.append(text)
+        self.reasoning.append(reasoning)
         self.entries += entries
         self.calls += calls
-        if not (text or calls or entries or finish):
+        if not (text or calls or entries or finish or reasoning):
             return []
         if not self.reply.plan.chat:
             return [self._chunk({"text": text}, entries, finish)]
-        delta = {**({"content": text} if text else {}), **({"tool_calls": calls} if calls else {})}
+        delta = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": text} if text else {}),
+                 **({"tool_calls": calls} if calls else {})}
         return [self._chunk({"delta": delta}, entries, finish)]
 
     def _chunk(self, part: dict, entries=(), finish=None) -> dict:
@@ -100,8 +110,10 @@ class Choice:
         out = {"index": self.index}
         if self.reply.plan.chat:
             calls = [{k: v for k, v in c.items() if k != "index"} for c in self.calls]
+            reasoning = "".join(self.reasoning)
             out["message"] = {"role": "assistant", "content": text if text or not calls else None,
-                              **({"tool_calls": calls} if calls else {}), "refusal": None}
+                              **({"tool_calls": calls} if calls else {}), "refusal": None,
+                              **({"reasoning_content": reasoning or None} if self.split.thinks else {})}
         else:
             out["text"] = text
         return {**out, "logprobs": self.reply.logprobs(self.entries), "finish_reason": self.finish}
@@ -131,8 +143,11 @@ class Reply:
             firsts.setdefault(prompt, choice)
         prompt = sum(c.usage[0] for c in firsts.values())
         completion = sum(c.usage[1] for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(c.usage[2] for c in firsts.values())}}
+        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               "prompt_tokens_details": {"cached_tokens": sum(c.usage[2] for c in firsts.values())}}
+        if self.plan.chat and self.tokenizer.has_thinking:  # OpenAI's reasoning models count them so
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in self.choices)}
+        return out
 
     def whole(self) -> dict:
         kind = "chat.completion" if self.plan.chat else "text_completion"

@@ -94,6 +94,7 @@ class RequestLog:
         m.prompt_tokens.labels(fe).inc(prompt)
         m.cached_tokens.labels(fe).inc(cached)
         m.generated_tokens.labels(fe).inc(completion)
+        m.reasoning_tokens.labels(fe).inc(trace.reasoning())
         m.duration.labels(fe).observe(duration)
         ttft = "-" if trace.first is None else f"{trace.first - trace.start:.3f}"
         self.write(f"request front_end={fe} route={trace.route} status={status} outcome={outcome} "
@@ -117,6 +118,7 @@ class Trace:
         self.finishes: List[FinishEvent] = []
         self.handles = 0  # read so far
         self.reply = None  # HTTP: the OpenAI reply (openai_replies.Reply), whose usage the client is told
+        self.reasoning_tokens = 0  # gRPC with separate_reasoning: of the completion tokens, the reasoning's
         self.done = False
 
     def events(self, handle) -> Iterator:
@@ -144,6 +146,12 @@ class Trace:
             return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]
         return tuple(sum(getattr(f, name) for f in self.finishes)
                      for name in ("prompt_tokens", "cached_tokens", "completion_tokens"))
+
+    def reasoning(self) -> int:
+        """Reasoning tokens, as the client is told them (0 where the reply is not split)."""
+        if self.reply is not None:
+            return (self.reply.usage().get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+        return self.reasoning_tokens
 
     def end(self, status, error: Optional[str] = None) -> None:
         """Log and count the request (once): `status` is what the client got (an HTTP status, a

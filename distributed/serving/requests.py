@@ -54,13 +54,15 @@ def check_role(i: int, role: str) -> None:
         raise RequestError(f"messages[{i}].role", f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
 
 
-def chat_ids(tokenizer, messages: List[dict], tools: Optional[List[dict]] = None) -> List[int]:
-    """The chat template applied to `messages` (roles checked), with `tools` if given."""
+def chat_ids(tokenizer, messages: List[dict], tools: Optional[List[dict]] = None,
+             template_kwargs: Optional[dict] = None) -> List[int]:
+    """The chat template applied to `messages` (roles checked), with `tools` if given and the
+    template's own variables (`template_kwargs`, e.g. enable_thinking)."""
     # "developer" is OpenAI's newer name for "system"; chat templates know the latter.
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            **({"tools": tools} if tools else {}))
+                                            **({"tools": tools} if tools else {}), **(template_kwargs or {}))
     except TemplateError as e:  # e.g. a template that raises on a role order it does not take
         raise RequestError("messages", f"the chat template refused them: {e}") from None
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)

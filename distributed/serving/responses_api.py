@@ -6,7 +6,11 @@ Implemented: `model`, `input` (a string, or items: messages with text content, `
 and `function_call_output`), `instructions`, `max_output_tokens`, `temperature`, `top_p`,
 `tools` (function tools; `strict` honoured where `tool_choice` forces a call, as in chat),
 `tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema:
-constrained decoding), `stream` with the Responses event sequence, `usage`. Stateless: nothing
+constrained decoding), `stream` with the Responses event sequence, `usage`. Where the
+checkpoint thinks (think tokens), its reasoning is a `reasoning` output item (its text a
+`reasoning_text` part, streamed as response.reasoning_text.delta events) and usage counts its
+tokens; a `reasoning` item in `input` goes back into the prompt as the next assistant turn's
+reasoning_content (reply_split.py, tools.py). Stateless: nothing
 is stored, so `store` is only false (absent: not stored) and `previous_response_id`,
 `conversation` and `background` are refused by name. Hints with no effect: `metadata`, `user`,
 `safety_identifier`, `prompt_cache_key`; `truncation` only "disabled", `service_tier` only
@@ -49,9 +53,21 @@ def _content(content, where: str) -> str:
     return "".join(parts)
 
 
-def _input(items) -> list:
+def _reasoning(item: dict, where: str) -> str:
+    """A reasoning item's text: its reasoning_text parts (else its summary's), joined."""
+    if item.get("encrypted_content"):
+        raise RequestError(f"{where}.encrypted_content", "reasoning is never encrypted here: send its content")
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") in ("reasoning_text", "summary_text")
+                                              and isinstance(p.get("text"), str) for p in parts):
+        raise RequestError(f"{where}.content", "expected reasoning_text parts")
+    return "".join(p["text"] for p in parts)
+
+
+def _input(items, thinking: bool) -> list:
     """`input` as chat messages: function_call items join an assistant message's tool_calls,
-    function_call_output items become tool messages."""
+    function_call_output items become tool messages, a reasoning item begins an assistant
+    message (its reasoning_content) that the next message or calls complete."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -63,7 +79,15 @@ def _input(items) -> list:
         if kind == "message":
             if item.get("role") not in ("user", "assistant", "system", "developer"):
                 raise RequestError(f"{where}.role", "expected user, assistant, system or developer")
-            out.append({"role": item["role"], "content": _content(item.get("content"), f"{where}.content")})
+            content = _content(item.get("content"), f"{where}.content")
+            if item["role"] == "assistant" and out and _reasoning_only(out[-1]):
+                out[-1]["content"] = content
+            else:
+                out.append({"role": item["role"], "content": content})
+        elif kind == "reasoning":
+            if not thinking:
+                raise RequestError(f"{where}.type", "reasoning items need a model whose tokenizer has think tokens")
+            out.append({"role": "assistant", "content": None, "reasoning_content": _reasoning(item, where)})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise RequestError(where, "a function_call item needs call_id, name and arguments (strings)")
@@ -82,7 +106,14 @@ def _input(items) -> list:
                         "content": _content(item.get("output", ""), f"{where}.output")})
         else:
             raise RequestError(f"{where}.type", f"items of type {kind!r} are not supported")
+    for message in out:
+        if _reasoning_only(message):
+            message["content"] = ""  # reasoning and nothing after it
     return out
+
+
+def _reasoning_only(message: dict) -> bool:
+    return message["role"] == "assistant" and message.get("content") is None and "tool_calls" not in message
 
 
 def _tools(tools, forced: bool) -> list:
@@ -151,7 +182,7 @@ def to_chat(body: dict, info, tokenizer) -> dict:
     if not isinstance(instructions, (str, type(None))):
         raise RequestError("instructions", "expected a string")
     choice = _tool_choice(body.get("tool_choice"))
-    out = {"messages": ([{"role": "system", "content": instructions}] if instructions else []) + _input(body.get("input")),
+    out = {"messages": ([{"role": "system", "content": instructions}] if instructions else []) + _input(body.get("input"), tokenizer.has_thinking),
            "stream": body.get("stream", False)}
     for name, chat in (("model", "model"), ("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                        ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls")):
@@ -182,6 +213,7 @@ class ResponsesReply:
         self.sequence = 0
         self.output = []  # items so far
         self.text = None  # the open message item's text, or None
+        self.reasoning = None  # the open reasoning item's text, or None
 
     def _response(self, status: str, usage=None) -> dict:
         b = self.body
@@ -198,7 +230,9 @@ class ResponsesReply:
     def _usage(usage: dict) -> dict:
         return {"input_tokens": usage["prompt_tokens"],
                 "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-                "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": (usage.get("completion_tokens_details") or {})
+                                          .get("reasoning_tokens", 0)},
                 "total_tokens": usage["total_tokens"]}
 
     def _event(self, kind: str, **data) -> bytes:
@@ -210,6 +244,11 @@ class ResponsesReply:
         return {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed"
                 or text else []}
+
+    @staticmethod
+    def _reasoning(text: str, status: str) -> dict:
+        return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex[:24], "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}] if status == "completed" or text else []}
 
     @staticmethod
     def _call(call: dict) -> dict:
@@ -229,6 +268,28 @@ class ResponsesReply:
                 self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
                             part={"type": "output_text", "text": "", "annotations": []})]
 
+    def _open_reasoning(self) -> list:
+        frames = self._close_text()
+        item = self._reasoning("", "in_progress")
+        self.output.append(item)
+        self.reasoning = []
+        index = len(self.output) - 1
+        return frames + [self._event("response.output_item.added", output_index=index, item=item),
+                         self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                     content_index=0, part={"type": "reasoning_text", "text": ""})]
+
+    def _close_reasoning(self) -> list:
+        if self.reasoning is None:
+            return []
+        index, text = len(self.output) - 1, "".join(self.reasoning)
+        item = self.output[index] = {**self._reasoning(text, "completed"), "id": self.output[index]["id"]}
+        self.reasoning = None
+        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=text),
+                self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                            part=item["content"][0]),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
     def _close_text(self) -> list:
         if self.text is None:
             return []
@@ -246,7 +307,15 @@ class ResponsesReply:
         frames = []
         for chunk in chunks:
             delta = chunk["choices"][0]["delta"]
+            if delta.get("reasoning_content"):
+                if self.reasoning is None:
+                    frames += self._open_reasoning()
+                self.reasoning.append(delta["reasoning_content"])
+                frames.append(self._event("response.reasoning_text.delta", item_id=self.output[-1]["id"],
+                                          output_index=len(self.output) - 1, content_index=0,
+                                          delta=delta["reasoning_content"]))
             if delta.get("content"):
+                frames += self._close_reasoning()
                 if self.text is None:
                     frames += self._open_text()
                 self.text.append(delta["content"])
@@ -254,7 +323,7 @@ class ResponsesReply:
                                           output_index=len(self.output) - 1, content_index=0, delta=delta["content"],
                                           logprobs=[]))
             for call in delta.get("tool_calls") or []:
-                frames += self._close_text()
+                frames += self._close_reasoning() + self._close_text()
                 item = self._call(call)
                 self.output.append(item)
                 index = len(self.output) - 1
@@ -271,7 +340,7 @@ class ResponsesReply:
         return "incomplete" if finish == "length" else "completed"
 
     def closing(self) -> list:
-        frames = self._close_text()
+        frames = self._close_reasoning() + self._close_text()
         status = self._status(self.reply.choices[0].finish)
         return frames + [self._event(f"response.{status}", response=self._response(status, self._usage(self.reply.usage())))]
 
@@ -283,7 +352,9 @@ class ResponsesReply:
     def whole(self, openai_whole: dict) -> dict:
         choice = openai_whole["choices"][0]
         message = choice["message"]
-        if message.get("content") or not message.get("tool_calls"):
+        if message.get("reasoning_content"):
+            self.output.append(self._reasoning(message["reasoning_content"], "completed"))
+        if message.get("content") or not (message.get("tool_calls") or message.get("reasoning_content")):
             self.output.append(self._message(message.get("content") or "", "completed"))
         self.output += [self._call(call) for call in message.get("tool_calls") or []]
         return self._response(self._status(choice["finish_reason"]), self._usage(openai_whole["usage"]))

@@ -3,17 +3,14 @@
 Requests: `messages` in OpenAI's form (text parts, assistant `tool_calls`, `tool`
 results) become what chat templates take (one string per content, tool-call
 arguments as objects, as mlx-lm's server passes them), and `tools` reach the
-template. Replies: the generated text is split as mlx-lm's server splits it (its
-TextStateMachine, between the tokenizer's tool_call_start and tool_call_end) and
-each call is parsed by the tool parser mlx-lm found for the tokenizer
-(mlx_lm.tokenizer_utils: from the chat template or `tool_parser_type`).
+template. An assistant message's `reasoning_content` (what an earlier reply's
+reasoning was) goes to the template under that name, which Qwen3- and
+Trinity-Thinking-style templates render inside <think>...</think>; a checkpoint
+without think tokens refuses it. Replies are split by reply_split.py.
 """
 
 import json
-import uuid
-from typing import List, Optional, Tuple
-
-from mlx_lm.generate import TextStateMachine
+from typing import List, Optional
 
 from ..runtime.request import RequestError
 from .requests import check_role
@@ -52,8 +49,12 @@ def _tool_calls(calls, where: str) -> List[dict]:
     return out
 
 
-def chat_messages(messages) -> List[dict]:
-    """OpenAI messages as chat templates take them; RequestError names what is wrong."""
+NO_THINKING = "this model's tokenizer has no think tokens, so its chat template has no place for reasoning"
+
+
+def chat_messages(messages, thinking: bool = False) -> List[dict]:
+    """OpenAI messages as chat templates take them; RequestError names what is wrong.
+    `thinking`: the tokenizer has think tokens, so assistant messages may carry reasoning_content."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "expected a non-empty list of messages")
     out = []
@@ -62,7 +63,7 @@ def chat_messages(messages) -> List[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"{where}.role", "each message needs a string role")
         check_role(i, m["role"])
-        known = {"role", "content", "name", "tool_calls", "tool_call_id", *EMPTY_KEYS}
+        known = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", *EMPTY_KEYS}
         extra = next((k for k in m if k not in known or (k in EMPTY_KEYS and m[k])), None)
         if extra is not None:
             raise RequestError(f"{where}.{extra}", "not supported in a message")
@@ -73,6 +74,13 @@ def chat_messages(messages) -> List[dict]:
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         if m.get("content") is not None or "tool_calls" not in message:
             message["content"] = _text(m.get("content"), f"{where}.content")
+        if m.get("reasoning_content"):
+            reasoning = m["reasoning_content"]
+            if m["role"] != "assistant" or not isinstance(reasoning, str):
+                raise RequestError(f"{where}.reasoning_content", "only assistant messages carry reasoning, a string")
+            if not thinking:
+                raise RequestError(f"{where}.reasoning_content", NO_THINKING)
+            message["reasoning_content"] = reasoning
         for key in ("name", "tool_call_id"):
             if m.get(key) is not None:
                 if not isinstance(m[key], str):
@@ -111,65 +119,3 @@ def request_tools(body: dict, tokenizer) -> Optional[List[dict]]:
     if not tokenizer.has_tool_calling:
         raise RequestError("tools", NO_TOOLS)
     return tools
-
-
-class ToolCallStream:
-    """Splits generated text into content and tool calls as it streams."""
-
-    def __init__(self, tokenizer, tools: Optional[List[dict]]):
-        self.tools, self.parser = tools, tokenizer.tool_parser if tools else None
-        self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
-        transitions = {"normal": [(self.start, "tool")], "tool": [(self.end, "normal")] if self.end else []}
-        self._sm = TextStateMachine(transitions) if tools else None
-        self._state = self._sm.make_state("normal") if tools else None
-        self._call = ""  # text of the call being generated
-        self.count = 0  # calls parsed so far
-
-    def feed(self, text: str) -> Tuple[str, List[dict]]:
-        """New generated text -> (content to show, calls completed)."""
-        if self._sm is None:
-            return text, []
-        self._state, segments = TextStateMachine.split(self._state, text)
-        return self._take(segments, final=False)
-
-    def finish(self) -> Tuple[str, List[dict]]:
-        """The end of the generation: what was held back, and a call left open."""
-        if self._sm is None:
-            return "", []
-        self._state, held, state = TextStateMachine.flush(self._state)
-        return self._take([(state, held)], final=True)
-
-    def _take(self, segments, final: bool):
-        content, calls = [], []
-        for i, (state, text) in enumerate(segments):
-            if state == "tool":
-                self._call += text
-                if not final:
-                    continue
-            closed = state != "tool" and i > 0 and segments[i - 1][0] == "tool"
-            if closed or (final and state == "tool"):  # a call ended, or the generation did inside one
-                parsed = self._parse(self._call) if self._call.strip() else None
-                if parsed is None:  # not a call after all (e.g. cut short): show it as text
-                    content.append(self.start + self._call + (self.end if closed else ""))
-                calls += parsed or []
-                self._call = ""
-            if state != "tool":
-                content.append(text)
-        return "".join(content), calls
-
-    def _parse(self, text: str) -> Optional[List[dict]]:
-        try:
-            parsed = self.parser(text, self.tools)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return None
-        calls = []
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return None
-            arguments = call.get("arguments", {})
-            calls.append({"index": self.count, "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
-                          "type": "function", "function": {
-                              "name": call["name"],
-                              "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}})
-            self.count += 1
-        return calls

@@ -229,6 +229,9 @@ def test_hints_and_neutral_values_change_nothing(ring):
 
 @pytest.mark.parametrize("extra, named", [
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"messages": [*ASK, {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": ""},
+                                                          {"type": "text", "text": "x"}]}, *ASK]},
+     "messages[1].content[0].type"),  # no think tokens: nowhere in the template for it
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {

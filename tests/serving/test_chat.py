@@ -1,5 +1,6 @@
 """run_trinity.py --chat as real processes fed stdin: 1 process (--stages 2) and 2 ranks
-under mlx.launch (rank 0 reads the stdin mlx.launch relays). Every process must be gone
+under mlx.launch (rank 0 reads the stdin mlx.launch relays); a thinking checkpoint's
+reasoning apart from its answer. Every process must be gone
 afterwards, on success and failure."""
 
 import json
@@ -18,6 +19,7 @@ from mlx_lm.utils import load_tokenizer
 from conftest import ROOT, RUN, free_port_range, kill_group, mlx_launch, run_json
 from distributed.serving.chat import PROMPT, Conversation
 from stop_paths import TAG_ENV, describe, tagged
+from tool_checkpoint import ANSWER, REASONING, make_think_checkpoint
 
 STATS = re.compile(r"^\[(\w+): (\d+) prompt tokens \((\d+) cached\), (\d+) generated;", re.M)
 ARGS = ["--chat", "--max-tokens", "8"]
@@ -152,3 +154,19 @@ def test_a_tokenizer_without_a_chat_template_is_refused(hf_checkpoint, tmp_path)
     status, out, err = chat(model, ["hi"])
     assert status == 2 and "error: --chat: the model's tokenizer has no chat template" in err, err[-3000:]
     assert "Traceback" not in err
+
+
+def test_reasoning_apart_from_the_answer_and_in_the_history(tmp_path):
+    """The thinking checkpoint (tests/tool_checkpoint.py): its reasoning streams to stderr, its answer to
+    stdout, and the next turn's prompt holds both, as the chat template renders them."""
+    model = make_think_checkpoint(tmp_path / "think")
+    status, out, err = chat(model, ["hi", "again"], 1, ["--stages", "2"])
+    assert status == 0 and "Traceback" not in err, err[-3000:]
+    thought, said = "".join(REASONING), "".join(ANSWER)
+    assert replies(out) == [said, said] and err.count(f"thinking: {thought}\n") == 2
+    first, second = turns(err)
+    assert first["generated"] == 5 and "5 generated; 3 reasoning;" in err
+    tokenizer = load_tokenizer(model)
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": said, "reasoning_content": thought},
+               {"role": "user", "content": "again"}]
+    assert second["prompt"] == len(tokenizer.apply_chat_template(history, add_generation_prompt=True))

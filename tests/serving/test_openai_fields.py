@@ -255,6 +255,11 @@ REFUSALS = [(True, {name: "x"}, name) for name in REFUSED] + [
     (True, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
     (True, {"messages": [{"role": "user", "content": "hi", "audio": {"id": "a"}}]}, "messages[0].audio"),
+    (True, {"messages": [{"role": "assistant", "content": "a", "reasoning_content": "r"}, *HI]},
+     "messages[0].reasoning_content"),  # no think tokens here
+    (True, {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
+    (True, {"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    (False, {"chat_template_kwargs": {}}, "chat_template_kwargs"),  # completions have no template
 ]
 
 

@@ -119,6 +119,8 @@ def test_max_output_tokens_is_incomplete(ring):
     ({"background": True}, "background"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "wat"}}}}, "text.format"),
     ({"input": [{"type": "image", "image_url": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": "x"}, {"type": "reasoning", "id": "rs_1", "summary": [],  # no think tokens
+                                                  "content": [{"type": "reasoning_text", "text": "hm"}]}]}, "input[1].type"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
 ])
 def test_what_is_not_implemented_is_refused_by_name(ring, fields, param):

@@ -1,6 +1,8 @@
-"""Tool calling over the OpenAI chat API (serving/tools.py) with the `openai` package: a real
-front end over an in-process 2-stage pipeline of a checkpoint whose chat template takes
-tools and whose weights always answer with one call (tests/tool_checkpoint.py)."""
+"""Tool calling over the OpenAI chat API (serving/tools.py, the calls split out by
+reply_split.py) with the `openai` package: a real front end over an in-process 2-stage
+pipeline of a checkpoint whose chat template takes tools and whose weights always answer
+with one call (tests/tool_checkpoint.py), in both of the forms mlx-lm parses: json_tools'
+and qwen3_coder's."""
 
 import json
 from types import SimpleNamespace
@@ -14,26 +16,27 @@ from distributed.runtime.scheduler import Scheduler
 from distributed.serving.http_api import start_http_server
 from distributed.serving.options import ServeOptions
 from distributed.serving.requests import ModelInfo
-from distributed.serving.tools import ToolCallStream, chat_messages
+from distributed.serving.reply_split import ReplySplitter
+from distributed.serving.tools import chat_messages
 from distributed.shard.config import read_config
 from stages import in_process_pipeline
-from tool_checkpoint import ADDED, CALL, make_tool_checkpoint
+from tool_checkpoint import CALL, FORMS, make_tool_checkpoint
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    path = make_tool_checkpoint(tmp_path_factory.mktemp("tool_model"))
+@pytest.fixture(scope="module", params=sorted(FORMS))
+def served(request, tmp_path_factory):
+    path = make_tool_checkpoint(tmp_path_factory.mktemp("tool_model"), request.param)
     pipeline, _ = in_process_pipeline(path, (4, 4))
     tokenizer = load_tokenizer(path, eos_token_ids=read_config(path)["eos_token_id"])
     scheduler = Scheduler(pipeline, tokenizer).start()
     front = start_http_server(ServeOptions(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0"))
     front.attach(scheduler, tokenizer, ModelInfo("tools", read_config(path)["vocab_size"], 1024, 1000))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{front.port}/v1", api_key="none", max_retries=0, timeout=60)
-    yield SimpleNamespace(client=client, tokenizer=tokenizer)
+    yield SimpleNamespace(client=client, tokenizer=tokenizer, form=request.param, added=FORMS[request.param][0])
     front.stop()
     scheduler.close()
 
@@ -68,7 +71,8 @@ def test_a_tool_round_trip(served):
     out = create(served, messages=messages, tools=TOOLS)
     rendered = served.tokenizer.apply_chat_template(chat_messages(messages), tools=TOOLS, add_generation_prompt=True,
                                                     tokenize=False)
-    assert "<tool_response>\n18 C, sunny\n</tool_response>" in rendered and '"city": "Paris"' in rendered
+    call_text = {"json_tools": '"city": "Paris"', "qwen3_coder": "<parameter=city>\nParis\n</parameter>"}[served.form]
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in rendered and call_text in rendered
     assert out.usage.prompt_tokens == len(served.tokenizer.encode(rendered))
     assert out.choices[0].finish_reason == "tool_calls"
 
@@ -76,7 +80,7 @@ def test_a_tool_round_trip(served):
 def test_tool_choice_none_answers_in_text(served):
     out = create(served, messages=ASK, tools=TOOLS, tool_choice="none")
     assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "stop"
-    assert out.choices[0].message.content == "".join(ADDED)  # no tools in the prompt, nothing parsed
+    assert out.choices[0].message.content == "".join(served.added)  # no tools in the prompt, nothing parsed
     without = served.tokenizer.apply_chat_template(ASK, add_generation_prompt=True)
     assert out.usage.prompt_tokens == len(without)
 
@@ -84,24 +88,32 @@ def test_tool_choice_none_answers_in_text(served):
 def test_a_call_cut_short(served):
     out = create(served, messages=ASK, tools=TOOLS, max_tokens=1)  # only the start marker: text
     assert out.choices[0].finish_reason == "length" and out.choices[0].message.tool_calls is None
-    assert out.choices[0].message.content == ADDED[0]
+    assert out.choices[0].message.content == served.added[0]
     out = create(served, messages=ASK, tools=TOOLS, max_tokens=2)  # a whole call without its end marker
     assert out.choices[0].finish_reason == "length" and out.choices[0].message.tool_calls[0].function.name == CALL["name"]
 
 
+CALLS_TEXT = {  # two calls, text around them, in each form
+    "json_tools": 'Sure. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call> and <tool_call>{"name": "b"}</tool_call>!',
+    "qwen3_coder": "Sure. <tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call> and "
+                   "<tool_call>\n<function=b>\n</function>\n</tool_call>!",
+}
+
+
 def test_the_stream_splitter_across_pieces(served):
     """Markers split between pieces, text around calls, two calls, and unparsable markup."""
-    stream = ToolCallStream(served.tokenizer, TOOLS)
-    text = 'Sure. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call> and <tool_call>{"name": "b"}</tool_call>!'
+    stream = ReplySplitter(served.tokenizer, TOOLS)
+    text = CALLS_TEXT[served.form]
     content, calls = "", []
     for i in range(0, len(text), 3):
-        c, k = stream.feed(text[i:i + 3])
+        _, c, k = stream.feed(text[i:i + 3])
         content, calls = content + c, calls + k
-    c, k = stream.finish()
+    _, c, k = stream.finish()
     assert content + c == "Sure.  and !" and [(x["function"]["name"], x["index"]) for x in calls + k] == [("a", 0), ("b", 1)]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
-    stream = ToolCallStream(served.tokenizer, TOOLS)
-    assert stream.feed("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    # qwen3_coder's values are strings unless the tool's schema types them
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": 1 if served.form == "json_tools" else "1"}
+    stream = ReplySplitter(served.tokenizer, TOOLS)
+    assert stream.feed("<tool_call>not a call</tool_call>") == ("", "<tool_call>not a call</tool_call>", [])
 
 
 @pytest.mark.parametrize("messages, field", [
@@ -115,3 +127,11 @@ def test_bad_messages_name_the_field(messages, field):
     with pytest.raises(RequestError) as e:
         chat_messages(messages)
     assert e.value.field == field
+
+
+def test_reasoning_in_the_history_needs_think_tokens(served):
+    """This tokenizer has no think tokens: its template has no place for reasoning, so it is refused, not dropped."""
+    history = [*ASK, {"role": "assistant", "content": "Sunny.", "reasoning_content": "Look it up."}, *ASK]
+    with pytest.raises(openai.BadRequestError) as e:
+        create(served, messages=history)
+    assert e.value.body["param"] == "messages[1].reasoning_content" and "think tokens" in e.value.body["message"]

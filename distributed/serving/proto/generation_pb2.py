@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*distributed/serving/proto/generation.proto\x12\ntrinity.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe1\x07\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.trinity.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x15\n\rchat_template\x18\x0b \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\t\x88\x01\x01\x12\"\n\x15presence_context_size\x18\x0f \x01(\rH\n\x88\x01\x01\x12#\n\x16\x66requency_context_size\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12$\n\x17repetition_context_size\x18\x11 \x01(\rH\x0c\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.trinity.v1.GenerateRequest.LogitBiasEntry\x12\x14\n\x0ctop_logprobs\x18\x13 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x14 \x01(\x08\x12\x18\n\x10resume_token_ids\x18\x15 \x03(\r\x12\x18\n\x0bspeculative\x18\x16 \x01(\x08H\r\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x17 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x18 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x19 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x18\n\x16_presence_context_sizeB\x19\n\x17_frequency_context_sizeB\x1a\n\x18_repetition_context_sizeB\x0e\n\x0c_speculative\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x93\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1e\n\x16prefill_tokens_per_sec\x18\x03 \x01(\x01\x12!\n\x19generation_tokens_per_sec\x18\x04 \x01(\x01\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\"\x96\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.trinity.v1.Usage\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.trinity.v1.TopLogprobs\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12\x17\n\x0fprompt_logprobs\x18\x08 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\t \x03(\x0b\x32\x17.trinity.v1.TopLogprobs\"\x15\n\x13GetModelInfoRequest\"\x9f\x01\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\r\n\x05\x65mbed\x18\x05 \x01(\x08\x12\x0c\n\x04head\x18\x06 \x01(\x08\x12\x19\n\x11peak_memory_bytes\x18\x07 \x01(\x04\x12\x17\n\x0fparameter_bytes\x18\x08 \x01(\x04\"\x96\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\x04\x12\x16\n\x0emax_tokens_cap\x18\x04 \x01(\r\x12#\n\x05ranks\x18\x05 \x03(\x0b\x32\x14.trinity.v1.RankInfo\x12\x11\n\tmax_batch\x18\x06 \x01(\r2\x9d\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.trinity.v1.GenerateRequest\x1a\x1c.trinity.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.trinity.v1.GetModelInfoRequest\x1a\x15.trinity.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*distributed/serving/proto/generation.proto\x12\ntrinity.v1\"G\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x19\n\x11reasoning_content\x18\x03 \x01(\t\"\xfd\x07\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.trinity.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x15\n\rchat_template\x18\x0b \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\t\x88\x01\x01\x12\"\n\x15presence_context_size\x18\x0f \x01(\rH\n\x88\x01\x01\x12#\n\x16\x66requency_context_size\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12$\n\x17repetition_context_size\x18\x11 \x01(\rH\x0c\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.trinity.v1.GenerateRequest.LogitBiasEntry\x12\x14\n\x0ctop_logprobs\x18\x13 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x14 \x01(\x08\x12\x18\n\x10resume_token_ids\x18\x15 \x03(\r\x12\x18\n\x0bspeculative\x18\x16 \x01(\x08H\r\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x17 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x18 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x19 \x01(\tH\x00\x12\x1a\n\x12separate_reasoning\x18\x1a \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x18\n\x16_presence_context_sizeB\x19\n\x17_frequency_context_sizeB\x1a\n\x18_repetition_context_sizeB\x0e\n\x0c_speculative\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xad\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1e\n\x16prefill_tokens_per_sec\x18\x03 \x01(\x01\x12!\n\x19generation_tokens_per_sec\x18\x04 \x01(\x01\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x06 \x01(\r\"\xae\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.trinity.v1.Usage\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.trinity.v1.TopLogprobs\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12\x17\n\x0fprompt_logprobs\x18\x08 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\t \x03(\x0b\x32\x17.trinity.v1.TopLogprobs\x12\x16\n\x0ereasoning_text\x18\n \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x9f\x01\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\r\n\x05\x65mbed\x18\x05 \x01(\x08\x12\x0c\n\x04head\x18\x06 \x01(\x08\x12\x19\n\x11peak_memory_bytes\x18\x07 \x01(\x04\x12\x17\n\x0fparameter_bytes\x18\x08 \x01(\x04\"\x96\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\x04\x12\x16\n\x0emax_tokens_cap\x18\x04 \x01(\r\x12#\n\x05ranks\x18\x05 \x03(\x0b\x32\x14.trinity.v1.RankInfo\x12\x11\n\tmax_batch\x18\x06 \x01(\r2\x9d\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.trinity.v1.GenerateRequest\x1a\x1c.trinity.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.trinity.v1.GetModelInfoRequest\x1a\x15.trinity.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=58
-  _globals['_CHATMESSAGE']._serialized_end=102
-  _globals['_GENERATEREQUEST']._serialized_start=105
-  _globals['_GENERATEREQUEST']._serialized_end=1098
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=803
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=851
-  _globals['_TOPLOGPROBS']._serialized_start=1100
-  _globals['_TOPLOGPROBS']._serialized_end=1150
-  _globals['_USAGE']._serialized_start=1153
-  _globals['_USAGE']._serialized_end=1300
-  _globals['_GENERATERESPONSE']._serialized_start=1303
-  _globals['_GENERATERESPONSE']._serialized_end=1581
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1583
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1604
-  _globals['_RANKINFO']._serialized_start=1607
-  _globals['_RANKINFO']._serialized_end=1766
-  _globals['_MODELINFO']._serialized_start=1769
-  _globals['_MODELINFO']._serialized_end=1919
-  _globals['_GENERATION']._serialized_start=1922
-  _globals['_GENERATION']._serialized_end=2079
+  _globals['_CHATMESSAGE']._serialized_end=129
+  _globals['_GENERATEREQUEST']._serialized_start=132
+  _globals['_GENERATEREQUEST']._serialized_end=1153
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=858
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=906
+  _globals['_TOPLOGPROBS']._serialized_start=1155
+  _globals['_TOPLOGPROBS']._serialized_end=1205
+  _globals['_USAGE']._serialized_start=1208
+  _globals['_USAGE']._serialized_end=1381
+  _globals['_GENERATERESPONSE']._serialized_start=1384
+  _globals['_GENERATERESPONSE']._serialized_end=1686
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1688
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1709
+  _globals['_RANKINFO']._serialized_start=1712
+  _globals['_RANKINFO']._serialized_end=1871
+  _globals['_MODELINFO']._serialized_start=1874
+  _globals['_MODELINFO']._serialized_end=2024
+  _globals['_GENERATION']._serialized_start=2027
+  _globals['_GENERATION']._serialized_end=2184
 # @@protoc_insertion_point(module_scope)

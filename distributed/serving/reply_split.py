@@ -1,0 +1,112 @@
+"""Generated text split into reasoning, content and tool calls as it streams, as
+mlx-lm's server splits it: one TextStateMachine (mlx_lm.generate) whose states are
+"normal" (content), "reasoning" (between the tokenizer's think_start and think_end,
+where its TokenizerWrapper found think tokens: `has_thinking`) and "tool" (between
+tool_call_start and tool_call_end, where the tool parser mlx-lm found for the
+tokenizer, json_tools, qwen3_coder, ..., parses each call). The markers themselves
+are stripped. A prompt that ends inside an open think (the chat template's generation
+prompt opened it, as Trinity-Thinking's and Qwen3's do) starts in "reasoning".
+"""
+
+import json
+import uuid
+from typing import List, NamedTuple, Optional
+
+from mlx_lm.generate import TextStateMachine
+
+
+class Split(NamedTuple):
+    reasoning: str
+    content: str
+    calls: List[dict]
+
+
+def reply_prompt(request):
+    """The prompt whose end decides where a request's reply starts: none for a constrained one,
+    whose grammar holds from its first token (the reply is all answer, even after an open think)."""
+    return request.prompt_ids if request.grammar is None else None
+
+
+def prompt_opens_reasoning(tokenizer, prompt_ids) -> bool:
+    """Whether the prompt ends inside an open think (mlx-lm's server's test)."""
+    if not getattr(tokenizer, "has_thinking", False) or not prompt_ids:
+        return False
+    ids = list(prompt_ids)
+    return tokenizer.rfind_think_start(ids) > tokenizer.rfind_think_end(ids)
+
+
+class ReplySplitter:
+    """feed(text) -> Split of what can be shown now; finish() -> what was held back."""
+
+    def __init__(self, tokenizer, tools: Optional[List[dict]] = None, prompt_ids=None):
+        self.tools, self.parser = tools, tokenizer.tool_parser if tools else None
+        self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        self.thinks = bool(getattr(tokenizer, "has_thinking", False))
+        transitions = {"normal": []}
+        if self.thinks:
+            transitions["normal"].append((tokenizer.think_start, "reasoning"))
+            transitions["reasoning"] = [(tokenizer.think_end, "normal")]
+        if tools:
+            transitions["normal"].append((self.start, "tool"))
+            transitions["tool"] = [(self.end, "normal")] if self.end else []
+        self._sm = TextStateMachine(transitions) if self.thinks or tools else None
+        initial = "reasoning" if prompt_opens_reasoning(tokenizer, prompt_ids) else "normal"
+        self._state = self._sm.make_state(initial) if self._sm else None
+        self._call = ""  # text of the call being generated
+        self.count = 0  # calls parsed so far
+
+    @property
+    def state(self) -> str:
+        """"normal", "reasoning" or "tool": where the text fed so far has left the reply."""
+        return self._state[0] if self._state else "normal"
+
+    def feed(self, text: str) -> Split:
+        """New generated text -> what to show of it now (a marker's possible start is held back)."""
+        if self._sm is None:
+            return Split("", text, [])
+        self._state, segments = TextStateMachine.split(self._state, text)
+        return self._take(segments, final=False)
+
+    def finish(self) -> Split:
+        """The end of the generation: what was held back, and a call left open."""
+        if self._sm is None:
+            return Split("", "", [])
+        self._state, held, state = TextStateMachine.flush(self._state)
+        return self._take([(state, held)], final=True)
+
+    def _take(self, segments, final: bool) -> Split:
+        reasoning, content, calls = [], [], []
+        for i, (state, text) in enumerate(segments):
+            if state == "reasoning":
+                reasoning.append(text)
+            if state == "tool":
+                self._call += text
+                if not final:
+                    continue
+            closed = state != "tool" and i > 0 and segments[i - 1][0] == "tool"
+            if closed or (final and state == "tool"):  # a call ended, or the generation did inside one
+                parsed = self._parse(self._call) if self._call.strip() else None
+                if parsed is None:  # not a call after all (e.g. cut short): show it as text
+                    content.append(self.start + self._call + (self.end if closed else ""))
+                calls += parsed or []
+                self._call = ""
+            if state == "normal":
+                content.append(text)
+        return Split("".join(reasoning), "".join(content), calls)
+
+    def _parse(self, text: str) -> Optional[List[dict]]:
+        try:
+            parsed = self.parser(text, self.tools)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+        calls = []
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return None
+            arguments = call.get("arguments", {})
+            calls.append({"index": self.count, "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                          "type": "function", "function": {
+                              "name": call["name"],
+                              "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}})
+            self.count += 1
+        return calls

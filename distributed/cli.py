@@ -16,7 +16,6 @@ from typing import List, Optional
 from . import TrinityError
 from .help_format import HelpFormatter
 from .runtime.prefill import PREFILL_STEP_SIZE
-from .runtime.prefix_cache import default_budget
 from .runtime.request import GenerationRequest, RequestError, TokenEvent
 from .runtime.scheduler import Scheduler
 from .serving.front_ends import start_front_ends
@@ -26,8 +25,10 @@ from .serving.request_log import RequestLog
 from .serving import speculation_flags
 from .serving.requests import prompt_ids
 from .shard.config import model_args
-from .shard.kv_budget import DEFAULT_CONTEXT, MAX_BATCH, kv_budget
+from .shard.kv_budget import DEFAULT_CONTEXT, MAX_BATCH
+from .shard.memory_limit import parse_memory_limit
 from .startup.join import build_pipeline, join_ranks
+from .startup.sizing import context_arg, context_limit, serving_sizes
 from .startup.lifecycle import Lifecycle, RankStop, launched_by_launcher, launcher_restarts
 from .startup.preflight import check_launch
 from .startup.watchdog import Watchdog
@@ -78,8 +79,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    f"(for this estimate --max-context defaults to {DEFAULT_CONTEXT}), at most {MAX_BATCH}")
     p.add_argument("--prefill-batch-tokens", type=int, default=2048,
                    help="waiting prompts prefill together up to this many tokens (each padded to the longest)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="prompt + max tokens limit (default: max_position_embeddings)")
+    p.add_argument("--max-context", type=context_arg, default=None, metavar="N|auto",
+                   help="prompt + max tokens limit (default: max_position_embeddings); auto: the longest at which "
+                   "--max-batch sequences' KV caches fit beside the weights on the tightest rank")
+    p.add_argument("--memory-limit", type=parse_memory_limit, default=None, metavar="BYTES|auto",
+                   help="memory each rank plans with and MLX holds it to (set_memory_limit, and the buffer cache "
+                   "bounded to the planning margin); auto: its share of its host's memory (ranks of one host divide "
+                   "it); default: that share, MLX unbounded")
     faults = p.add_argument_group("faults (several ranks)")
     faults.add_argument("--peer-timeout", type=float, default=5.0, metavar="SECONDS",
                         help="a rank silent this long on the control channel counts as failed: every rank exits")
@@ -149,31 +155,18 @@ def _flag_error(e: RequestError) -> TrinityError:
     return TrinityError(f"{flag}: {str(e).split(': ', 1)[1]}")
 
 
-def build_request(args, tokenizer, config) -> GenerationRequest:
+def build_request(args, tokenizer, config, max_context: Optional[int] = None) -> GenerationRequest:
     try:
-        return validated_request(args, prompt_tokens(args, tokenizer), config)
+        return validated_request(args, prompt_tokens(args, tokenizer), config, max_context)
     except RequestError as e:
         raise _flag_error(e) from None
 
 
-def validated_request(args, prompt_ids: List[int], config) -> GenerationRequest:
-    """The flags' request for `prompt_ids`; raises RequestError."""
+def validated_request(args, prompt_ids: List[int], config, max_context: Optional[int] = None) -> GenerationRequest:
+    """The flags' request for `prompt_ids` (within `max_context`, else --max-context's limit); raises RequestError."""
     request = _request(args, prompt_ids)
-    request.validate(model_args(config).vocab_size, context_limit(args, config))
+    request.validate(model_args(config).vocab_size, max_context or context_limit(args, config))
     return request
-
-
-def context_limit(args, config) -> int:
-    """Prompt + max tokens limit: --max-context, else the model's."""
-    return args.max_context or config.get("max_position_embeddings") or 2**31
-
-
-def prefix_cache_budget(args, config, ranks, memory_bytes: List[int]) -> int:
-    """--prefix-cache-bytes, else a share of the tightest rank's memory beside its weights."""
-    if args.prefix_cache_bytes is not None:
-        return args.prefix_cache_bytes
-    context = min(context_limit(args, config), args.max_context or DEFAULT_CONTEXT)
-    return default_budget(kv_budget(config, ranks, memory_bytes, context).free_bytes)
 
 
 def prompt_tokens(args, tokenizer) -> List[int]:
@@ -275,12 +268,10 @@ def serve(args, options: ServeOptions, front_ends, requests: RequestLog, group, 
 
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     ranks = pipeline.rank_info()
-    max_context = context_limit(args, config)
-    context = min(max_context, args.max_context or DEFAULT_CONTEXT)
-    prefix_cache_bytes = prefix_cache_budget(args, config, ranks, built.memory_bytes)
-    # The prefix cache's bytes come out of every rank's share before the default batch size.
-    budget = kv_budget(config, ranks, built.memory_bytes, context, set_aside_bytes=prefix_cache_bytes)
-    max_batch = args.max_batch or budget.max_batch
+    for row, memory in zip(ranks, built.memory_bytes):
+        row.update(memory_bytes=memory, memory_limited=args.memory_limit is not None)
+    sizes = serving_sizes(args, config, ranks, built.memory_bytes)
+    max_context, max_batch, prefix_cache_bytes = sizes.max_context, sizes.max_batch, sizes.prefix_cache_bytes
 
     # The scheduler runs on this main thread (see Scheduler.start); front ends' threads only queue.
     scheduler = Scheduler(pipeline, tokenizer, max_queue=options.max_queue,
@@ -303,7 +294,8 @@ def serve(args, options: ServeOptions, front_ends, requests: RequestLog, group, 
     for front_end in front_ends:
         front_end.attach(scheduler, tokenizer, info)
     print(f"serving {info.model_id} on " + " and ".join(f.describe() for f in front_ends), flush=True)
-    print(f"max batch: {max_batch}" + (" (--max-batch)" if args.max_batch else f": {budget.describe()}"), flush=True)
+    for line in sizes.lines:
+        print(line, flush=True)
     stop.running(scheduler.stop)
     try:
         scheduler.serve_forever()
@@ -347,7 +339,10 @@ def run(args, stop: RankStop) -> None:
     pipeline, path, config = built.pipeline, built.path, built.config
     from mlx_lm.utils import load_tokenizer
 
-    cache_bytes = prefix_cache_budget(args, config, pipeline.rank_info(), built.memory_bytes) if args.chat else 0
+    sizes = serving_sizes(args, config, pipeline.rank_info(), built.memory_bytes, batch=1)  # one sequence
+    for line in sizes.lines[1:]:  # the context, with --max-context auto
+        print(line, file=sys.stderr, flush=True)
+    cache_bytes = sizes.prefix_cache_bytes if args.chat else 0
     scheduler = Scheduler(pipeline, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")),
                           prefill_step_size=args.prefill_step_size, prefix_cache_bytes=cache_bytes,
                           speculation=speculation_flags.options(args))
@@ -357,8 +352,8 @@ def run(args, stop: RankStop) -> None:
         if args.chat:
             from .serving.chat import chat
 
-            return chat(scheduler, lambda ids: validated_request(args, ids, config), stop.running)
-        request = build_request(args, scheduler.tokenizer, config)
+            return chat(scheduler, lambda ids: validated_request(args, ids, config, sizes.max_context), stop.running)
+        request = build_request(args, scheduler.tokenizer, config, sizes.max_context)
         result = generate_once(scheduler, request, stream=not args.json, stop=stop)
         result["ranks"] = pipeline.rank_info()
         if scheduler.batcher.speculation.enabled:

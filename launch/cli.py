@@ -174,15 +174,30 @@ def cmd_plan(args) -> int:
         raise TrinityError(f"host {h.ssh} (rank {h.rank}) has no memory_gb in the hostfile; `launch plan` needs "
                            "one per remote host (`launch run` measures it at start-up instead)")
     plan = make_plan(config, sizes, hf, context, args.margin)
+    longest = longest_contexts(config, plan) if plan.fits else {}
     if args.json:
-        print(json.dumps(plan.to_json()))
+        print(json.dumps({**plan.to_json(), "longest_context": longest}))
     else:
         print(f"{label}: {sum(plan.split)} layers over {len(plan.hosts)} hosts")
         print(plan.describe())
+        if longest:
+            print("longest context these hosts hold (run_trinity --max-context auto): "
+                  + ", ".join(f"{c} tokens for {b} sequence{'s' if b > 1 else ''}" for b, c in longest.items()))
     if not plan.fits:
         print(f"launch: the model does not fit:\n{plan.shortfall()}", file=sys.stderr)
         return 1
     return 0
+
+
+def longest_contexts(config: dict, plan, batches=(1, 8, 32)) -> dict:
+    """{batch: the longest context at which that many sequences' caches fit beside each
+    host's planned weights}, as `--max-context auto` computes it on the ring."""
+    from distributed.shard.kv_budget import longest_context
+
+    rows = [{"layers": [h.start, h.end], "parameter_bytes": h.weight_bytes} for h in plan.hosts]
+    memory = [h.memory_bytes for h in plan.hosts]
+    limit = config.get("max_position_embeddings") or 2**31
+    return {b: longest_context(config, rows, memory, b, limit, margin=plan.margin).context for b in batches}
 
 
 def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
@@ -205,7 +220,8 @@ def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
 
         model, path, config = checkpoint.load_config(flag_value(cmd, "--model"))
         max_context = flag_value(cmd, "--max-context")
-        context = choose_context(args.context, max_context, preset.get("context"), config=config)
+        auto = max_context == "auto"  # sized by rank 0 after loading; the plan takes the usual target
+        context = choose_context(args.context, None if auto else max_context, preset.get("context"), config=config)
         if max_context is None:  # the ranks then refuse what the plan did not budget for
             cmd += ["--max-context", str(context)]
         fill_local_memory(hf)

@@ -14,9 +14,8 @@ together, in chunks that follow each other along the ring. While groups are
 decoding, each chunk rides in a group's decode step, in the same frame
 (chunked prefill, as vLLM and Sarathi-Serve mix them: Stage.mixed runs the
 MoE over both), so the running rows take a token per chunk, and a step is
-delayed by one bounded chunk at most. (With one rank, a chunk goes alone, before
-the step: see `mix`.) Then the batch's rows join the groups, each with its last
-prompt token as its next input: its first decode step gives its first token.
+delayed by one bounded chunk at most (with one rank, a chunk goes alone: `mix`). Then the
+batch's rows join the groups, each with its last prompt token as its next input.
 """
 
 from collections import deque

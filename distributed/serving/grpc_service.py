@@ -211,10 +211,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             rows = scheduler.rank_info()
         except RingUnavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the pipeline is down: {e}")
+        planned = {r["rank"]: r for r in info.ranks}  # the memory each rank plans with, from the start
         ranks = [
             pb.RankInfo(rank=r["rank"], host=r["host"], layer_start=r["layers"][0], layer_end=r["layers"][1],
                         embed=r["embed"], head=r["head"], peak_memory_bytes=r["peak_memory_bytes"],
-                        parameter_bytes=r.get("parameter_bytes", 0))
+                        parameter_bytes=r.get("parameter_bytes", 0),
+                        memory_bytes=planned.get(r["rank"], {}).get("memory_bytes", 0),
+                        memory_limited=planned.get(r["rank"], {}).get("memory_limited", False))
             for r in rows
         ]
         return pb.ModelInfo(model_id=info.model_id, vocab_size=info.vocab_size, max_context=info.max_context,

@@ -13,6 +13,7 @@ from typing import Dict, Optional
 
 from .. import TrinityError
 from ..shard.memory import gather_memory
+from ..shard.memory_limit import limited
 from ..shard.memory_plan import DEFAULT_MARGIN, Plan, plan_layers
 
 PLAN_ENV = "TRINITY_PLAN"
@@ -28,7 +29,7 @@ def plan_spec(hosts, margin: float, context: int) -> str:
 
 
 def startup_plan(config: dict, group, context: Optional[int] = None,
-                 index_sizes: Optional[Dict[str, int]] = None) -> Plan:
+                 index_sizes: Optional[Dict[str, int]] = None, memory_limit=None) -> Plan:
     """Measure, exchange and plan; every rank of `group` must call it, before loading.
 
     Memory from TRINITY_PLAN wins over the measured figure; context: the argument,
@@ -36,7 +37,7 @@ def startup_plan(config: dict, group, context: Optional[int] = None,
     plan.shortfall() on every rank) before loading.
     """
     spec = json.loads(os.environ.get(PLAN_ENV) or "{}")
-    measured = gather_memory(group)
+    measured = [limited(m, memory_limit) for m in gather_memory(group)]  # --memory-limit's bytes win
     hosts = spec.get("hosts") or [{} for _ in range(group.size())]
     if len(hosts) != group.size():
         raise TrinityError(f"{PLAN_ENV} describes {len(hosts)} hosts but {group.size()} ranks started")

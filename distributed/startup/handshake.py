@@ -46,11 +46,12 @@ def _row(rank, memory, fp, start, end, need, host) -> List[int]:
     return [rank, memory >> 31, memory & _LOW, *fp_ints, start, end, need >> 31, need & _LOW] + chars + [0] * (HOST_CHARS - len(chars))
 
 
-def handshake(group, model_path: Path, config: dict, ranges, context: int) -> List[dict]:
+def handshake(group, model_path: Path, config: dict, ranges, context: int, memory_limit=None) -> List[dict]:
     """A collective (all_sum: every backend has it). Returns every rank's report,
     or raises TrinityError naming each rank with a different checkpoint or a
-    slice that does not fit."""
+    slice that does not fit. Each rank's memory is its host share, or --memory-limit's bytes."""
     from ..shard.memory import share_by_host, usable_memory_bytes
+    from ..shard.memory_limit import limited
     from ..shard.sizes import model_sizes
 
     rank = group.rank()
@@ -71,7 +72,7 @@ def handshake(group, model_path: Path, config: dict, ranges, context: int) -> Li
     shared = share_by_host([r["memory_bytes"] for r in reports], [r["host"] for r in reports])
     problems = []
     for r, memory in zip(reports, shared):
-        r["memory_bytes"] = memory
+        r["memory_bytes"] = memory = limited(memory, memory_limit)
         if r["fingerprint"] != reports[0]["fingerprint"]:
             problems.append(f"rank {r['rank']} ({r['host']}) has a different checkpoint than rank 0 "
                             "(config.json, weight index or file sizes differ)")

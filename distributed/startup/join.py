@@ -22,12 +22,14 @@ from ..shard.checkpoint import load_config
 from ..shard.config import model_args
 from ..shard.loader import fetch_stage_files, load_stage
 from ..shard.memory import share_by_host, usable_memory_bytes
+from ..shard.memory_limit import AUTO, apply_memory_limit
 from ..shard.plan import layer_ranges, parse_split
 from ..transport.collective import MxCollective
 from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
 from .handshake import StartupRefused, agree_control_address, exchange_errors, handshake
 from .preflight import allow_mpi_calls_from_any_thread, check_group
+from .sizing import fixed_context
 from .watchdog import CONTROL_ENV, Control, Watchdog, parse_address
 
 
@@ -45,13 +47,13 @@ def startup_check(group, error: Optional[BaseException], hosts: List[str], watch
         raise StartupRefused("; ".join(failed))
 
 
-def planned_split(config: dict, group, max_context: Optional[int]) -> List[int]:
+def planned_split(config: dict, group, max_context: Optional[int], memory_limit=None) -> List[int]:
     """--split auto: every rank measures its memory, all exchange it, and each
     computes the same memory-proportional plan (from config.json alone, so
     ranks holding different weight files still agree)."""
     from .auto_split import startup_plan
 
-    plan = startup_plan(config, group, context=max_context)
+    plan = startup_plan(config, group, context=max_context, memory_limit=memory_limit)
     if not plan.fits:
         raise StartupRefused("the model does not fit:\n" + plan.shortfall())
     return plan.split
@@ -136,7 +138,7 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None,
     num_layers = model_args(config).num_hidden_layers
     if args.split == "auto":
         try:
-            split = planned_split(config, group, args.max_context)
+            split = planned_split(config, group, fixed_context(args), args.memory_limit)
         except StartupRefused:
             if watchdog is not None:
                 watchdog.close()  # every rank made the same plan, and exits with it
@@ -147,19 +149,25 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None,
 
     if world == 1:
         memory = share_by_host([usable_memory_bytes()] * len(ranges), ["here"] * len(ranges))
+        if args.memory_limit not in (None, AUTO):  # one process holds every stage: they divide its bytes
+            memory = [args.memory_limit // len(ranges)] * len(ranges)
+        if args.memory_limit is not None:
+            apply_memory_limit(sum(memory))
         path = fetch_stage_files(model, 0, num_layers, True, config_dir)
         stages = [load_stage(path, s, e, i == 0, config) for i, (s, e) in enumerate(ranges)]
         return Loaded(in_process_pipeline(stages), path, config, memory)
 
     rank = group.rank()
     start, end = ranges[rank]
-    context = args.max_context or config.get("max_position_embeddings") or 4096
+    context = fixed_context(args) or config.get("max_position_embeddings") or 4096
     try:
-        reports = handshake(group, config_dir, config, ranges, context)
+        reports = handshake(group, config_dir, config, ranges, context, args.memory_limit)
     except StartupRefused:
         if watchdog is not None:
             watchdog.close()  # every rank found the same problems, and exits naming them
         raise
+    if args.memory_limit is not None:
+        apply_memory_limit(reports[rank]["memory_bytes"])
     stage, path, error = None, None, None
     try:
         path = fetch_stage_files(model, start, end, rank == 0, config_dir)

@@ -206,3 +206,25 @@ def test_help_shows_defaults_and_names_readme_sections_that_exist(capsys):
     sections = re.findall(r'"([^"]+)"', top[top.index("more in README.md"):])
     headings = set(re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), re.M))
     assert sections and set(sections) <= headings, sections
+
+
+def test_plan_reports_the_longest_context_each_batch_gets(capsys):
+    """The context `--max-context auto` would give on these hosts: for 8 sequences on three
+    96 GB Macs Trinity-Large's full-attention caches bind; for one, the model's own limit."""
+    from distributed.shard.kv_budget import longest_context
+
+    code, out, _ = cli(capsys, "plan", "--preset", "trinity-large", "--memory-gb", "96,96,96", "--quantize", "4", "--json")
+    plan = json.loads(out)
+    rows = [{"layers": h["layers"], "parameter_bytes": h["weight_bytes"]} for h in plan["hosts"]]
+    memory = [h["memory_bytes"] for h in plan["hosts"]]
+    from launch.bundled import resolve
+
+    config = json.loads(resolve("preset", "trinity-large").read_text())["config"]
+    from distributed.shard.sizes import quantize_config
+
+    config = quantize_config(config, 4)
+    expected = {str(b): longest_context(config, rows, memory, b, 262144).context for b in (1, 8, 32)}
+    assert code == 0 and plan["longest_context"] == expected
+    assert expected["1"] == 262144 > expected["8"] > expected["32"] > 0
+    code, out, _ = cli(capsys, "plan", "--preset", "trinity-large", "--memory-gb", "96,96,96", "--quantize", "4")
+    assert f"{expected['8']} tokens for 8 sequences" in out

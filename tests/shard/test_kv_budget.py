@@ -47,3 +47,39 @@ def test_at_least_one_and_at_most_the_cap():
     assert full.max_batch == 1 and full.free_bytes[0] < full.sequence_bytes[0]
     roomy = kv_budget(mini(), ranks((0, 32), params=(1 * GIB,)), [1024 * GIB], 128)
     assert roomy.max_batch == MAX_BATCH
+
+
+def by_hand_context(memory, params, sliding, full, batch, limit):
+    """The longest context (the cache grows 256 tokens at a time) that `batch` sequences fit in."""
+    free = int(memory * (1 - DEFAULT_MARGIN)) - params
+    best = 0
+    for c in range(1, limit + 1):
+        allocated = -(-c // 256) * 256
+        if batch * KV_TOKEN * (sliding * min(allocated, 2048) + full * allocated) <= free:
+            best = c
+    return best
+
+
+def test_the_longest_context_is_what_the_tightest_rank_holds_for_the_batch():
+    from distributed.shard.kv_budget import longest_context
+
+    for memory, batch in ((9 * GIB, 4), (12 * GIB, 6), (7 * GIB, 2)):
+        fit = longest_context(mini(), ranks((0, 16), (16, 32)), [24 * GIB, memory], batch, 131072)
+        assert fit.tightest_rank == 1 and fit.batch == batch
+        assert fit.context == by_hand_context(memory, 6 * GIB, 12, 4, batch, 131072)
+        assert f"{fit.context} tokens for each of {batch}" in fit.describe()
+    # Room for more than the model's limit: the limit; for not even the sliding windows: 0.
+    assert longest_context(mini(), ranks((0, 16), (16, 32)), [200 * GIB] * 2, 1, 4096).context == 4096
+    assert longest_context(mini(), ranks((0, 16), (16, 32)), [24 * GIB, 6.7 * GIB], 64, 131072).context == 0
+    # A rank of sliding layers only never runs out past its windows.
+    only_sliding = [{"layers": [0, 3], "parameter_bytes": GIB}]
+    assert longest_context(mini(), only_sliding, [8 * GIB], 1, 131072).context == 131072
+
+
+def test_set_aside_bytes_shorten_the_context():
+    from distributed.shard.kv_budget import longest_context
+
+    plain = longest_context(mini(), ranks((0, 16), (16, 32)), [24 * GIB] * 2, 16, 131072)
+    less = longest_context(mini(), ranks((0, 16), (16, 32)), [24 * GIB] * 2, 16, 131072, set_aside_bytes=4 * GIB)
+    assert plain.context == by_hand_context(24 * GIB, 8 * GIB, 12, 4, 16, 131072)
+    assert less.context == by_hand_context(24 * GIB, 12 * GIB, 12, 4, 16, 131072) < plain.context

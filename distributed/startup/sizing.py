@@ -1,0 +1,86 @@
+"""What rank 0 sizes once the ring is loaded: the context a request may use, the batch
+and the prefix cache, all from each rank's memory figure (its host share, or
+--memory-limit) beside the weights it holds.
+
+`--max-context N` is a limit as given; `--max-context auto` is the longest context at
+which --max-batch sequences' caches fit on the tightest rank (kv_budget.longest_context),
+so a request that could not fit is refused up front, naming the numbers, instead of
+running out of memory mid-prefill.
+"""
+
+from argparse import ArgumentTypeError
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+from .. import TrinityError
+from ..runtime.prefix_cache import default_budget
+from ..shard.kv_budget import DEFAULT_CONTEXT, kv_budget, longest_context
+
+AUTO = "auto"
+
+
+def context_arg(text: str) -> Union[int, str]:
+    """--max-context's value: a token count, or auto."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected a token count or auto, got {text!r}") from None
+    if value < 1:
+        raise ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def fixed_context(args) -> Optional[int]:
+    """--max-context as a number (None: absent, or auto, which is known only after loading)."""
+    return None if args.max_context in (None, AUTO) else args.max_context
+
+
+def model_context(config: dict) -> int:
+    return config.get("max_position_embeddings") or 2**31
+
+
+def context_limit(args, config: dict) -> int:
+    """Prompt + max tokens limit before sizing: --max-context, else the model's."""
+    return fixed_context(args) or model_context(config)
+
+
+def planning_context(args, config: dict) -> int:
+    """The context the default batch and prefix cache are planned at."""
+    return min(context_limit(args, config), fixed_context(args) or DEFAULT_CONTEXT)
+
+
+def prefix_cache_budget(args, config: dict, ranks, memory_bytes: List[int]) -> int:
+    """--prefix-cache-bytes, else a share of the tightest rank's memory beside its weights."""
+    if args.prefix_cache_bytes is not None:
+        return args.prefix_cache_bytes
+    return default_budget(kv_budget(config, ranks, memory_bytes, planning_context(args, config)).free_bytes)
+
+
+@dataclass
+class Sizes:
+    max_context: int
+    max_batch: int
+    prefix_cache_bytes: int
+    lines: List[str]  # what was chosen and why, printed at start
+
+
+def serving_sizes(args, config: dict, ranks, memory_bytes: List[int], batch: Optional[int] = None) -> Sizes:
+    """The context, batch and prefix cache of a server (`batch`: a fixed batch, as --chat's 1)."""
+    prefix_cache_bytes = prefix_cache_budget(args, config, ranks, memory_bytes)
+    # The prefix cache's bytes come out of every rank's share before the batch and the context.
+    budget = kv_budget(config, ranks, memory_bytes, planning_context(args, config), set_aside_bytes=prefix_cache_bytes)
+    max_batch = batch or args.max_batch or budget.max_batch
+    lines = [f"max batch: {max_batch}" + (" (--max-batch)" if args.max_batch or batch else f": {budget.describe()}")]
+    max_context = context_limit(args, config)
+    if args.max_context == AUTO:
+        fit = longest_context(config, ranks, memory_bytes, max_batch, model_context(config),
+                              set_aside_bytes=prefix_cache_bytes)
+        if fit.context < 1:
+            raise TrinityError(f"--max-context auto: no context fits {max_batch} sequences: rank {fit.tightest_rank} "
+                               f"has {fit.free_bytes / 2**30:.2f} GiB beside its weights (lower --max-batch or "
+                               f"--prefix-cache-bytes, or give the ring more memory)")
+        max_context = fit.context
+        lines.append(f"max context: {fit.describe()} (--max-context auto)")
+    return Sizes(max_context, max_batch, prefix_cache_bytes, lines)

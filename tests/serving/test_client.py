@@ -15,7 +15,8 @@ def test_64_bit_fields_are_json_numbers_at_every_depth():
     assert [r["peak_memory_bytes"] for r in out["ranks"]] == [2**63 + 5, 0]  # exact, and unset fields present
     assert [r["parameter_bytes"] for r in out["ranks"]] == [9, 0]
     assert out["ranks"][1] == {"rank": 1, "host": "", "layer_start": 0, "layer_end": 0, "embed": False,
-                               "head": False, "peak_memory_bytes": 0, "parameter_bytes": 0}
+                               "head": False, "peak_memory_bytes": 0, "parameter_bytes": 0,
+                               "memory_bytes": 0, "memory_limited": False}
 
 
 def test_an_optional_64_bit_field_only_when_set():

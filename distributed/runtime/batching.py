@@ -31,7 +31,7 @@ from .grammar import prepare_masks
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .sequence import Sequence
-from .speculation import PromptLookupDrafter, SpeculationOptions, SpeculationStats, judge, propose
+from .speculation import SpeculationOptions, SpeculationStats, judge, make_drafter, propose
 
 
 class PrefixHooks:
@@ -81,9 +81,9 @@ class Batcher:
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.speculation = speculation or SpeculationOptions()
         # Drafts for one-row groups (anything with propose(seq, k)); None: no speculation.
-        self.drafter = PromptLookupDrafter(self.speculation) if self.speculation.enabled else None
-        self.spec_stats = SpeculationStats()
         ranks = pipeline.num_ranks
+        self.drafter = make_drafter(self.speculation, sequences=ranks)
+        self.spec_stats = SpeculationStats()
         self.groups = [Group(slot) for slot in range(ranks)]
         self.group_cap = -(-max_batch // len(self.groups))
         self.max_batch = max_batch
@@ -273,7 +273,7 @@ class Batcher:
         _, h = self.pipeline.recv()
         seq, drafts = frame.sequences[0], frame.drafts
         with self.pipeline.stats.computing():
-            tokens, chosen, tops = judge(self.pipeline.stage.head, seq, drafts, h)
+            tokens, chosen, tops = judge(self.pipeline.stage.head, seq, drafts, h, self.speculation.num_draft_tokens)
         self.spec_stats.accepted += len(tokens) - 1
         reason, last = None, 0
         for last, token in enumerate(tokens):

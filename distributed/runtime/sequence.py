@@ -99,6 +99,7 @@ class Sequence:
         # drafts, and the passes in a row whose drafts missed.
         self.draft_pause = 0
         self.draft_misses = 0
+        self.draft_k = 0  # drafts its next pass may carry (speculation.adapt; 0: not yet set)
 
     def _resume(self, tokens: List[int]) -> None:
         """Bring the streaming state to where the original run was after `tokens`:

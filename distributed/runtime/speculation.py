@@ -6,13 +6,17 @@ token streamed is the target's own draw, so greedy output is the same token for 
 and sampled output keeps the target's distribution). The caches of every rank then
 drop the positions of the rejected drafts (Op.TRIM: caches.trim_newest).
 
-Drafters here: prompt lookup (n-gram matching over the prompt and the text so far, as
-HF transformers' prompt_lookup_num_tokens and vLLM's ngram method do). A drafter only
-proposes; it never changes what is streamed.
+Drafters: prompt lookup (n-gram matching over the prompt and the text so far, as
+HF transformers' prompt_lookup_num_tokens and vLLM's ngram method do) and a draft model
+(draft_model.py); with both, a lookup match wins (it copies text the sequence already
+holds) and the model drafts otherwise. A drafter only proposes; it never changes what
+is streamed. How many drafts a pass carries adapts per sequence (HF transformers'
+heuristic schedule): two more after a pass whose drafts all held, one fewer otherwise,
+between 1 and --num-draft-tokens.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import mlx.core as mx
 
@@ -23,16 +27,45 @@ DEFAULT_DRAFT_TOKENS = 4
 
 @dataclass
 class SpeculationOptions:
-    """What the server speculates with (the command line's --prompt-lookup, --num-draft-tokens)."""
+    """What the server speculates with (the command line's --prompt-lookup, --draft-model,
+    --num-draft-tokens)."""
 
     prompt_lookup: bool = False
     num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
     max_ngram: int = 3  # longest suffix of the history matched earlier in it
     min_ngram: int = 2  # shortest: one token alone predicts too little
+    draft: Any = None  # the draft model's Stage (every layer), loaded on rank 0
 
     @property
     def enabled(self) -> bool:
-        return self.prompt_lookup and self.num_draft_tokens > 0
+        return (self.prompt_lookup or self.draft is not None) and self.num_draft_tokens > 0
+
+
+def make_drafter(options: SpeculationOptions, sequences: int = 1):
+    """The drafter `options` ask for (None: no speculation); `sequences`: how many may
+    speculate at once (one-row groups: one per rank at most), whose draft caches are kept."""
+    if not options.enabled:
+        return None
+    drafters = [PromptLookupDrafter(options)] if options.prompt_lookup else []
+    if options.draft is not None:
+        from .draft_model import ModelDrafter
+
+        drafters.append(ModelDrafter(options.draft, sequences))
+    return drafters[0] if len(drafters) == 1 else FirstProposal(drafters)
+
+
+class FirstProposal:
+    """Several drafters: the first that proposes anything."""
+
+    def __init__(self, drafters):
+        self.drafters = drafters
+
+    def propose(self, seq, k: int) -> List[int]:
+        for drafter in self.drafters:
+            drafts = drafter.propose(seq, k)
+            if drafts:
+                return drafts
+        return []
 
 
 def prompt_lookup(history: List[int], k: int, max_ngram: int = 3, min_ngram: int = 2) -> List[int]:
@@ -77,6 +110,11 @@ def back_off(seq, accepted: Optional[int]) -> None:
         seq.draft_pause = min(2 ** seq.draft_misses, MAX_PAUSE)
 
 
+def adapt(seq, drafted: int, accepted: int, most: int) -> None:
+    """The sequence's next pass drafts two more after all `drafted` held, one fewer otherwise."""
+    seq.draft_k = min(most, seq.draft_k + 2) if accepted == drafted else max(1, seq.draft_k - 1)
+
+
 @dataclass
 class SpeculationStats:
     drafted: int = 0  # draft tokens sent for verification
@@ -90,7 +128,8 @@ class SpeculationStats:
 def propose(drafter, options: SpeculationOptions, seq) -> List[int]:
     """The drafter's tokens for `seq`'s next pass: never more than it can still take after
     the token the pass gives anyway; nothing to propose backs off one token."""
-    k = min(options.num_draft_tokens, seq.request.max_tokens - seq.count - 1)
+    seq.draft_k = seq.draft_k or options.num_draft_tokens
+    k = min(seq.draft_k, seq.request.max_tokens - seq.count - 1)
     drafts = drafter.propose(seq, k) if k > 0 else []
     if drafts and seq.logits.constraint is not None:  # what the grammar forbids cannot be accepted
         drafts = seq.logits.constraint.valid_prefix(seq.generated, drafts)
@@ -99,15 +138,17 @@ def propose(drafter, options: SpeculationOptions, seq) -> List[int]:
     return drafts
 
 
-def judge(head, seq, drafts: List[int], h: mx.array):
+def judge(head, seq, drafts: List[int], h: mx.array, most: int = DEFAULT_DRAFT_TOKENS):
     """A verification frame's reply `h` (1, K + 1, hidden): the tokens to stream (the
     target's draws up to the first that differs from its draft, that one included), their
-    logprobs and top logprobs; the sequence backs off if no draft held."""
+    logprobs and top logprobs; the sequence backs off if no draft held, and its next
+    pass drafts up to `most`."""
     logits = head(h)[0]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     mx.eval(logprobs)
     tokens = draws(seq, logits, logprobs, drafts)
     back_off(seq, len(tokens) - 1)
+    adapt(seq, len(drafts), len(tokens) - 1, most)
     return (tokens, *reported(seq, logprobs, tokens))
 
 

@@ -14,6 +14,7 @@ from typing import List, Optional, Union
 
 from .. import TrinityError
 from ..runtime.prefix_cache import default_budget
+from ..shard.draft import draft_bytes, draft_config
 from ..shard.kv_budget import DEFAULT_CONTEXT, kv_budget, longest_context
 
 AUTO = "auto"
@@ -56,6 +57,16 @@ def prefix_cache_budget(args, config: dict, ranks, memory_bytes: List[int]) -> i
     if args.prefix_cache_bytes is not None:
         return args.prefix_cache_bytes
     return default_budget(kv_budget(config, ranks, memory_bytes, planning_context(args, config)).free_bytes)
+
+
+def beside_draft(args, config: dict, memory_bytes: List[int], ranks: int) -> List[int]:
+    """Each rank's memory figure, rank 0's less what --draft-model takes there: its weights
+    and the caches of the sequences that may speculate at once (one per rank) at the
+    planning context."""
+    if not getattr(args, "draft_model", None):
+        return list(memory_bytes)
+    taken = draft_bytes(draft_config(args.draft_model)[1], planning_context(args, config), ranks)
+    return [max(0, memory_bytes[0] - taken), *memory_bytes[1:]]
 
 
 @dataclass

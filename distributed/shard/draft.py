@@ -3,6 +3,7 @@ its stage: a small AFMoE checkpoint that shares the target's tokenizer, loaded w
 (every layer, its embedding and head), and the memory it takes."""
 
 from pathlib import Path
+from typing import Optional
 
 from .. import TrinityError
 from .config import model_args, read_config
@@ -22,6 +23,12 @@ def draft_bytes(config: dict, context: int, sequences: int) -> int:
     layer keeps all its tokens: runtime/draft_model.py)."""
     sizes = model_sizes(config)
     return sizes.weight_bytes(0, sizes.num_layers, True) + sequences * context * sizes.num_layers * sizes.kv_bytes_per_token
+
+
+def draft_reserve(model: Optional[str], context: int, sequences: int) -> int:
+    """draft_bytes for --draft-model `model` (0 without one): what rank 0 is planned to hold
+    beside its layers, `sequences` being the ranks (one speculating sequence each at most)."""
+    return draft_bytes(draft_config(model)[1], context, sequences) if model else 0
 
 
 def load_draft(model: str, target_tokenizer) -> Stage:

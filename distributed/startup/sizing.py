@@ -14,7 +14,7 @@ from typing import List, Optional, Union
 
 from .. import TrinityError
 from ..runtime.prefix_cache import default_budget
-from ..shard.draft import draft_bytes, draft_config
+from ..shard.draft import draft_reserve
 from ..shard.kv_budget import DEFAULT_CONTEXT, kv_budget, longest_context
 
 AUTO = "auto"
@@ -63,9 +63,7 @@ def beside_draft(args, config: dict, memory_bytes: List[int], ranks: int) -> Lis
     """Each rank's memory figure, rank 0's less what --draft-model takes there: its weights
     and the caches of the sequences that may speculate at once (one per rank) at the
     planning context."""
-    if not getattr(args, "draft_model", None):
-        return list(memory_bytes)
-    taken = draft_bytes(draft_config(args.draft_model)[1], planning_context(args, config), ranks)
+    taken = draft_reserve(getattr(args, "draft_model", None), planning_context(args, config), ranks)
     return [max(0, memory_bytes[0] - taken), *memory_bytes[1:]]
 
 

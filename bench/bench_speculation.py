@@ -32,11 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PY, ROOT, bench_env, kill_groups, start_ranks  # noqa: E402
 
 
-def prompts() -> dict:
+def prompts(every: bool = False):
+    """{name: prompt} as above; every: the start of every held-out paragraph instead (a list)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from train_tiny_model import corpus  # the paragraphs training held out (every tenth)
 
     held_out = [p for p in corpus()[1].split("\n\n") if len(p) > 300]
+    if every:
+        return [p[:200] for p in held_out]
     passage = held_out[3][:600]
     return {"held-out": held_out[0][:200], "grounded": passage + "\n\n" + passage[:80]}
 

@@ -7,8 +7,9 @@ readable English, on text that ships with Python.
 --draft trains the embedded model's draft (distributed/shard/tiny_draft/, for
 `--draft-model`): 2 layers (a dense one, then an MoE one), the embedded model's own
 tokenizer, distilled from it on the same corpus (cross-entropy against the embedded
-model's next-token distribution) and on the embedded model's own greedy continuations of
-training prompts, so that it proposes what the target would draw.
+model's next-token distribution, plus its argmax as a hard label) and on the embedded
+model's own greedy continuations of training prompts, so that it proposes what the target
+would draw.
 
 Corpus: the prose of the standard library's `pydoc_data.topics` (the language reference
 that `help()` shows), from this interpreter, each paragraph once; every tenth paragraph is
@@ -212,8 +213,12 @@ def train(model, moe, stream, held_chunks, args, teacher=None):
         if teacher is None:
             loss = nn.losses.cross_entropy(logits, x[:, 1:]).mean()
         else:
-            target = mx.stop_gradient(mx.softmax(teacher(x[:, :-1]), axis=-1))
-            loss = -(target * nn.log_softmax(logits, axis=-1)).sum(axis=-1).mean()
+            # The teacher's distribution, and its argmax (what greedy decoding draws, which a
+            # draft must propose to be accepted) as a hard label beside it.
+            teacher_logits = mx.stop_gradient(teacher(x[:, :-1]))
+            target = mx.softmax(teacher_logits, axis=-1)
+            loss = (-(target * nn.log_softmax(logits, axis=-1)).sum(axis=-1).mean()
+                    + nn.losses.cross_entropy(logits, mx.argmax(teacher_logits, axis=-1)).mean())
         return loss, mx.stack(CountingSwitchGLU.loads)
 
     schedule = optim.join_schedules(

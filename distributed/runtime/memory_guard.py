@@ -43,16 +43,23 @@ def allocation_failed(e: BaseException) -> bool:
     return isinstance(e, (RuntimeError, MemoryError)) and any(w in str(e).lower() for w in _ALLOCATION_ERRORS)
 
 
+def activation_bytes(args, length: int, context: int, itemsize: int) -> int:
+    """An upper estimate of one row's activations in a layer, for `length` new tokens
+    attending to `context` positions: its attention scores (float32) and its MLP's or
+    experts' intermediates. Fitted to the tiny model on MLX's CPU backend, whose
+    attention materialises the scores: 10-20% above the peak seen."""
+    mlp = 3 * max(args.intermediate_size, (args.num_experts_per_tok + args.num_shared_experts)
+                  * args.moe_intermediate_size)
+    return int(args.num_attention_heads * length * context * 4 * 1.1) + length * (mlp + 12 * args.hidden_size) * itemsize
+
+
 def frame_bytes(stage: Stage, caches: List, rows: int, length: int, itemsize: int) -> int:
-    """An upper estimate of what running `rows` x `length` tokens through `stage` after
-    `caches` allocates: the largest layer's activations (its attention scores, its MLP's
-    or experts' intermediates) and every layer's KV cache growth (a grown cache is copied
-    whole). Fitted to the tiny model on MLX's CPU backend: 10-20% above the peak seen."""
+    """What running `rows` x `length` tokens through `stage` after `caches` allocates, at
+    most: the largest layer's activations and every layer's KV cache growth (a grown
+    cache is copied whole)."""
     a = stage.args
-    mlp = 3 * max(a.intermediate_size, (a.num_experts_per_tok + a.num_shared_experts) * a.moe_intermediate_size)
-    per_token = (mlp + 12 * a.hidden_size) * itemsize
     kv_token = 2 * a.num_key_value_heads * a.head_dim * itemsize
-    scores, kv = 0, 0
+    activations, kv = 0, 0
     for layer, cache in zip(stage.layers, caches):
         past = cache.size() if cache.keys is not None else 0
         if layer.use_sliding:
@@ -60,8 +67,8 @@ def frame_bytes(stage: Stage, caches: List, rows: int, length: int, itemsize: in
             kv += (past + length) * kv_token if length > 1 else 0
         elif cache.keys is None or past + length > cache.keys.shape[2]:
             kv += -(-(past + length) // _KV_STEP) * _KV_STEP * kv_token
-        scores = max(scores, a.num_attention_heads * length * (past + length) * 4)  # float32 scores
-    return rows * (int(scores * 1.1) + length * per_token + kv)
+        activations = max(activations, activation_bytes(a, length, past + length, itemsize))
+    return rows * (activations + kv)
 
 
 def figures(rank: int, needed: int, in_use: int, limit: int) -> mx.array:

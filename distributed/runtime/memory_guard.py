@@ -56,7 +56,7 @@ def activation_bytes(args, length: int, context: int, itemsize: int) -> int:
 def frame_bytes(stage: Stage, caches: List, rows: int, length: int, itemsize: int) -> int:
     """What running `rows` x `length` tokens through `stage` after `caches` allocates, at
     most: the largest layer's activations and every layer's KV cache growth (a grown
-    cache is copied whole)."""
+    cache is copied whole, beside the new positions' zeros)."""
     a = stage.args
     kv_token = 2 * a.num_key_value_heads * a.head_dim * itemsize
     activations, kv = 0, 0
@@ -66,7 +66,8 @@ def frame_bytes(stage: Stage, caches: List, rows: int, length: int, itemsize: in
             past = min(past, a.sliding_window)
             kv += (past + length) * kv_token if length > 1 else 0
         elif cache.keys is None or past + length > cache.keys.shape[2]:
-            kv += -(-(past + length) // _KV_STEP) * _KV_STEP * kv_token
+            grown = -(-length // _KV_STEP) * _KV_STEP  # mlx-lm's new zeros, then the whole cache concatenated
+            kv += (past + 2 * grown) * kv_token
         activations = max(activations, activation_bytes(a, length, past + length, itemsize))
     return rows * (activations + kv)
 

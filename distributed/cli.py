@@ -276,7 +276,7 @@ def serve(args, options: ServeOptions, front_ends, requests: RequestLog, group, 
 
     # The scheduler runs on this main thread (see Scheduler.start); front ends' threads only queue.
     scheduler = Scheduler(pipeline, tokenizer, max_queue=options.max_queue,
-                          prefill_step_size=args.prefill_step_size, max_batch=max_batch,
+                          prefill_step_size=sizes.prefill_step_size, max_batch=max_batch,
                           on_failure=on_failure, prefill_batch_tokens=args.prefill_batch_tokens,
                           prefix_cache_bytes=prefix_cache_bytes, speculation=speculation)
     print(f"prefix cache: up to {prefix_cache_bytes / 2**20:.1f} MiB on any rank" if prefix_cache_bytes
@@ -347,7 +347,7 @@ def run(args, stop: RankStop) -> None:
     for line in sizes.lines[1:]:  # the context, with --max-context auto
         print(line, file=sys.stderr, flush=True)
     cache_bytes = sizes.prefix_cache_bytes if args.chat else 0
-    scheduler = Scheduler(pipeline, tokenizer, prefill_step_size=args.prefill_step_size,
+    scheduler = Scheduler(pipeline, tokenizer, prefill_step_size=sizes.prefill_step_size,
                           prefix_cache_bytes=cache_bytes, speculation=speculation)
     if _watchdog is not None:
         _watchdog.on_failure = scheduler.abort

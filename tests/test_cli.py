@@ -202,7 +202,7 @@ def test_prompt_lookup_through_the_ring_gives_the_same_tokens(hf_checkpoint, tmp
     if draft:
         extra = [*extra, "--draft-model", str(truncated_draft(hf_checkpoint, tmp_path / "draft", 4))]
     out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "200", "--prompt-lookup",
-                    "--num-draft-tokens", "3", *extra], ranks)
+                    "--speculate", "always", "--num-draft-tokens", "3", *extra], ranks)
     assert out["token_ids"] == ref_tokens
     assert max(abs(a - b) for a, b in zip(out["logprobs"], ref_logprobs)) < 1e-4
     spec = out["speculative"]

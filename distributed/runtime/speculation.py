@@ -35,6 +35,7 @@ class SpeculationOptions:
     max_ngram: int = 3  # longest suffix of the history matched earlier in it
     min_ngram: int = 2  # shortest: one token alone predicts too little
     draft: Any = None  # the draft model's Stage (every layer), loaded on rank 0
+    measured: bool = True  # pause where passes cost more than plain steps (PassClock); False: never
 
     @property
     def enabled(self) -> bool:
@@ -94,13 +95,57 @@ class PromptLookupDrafter:
 
 
 MAX_PAUSE = 32  # tokens
+PROBE = 4  # plain tokens timed after a sequence's first pass, to compare the two
+COSTLY_PAUSE = 16  # plain tokens after a pass that cost more per token than plain steps
+
+
+class PassClock:
+    """What a sequence's tokens cost, measured on rank 0's clock (moving averages): seconds
+    per token of its verification passes (from the token before the pass, drafting
+    included, to the pass's last token) and of its plain steps (from one token to the next,
+    with the lookahead a pass forgoes). Speculation pays only while passes cost less."""
+
+    def __init__(self):
+        self.measured = True  # False: never compared (SpeculationOptions.measured)
+        self.last: Optional[float] = None  # when its last token was accepted
+        self.pass_start: Optional[float] = None
+        self.pending = 0  # tokens of the judged pass not accepted yet
+        self.tokens = 0  # the judged pass's tokens
+        self.plain: Optional[float] = None
+        self.spec: Optional[float] = None
+
+    def drafting(self) -> None:
+        self.pass_start = self.last
+
+    def judged(self, tokens: int) -> None:
+        self.pending = self.tokens = tokens
+
+    def token(self, now: float) -> None:
+        if self.pending:
+            self.pending -= 1
+            if not self.pending and self.pass_start is not None:
+                self.spec = _average(self.spec, (now - self.pass_start) / self.tokens)
+        elif self.last is not None:
+            self.plain = _average(self.plain, now - self.last)
+        self.last = now
+
+    @property
+    def costs_more(self) -> bool:
+        return self.spec is not None and self.plain is not None and self.spec > self.plain
+
+
+def _average(old: Optional[float], new: float, weight: float = 0.5) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 def back_off(seq, accepted: Optional[int]) -> None:
     """After a pass (`accepted` drafts) or a step that found nothing to propose (None): a
     sequence whose drafts all missed decodes its next 2, 4, ... 32 tokens plainly (with the
     lookahead that a verification frame forgoes), so text that does not repeat costs little;
-    a hit resets that. Nothing to propose skips one token (the next may match)."""
+    a hit resets that. Nothing to propose skips one token (the next may match). By measured
+    cost (PassClock): after its first pass a sequence decodes PROBE tokens plainly to time
+    them, and while its passes cost more per token than plain steps it decodes COSTLY_PAUSE
+    tokens plainly between passes (each pass after a pause measures again)."""
     if accepted is None:
         seq.draft_pause = 1
     elif accepted:
@@ -108,6 +153,12 @@ def back_off(seq, accepted: Optional[int]) -> None:
     else:
         seq.draft_misses += 1
         seq.draft_pause = min(2 ** seq.draft_misses, MAX_PAUSE)
+    if accepted is not None and seq.pass_clock.measured:
+        clock = seq.pass_clock
+        if clock.plain is None:
+            seq.draft_pause = max(seq.draft_pause, PROBE)
+        elif clock.costs_more:
+            seq.draft_pause = max(seq.draft_pause, COSTLY_PAUSE)
 
 
 def adapt(seq, drafted: int, accepted: int, most: int) -> None:
@@ -129,12 +180,15 @@ def propose(drafter, options: SpeculationOptions, seq) -> List[int]:
     """The drafter's tokens for `seq`'s next pass: never more than it can still take after
     the token the pass gives anyway; nothing to propose backs off one token."""
     seq.draft_k = seq.draft_k or options.num_draft_tokens
+    seq.pass_clock.measured = options.measured
     k = min(seq.draft_k, seq.request.max_tokens - seq.count - 1)
     drafts = drafter.propose(seq, k) if k > 0 else []
     if drafts and seq.logits.constraint is not None:  # what the grammar forbids cannot be accepted
         drafts = seq.logits.constraint.valid_prefix(seq.generated, drafts)
     if k > 0 and not drafts:
         back_off(seq, None)
+    if drafts:
+        seq.pass_clock.drafting()
     return drafts
 
 
@@ -147,6 +201,7 @@ def judge(head, seq, drafts: List[int], h: mx.array, most: int = DEFAULT_DRAFT_T
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     mx.eval(logprobs)
     tokens = draws(seq, logits, logprobs, drafts)
+    seq.pass_clock.judged(len(tokens))
     back_off(seq, len(tokens) - 1)
     adapt(seq, len(drafts), len(tokens) - 1, most)
     return (tokens, *reported(seq, logprobs, tokens))

@@ -14,6 +14,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", metavar="PATH_OR_REPO",
                    help="draft with this small AFMoE checkpoint, which must share the model's tokenizer (loaded on "
                    "rank 0 only, counted in its memory); with --prompt-lookup too, a lookup match wins")
+    g.add_argument("--speculate", choices=["measured", "always"], default="measured",
+                   help="measured: a sequence whose passes cost more per token than its plain steps (timed on rank "
+                   "0) decodes plainly between passes; always: every pass its drafter proposes (for tests)")
     g.add_argument("--num-draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, metavar="K",
                    help="most drafts per verification pass (each sequence adapts: two more after a pass whose drafts "
                    "all held, one fewer otherwise)")
@@ -22,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options(args: argparse.Namespace) -> SpeculationOptions:
     if args.num_draft_tokens < 1:
         raise TrinityError(f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}")
-    return SpeculationOptions(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
+    return SpeculationOptions(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
+                              measured=args.speculate == "measured")
 
 
 def loaded(args: argparse.Namespace, tokenizer) -> SpeculationOptions:

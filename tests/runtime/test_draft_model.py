@@ -41,7 +41,7 @@ def draft_of(checkpoint, tmp_path, layers):
 
 def run(pipeline, path, draft, prompts=(PROMPT,), k=4, **fields):
     scheduler = Scheduler(pipeline, load_tokenizer(path), prefill_step_size=16,
-                          speculation=SpeculationOptions(draft=draft, num_draft_tokens=k))
+                          speculation=SpeculationOptions(draft=draft, num_draft_tokens=k, measured=False))
     handles = [scheduler.submit(GenerationRequest(list(p), **fields)) for p in prompts]
     scheduler.run_pending()
     assert scheduler.failure is None, scheduler.failure
@@ -73,7 +73,7 @@ def test_two_sequences_drafted_with_room_for_one_keep_their_own_histories(pipeli
                                                                            tmp_path):
     other = [(5 * i + 1) % 250 + 1 for i in range(30)]
     scheduler = Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=16, max_batch=2,
-                          speculation=SpeculationOptions(draft=draft_of(hf_checkpoint, tmp_path, 8)))
+                          speculation=SpeculationOptions(draft=draft_of(hf_checkpoint, tmp_path, 8), measured=False))
     drafter = scheduler.batcher.drafter
     assert isinstance(drafter, ModelDrafter) and drafter.capacity == 2  # one per rank (group)
     drafter.capacity = 1  # each pass then evicts the other sequence's draft caches

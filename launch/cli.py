@@ -71,7 +71,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     plan.add_argument("--quantize", type=int, metavar="BITS", help="plan as if converted by mlx-lm at BITS "
                       "(group 64, routers at 8 bits), for a config that is not quantized")
     plan.add_argument("--draft-model", metavar="PATH_OR_REPO", help="plan rank 0 with run_trinity's --draft-model "
-                      "beside its layers (its weights and caches; only its config.json is read)")
+                      "beside its layers (its weights and caches; only its config.json is read); a preset's name "
+                      "plans with its config, quantized as --quantize says")
     plan.add_argument("--json", action="store_true", help='print {"fits", "hosts": [...]} as JSON')
     run = sub.add_parser("run", help="plan, then start the ranks (ring backend: ourselves, locally or over "
                          "ssh; others through mlx.launch)", formatter_class=HelpFormatter)
@@ -175,7 +176,7 @@ def cmd_plan(args) -> int:
         h = unknown[0]
         raise TrinityError(f"host {h.ssh} (rank {h.rank}) has no memory_gb in the hostfile; `launch plan` needs "
                            "one per remote host (`launch run` measures it at start-up instead)")
-    plan = make_plan(config, sizes, hf, context, args.margin, args.draft_model)
+    plan = make_plan(config, sizes, hf, context, args.margin, plan_draft(args))
     longest = longest_contexts(config, plan) if plan.fits else {}
     if args.json:
         print(json.dumps({**plan.to_json(), "longest_context": longest}))
@@ -189,6 +190,17 @@ def cmd_plan(args) -> int:
         print(f"launch: the model does not fit:\n{plan.shortfall()}", file=sys.stderr)
         return 1
     return 0
+
+
+def plan_draft(args):
+    """--draft-model for `plan`: a preset's config (quantized as --quantize says), else as given."""
+    if not args.draft_model:
+        return None
+    try:
+        preset = load_preset(args.draft_model)
+    except TrinityError:
+        return args.draft_model  # a folder or a repo id
+    return quantize_config(preset["config"], args.quantize) if args.quantize else preset["config"]
 
 
 def longest_contexts(config: dict, plan, batches=(1, 8, 32)) -> dict:

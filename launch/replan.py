@@ -78,8 +78,9 @@ def drop_hosts(hf: Hostfile, ranks: Set[int]) -> Hostfile:
 
 
 def make_plan(config: dict, tensor_sizes, hf: Hostfile, context: int, margin: float,
-              draft_model: Optional[str] = None) -> Plan:
-    """The plan for `hf`'s hosts; draft_model: --draft-model, held by rank 0 beside its layers."""
+              draft_model=None) -> Plan:
+    """The plan for `hf`'s hosts; draft_model: --draft-model (or its config), held by rank 0
+    beside its layers."""
     from distributed.shard.draft import draft_reserve
 
     return plan_layers(config, [h.memory_bytes for h in hf.hosts], [h.speed for h in hf.hosts],

@@ -3,7 +3,7 @@ its stage: a small AFMoE checkpoint that shares the target's tokenizer, loaded w
 (every layer, its embedding and head), and the memory it takes."""
 
 from pathlib import Path
-from typing import Optional
+from typing import Union
 
 from .. import TrinityError
 from .config import model_args, read_config
@@ -25,10 +25,13 @@ def draft_bytes(config: dict, context: int, sequences: int) -> int:
     return sizes.weight_bytes(0, sizes.num_layers, True) + sequences * context * sizes.num_layers * sizes.kv_bytes_per_token
 
 
-def draft_reserve(model: Optional[str], context: int, sequences: int) -> int:
-    """draft_bytes for --draft-model `model` (0 without one): what rank 0 is planned to hold
-    beside its layers, `sequences` being the ranks (one speculating sequence each at most)."""
-    return draft_bytes(draft_config(model)[1], context, sequences) if model else 0
+def draft_reserve(model: Union[str, dict, None], context: int, sequences: int) -> int:
+    """draft_bytes for --draft-model `model` (a folder or repo id, or its config; 0 without
+    one): what rank 0 is planned to hold beside its layers, `sequences` being the ranks (one
+    speculating sequence each at most)."""
+    if not model:
+        return 0
+    return draft_bytes(model if isinstance(model, dict) else draft_config(model)[1], context, sequences)
 
 
 def load_draft(model: str, target_tokenizer) -> Stage:

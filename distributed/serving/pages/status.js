@@ -1,0 +1,153 @@
+// The status page: polls GET /v1/status once a second (polling, not server-sent events:
+// EventSource cannot send the bearer header) and draws it. When the ring is down the
+// last rank map stays, dimmed, beside the state, the reason and the restart count.
+"use strict";
+
+const POLL_MS = 1000;
+const HISTORY = 300; // chart points kept: five minutes of polls
+const history = []; // {tps, ttft} per poll
+let lastState = null;
+
+function sleep(ms) { return new Promise((resolve) => setTimeout(resolve, ms)); }
+
+function fixed(value, digits, unit) {
+  return value === null || value === undefined ? "–" : value.toFixed(digits) + (unit || "");
+}
+
+function percent(value) { return value === null || value === undefined ? "–" : (100 * value).toFixed(0) + "%"; }
+
+function duration(s) {
+  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = Math.floor(s % 60);
+  return (h ? h + " h " : "") + (h || m ? m + " min " : "") + sec + " s";
+}
+
+function drawRing(ranks, serving) {
+  const ring = document.getElementById("ring");
+  ring.replaceChildren();
+  const total = Math.max(1, ...ranks.map((r) => r.layers[1]));
+  for (const r of ranks) {
+    const box = el("div", "rank" + (r.alive ? "" : " dead"));
+    const [start, end] = r.layers;
+    box.style.flex = String(end - start) + " 1 0"; // to scale: its share of the layers
+    Object.assign(box.dataset, { rank: r.rank, host: r.host, start: start, end: end });
+    box.append(el("div", "host", r.host), el("div", "layers", "rank " + r.rank + " · layers [" + start + ", " + end + ")"));
+    const tags = el("div", "tags");
+    if (r.embed) tags.append(el("span", "", "embed"));
+    if (r.head) tags.append(el("span", "", "head"));
+    if (!r.alive) tags.append(el("span", "", serving ? "not heard" : "down"));
+    box.append(tags);
+    const memory = el("div", "memory"), whole = Math.max(r.memory_bytes || 0, r.peak_memory_bytes || 0, 1);
+    const weights = r.parameter_bytes || 0, kv = r.kv_cache_bytes || 0, prefix = r.prefix_cache_bytes || 0;
+    const other = Math.max(0, (r.peak_memory_bytes || 0) - weights - kv - prefix);
+    for (const [cls, n] of [["weights", weights], ["kv", kv], ["prefix", prefix], ["other", other]]) {
+      const part = el("span", cls);
+      part.style.width = (100 * n / whole).toFixed(2) + "%";
+      memory.append(part);
+    }
+    box.append(memory);
+    box.append(el("div", "muted", bytes(r.peak_memory_bytes) + " of " + bytes(r.memory_bytes)));
+    box.append(el("div", "muted", "KV " + bytes(r.kv_cache_bytes) + " · prefix " + bytes(r.prefix_cache_bytes)));
+    box.append(el("div", "forward", "forward " + percent(r.forward_share)));
+    ring.append(box);
+  }
+  document.getElementById("ring-note").textContent = ranks.length ? ranks.length + " ranks, " + total + " layers" : "no ranks yet";
+}
+
+function drawCounters(doc) {
+  const req = doc.requests, last = doc.last_minute, spec = doc.speculative, prefix = doc.prefix_cache;
+  const rows = [
+    ["running", req.running + (req.max_batch ? " / " + req.max_batch : "")],
+    ["waiting", req.waiting],
+    ["served", req.served],
+    ["generated tokens", doc.tokens.generated],
+    ["prompt tokens (cached)", doc.tokens.prompt + " (" + doc.tokens.cached + ")"],
+    ["tok/s, last minute", fixed(last.tokens_per_s, 1)],
+    ["TTFT p50", fixed(last.ttft_p50_s === null ? null : 1000 * last.ttft_p50_s, 0, " ms")],
+    ["TTFT p99", fixed(last.ttft_p99_s === null ? null : 1000 * last.ttft_p99_s, 0, " ms")],
+    ["prefix-cache hit rate", prefix ? percent(prefix.hit_rate) + " of " + prefix.lookups : "off"],
+    ["speculative acceptance", spec ? percent(spec.acceptance) + " of " + spec.drafted : "off"],
+    ["ring failures", doc.ring.failures],
+    ["restarts", doc.ring.restarts],
+  ];
+  const list = document.getElementById("counters");
+  list.replaceChildren();
+  for (const [name, value] of rows) {
+    const item = el("div");
+    item.dataset.counter = name;
+    item.append(el("dt", "", name), el("dd", "", String(value)));
+    list.append(item);
+  }
+}
+
+function polyline(values, scale, cls) {
+  const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+  const step = 600 / (HISTORY - 1), offset = HISTORY - values.length;
+  line.setAttribute("points", values.map((v, i) => ((offset + i) * step).toFixed(1) + "," +
+    (130 - 120 * (v || 0) / scale).toFixed(1)).join(" "));
+  line.setAttribute("class", cls);
+  return line;
+}
+
+function label(x, y, text, anchor) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", "text");
+  node.setAttribute("x", x);
+  node.setAttribute("y", y);
+  node.setAttribute("text-anchor", anchor);
+  node.textContent = text;
+  return node;
+}
+
+function drawChart() {
+  const svg = document.getElementById("chart");
+  const tps = history.map((h) => h.tps), ttft = history.map((h) => h.ttft);
+  const tpsMax = Math.max(1, ...tps), ttftMax = Math.max(0.001, ...ttft.map((v) => v || 0));
+  const axis = document.createElementNS("http://www.w3.org/2000/svg", "line");
+  Object.entries({ x1: 0, y1: 130, x2: 600, y2: 130, class: "axis" }).forEach(([k, v]) => axis.setAttribute(k, v));
+  svg.replaceChildren(axis, polyline(tps, tpsMax, "tps"), polyline(ttft, ttftMax, "ttft"),
+    label(2, 10, tpsMax.toFixed(1) + " tok/s", "start"), label(598, 10, (1000 * ttftMax).toFixed(0) + " ms", "end"));
+}
+
+function noteEvent(doc) {
+  if (doc.status === lastState) return;
+  lastState = doc.status;
+  const item = el("li", "", new Date().toLocaleTimeString() + " " + doc.status + (doc.reason ? ": " + doc.reason : ""));
+  item.dataset.state = doc.status;
+  document.getElementById("events").prepend(item);
+}
+
+function render(doc) {
+  const serving = doc.status === "serving";
+  const state = document.getElementById("state");
+  state.textContent = serving ? "SERVING" : "NOT_SERVING · " + doc.status;
+  state.className = "badge" + (serving ? " serving" : "");
+  state.dataset.state = doc.status;
+  document.getElementById("model").textContent = doc.model || "";
+  document.getElementById("uptime").textContent = "up " + duration(doc.uptime_s) +
+    (doc.ring.restarts ? " · " + doc.ring.restarts + " restarts" : "");
+  const reason = document.getElementById("reason");
+  reason.hidden = !doc.reason;
+  reason.textContent = doc.reason || "";
+  drawRing(doc.ranks, serving);
+  drawCounters(doc);
+  history.push({ tps: doc.last_minute.tokens_per_s, ttft: doc.last_minute.ttft_p50_s });
+  if (history.length > HISTORY) history.shift();
+  drawChart();
+  noteEvent(doc);
+}
+
+async function poll() {
+  for (;;) {
+    try {
+      const response = await authorizedFetch("/v1/status");
+      render(await response.json());
+    } catch (error) { // the server itself is gone (not the ring: the router answers while it restarts)
+      const state = document.getElementById("state");
+      state.textContent = "unreachable";
+      state.className = "badge";
+      state.dataset.state = "unreachable";
+    }
+    await sleep(POLL_MS);
+  }
+}
+
+poll();

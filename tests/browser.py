@@ -48,9 +48,17 @@ class Browser:
     def all(self, css: str):
         return self.driver.find_elements(By.CSS_SELECTOR, css)
 
+    def js(self, script: str, *args):
+        """The value of `script` run in the page: a read in one step (the status page redraws
+        itself every second, so an element found before may be gone when read)."""
+        return self.driver.execute_script(script, *args)
+
     def text(self, css: str) -> str:
-        found = self.all(css)
-        return found[0].text if found else ""
+        return self.js("const n = document.querySelector(arguments[0]); return n ? n.innerText : ''", css)
+
+    def attribute(self, css: str, name: str) -> str:
+        return self.js("const n = document.querySelector(arguments[0]); return n && n.getAttribute(arguments[1]) || ''",
+                       css, name)
 
     def console_errors(self) -> list:
         """The browser's console entries of level SEVERE since the last call (JavaScript
@@ -84,8 +92,13 @@ class Browser:
 
 def page_state(browser: Browser) -> str:
     """The status badge's state: serving, loading, down, recovering, stopping or unreachable."""
-    found = browser.all("#state")
-    return (found[0].get_attribute("data-state") or "") if found else ""
+    return browser.attribute("#state", "data-state")
+
+
+def ranks(browser: Browser) -> list:
+    """Each rank's box: its data (rank, host, start, end), its text and width in pixels."""
+    return browser.js("return [...document.querySelectorAll('.rank')].map((n) => Object.assign({}, n.dataset, "
+                      "{text: n.innerText, width: n.getBoundingClientRect().width}))")
 
 
 def counter(browser: Browser, name: str) -> str:
@@ -94,4 +107,4 @@ def counter(browser: Browser, name: str) -> str:
 
 def events(browser: Browser) -> list:
     """The states the page saw, oldest first."""
-    return [item.get_attribute("data-state") for item in reversed(browser.all("#events li"))]
+    return browser.js("return [...document.querySelectorAll('#events li')].reverse().map((n) => n.dataset.state)")

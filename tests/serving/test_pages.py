@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from selenium.webdriver.common.keys import Keys
 
-from browser import Browser, counter, page_state
+from browser import Browser, counter, page_state, ranks
 from conftest import wait_until
 from distributed.serving.proto import generation_pb2 as pb
 from distributed.shard.tiny_checkpoint import DEFAULT_MODEL
@@ -91,22 +91,21 @@ def test_status_page_shows_every_rank_as_get_model_info_reports(ring, browser):
     browser.open(ring.base + "/")
     assert browser.find("#auth").is_displayed() and "access token" in browser.text("#auth-message")
     browser.find("#auth-token").send_keys(TOKEN, Keys.ENTER)
-    browser.wait(lambda: page_state(browser) == "serving" and len(browser.all(".rank")) == 2, "the ring drawn")
+    browser.wait(lambda: page_state(browser) == "serving" and len(ranks(browser)) == 2, "the ring drawn")
     assert TOKEN not in browser.driver.current_url
-    widths = {}
+    boxes, widths = {int(box["rank"]): box for box in ranks(browser)}, {}
     for r in model_info(ring).ranks:
-        box = browser.find(f'.rank[data-rank="{r.rank}"]')
-        assert (box.get_attribute("data-host"), box.get_attribute("data-start"), box.get_attribute("data-end")) == (
-            r.host, str(r.layer_start), str(r.layer_end))
-        assert r.host in box.text and f"layers [{r.layer_start}, {r.layer_end})" in box.text
-        assert ("embed" in box.text) == r.embed and ("head" in box.text) == r.head
-        widths[r.rank] = box.size["width"] / (r.layer_end - r.layer_start)
+        box = boxes[r.rank]
+        assert (box["host"], box["start"], box["end"]) == (r.host, str(r.layer_start), str(r.layer_end))
+        assert r.host in box["text"] and f"layers [{r.layer_start}, {r.layer_end})" in box["text"]
+        assert ("embed" in box["text"]) == r.embed and ("head" in box["text"]) == r.head
+        widths[r.rank] = box["width"] / (r.layer_end - r.layer_start)
     assert abs(widths[0] - widths[1]) / widths[1] < 0.1, widths  # to scale: 2 layers, half of 4 layers' width
     assert browser.console_errors() == []
 
 
 def chart_points(browser):
-    return browser.find("#chart polyline.tps").get_attribute("points")
+    return browser.attribute("#chart polyline.tps", "points")
 
 
 def test_counters_and_chart_change_after_requests(ring, browser, tmp_path):
@@ -175,6 +174,6 @@ def test_a_wrong_token_is_refused_then_the_right_one_works(ring, browser):
     browser.find("#auth-token").send_keys("wrong-token", Keys.ENTER)
     browser.wait(lambda: "refused" in browser.text("#auth-message") and browser.find("#auth").is_displayed(),
                  "the refusal")
-    assert browser.all(".rank") == [] and page_state(browser) == ""
+    assert ranks(browser) == [] and page_state(browser) == ""
     browser.find("#auth-token").send_keys(TOKEN, Keys.ENTER)
-    browser.wait(lambda: page_state(browser) == "serving" and len(browser.all(".rank")) == 2, "the ring drawn")
+    browser.wait(lambda: page_state(browser) == "serving" and len(ranks(browser)) == 2, "the ring drawn")

@@ -70,7 +70,12 @@ class Browser:
         folder = Path(os.environ.get(SCREENSHOTS_ENV) or fallback)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / name
-        assert self.driver.save_screenshot(str(path)), path
+        size = self.driver.get_window_size()
+        self.driver.set_window_size(size["width"], self.js("return document.documentElement.scrollHeight") + 120)
+        try:  # the whole page, not the window's first screen
+            assert self.driver.save_screenshot(str(path)), path
+        finally:
+            self.driver.set_window_size(size["width"], size["height"])
         return path
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ what the status page (pages/) shows, for scripts too.
     requests             running, waiting, max_batch, served (ended so far) and their outcomes
     tokens               prompt, cached, generated (as the clients' usage counts them)
     last_minute          tokens_per_s, ttft_p50_s, ttft_p99_s (recent.py)
+    history              step_s, points: tokens_per_s and ttft_p50_s per step, last five minutes
     prefix_cache         entries, hits, lookups, hit_rate (null where the server has none)
     speculative          passes, drafted, accepted, acceptance (null unless it speculates)
     ring                 failures, restarts (under `launch run --serve`, the router's count)
@@ -47,7 +48,7 @@ def status_document(health: Health, requests) -> dict:
                      "outcomes": totals["outcomes"]},
         "tokens": {"prompt": totals["prompt_tokens"], "cached": totals["cached_tokens"],
                    "generated": totals["generated_tokens"]},
-        "last_minute": requests.recent.figures(),
+        "last_minute": requests.recent.figures(), "history": requests.recent.history(),
         "prefix_cache": None, "speculative": None,
         "ring": {"failures": metrics.restarts + metrics.ring_failed, "restarts": metrics.restarts},
     }

@@ -4,8 +4,8 @@
 "use strict";
 
 const POLL_MS = 1000;
-const HISTORY = 300; // chart points kept: five minutes of polls
-const history = []; // {tps, ttft} per poll
+const CHART_STEPS = 30; // the chart's width in the document's history steps (10 s each: five minutes)
+const AXIS_Y = 125; // the chart's zero line
 let lastState = null;
 
 function sleep(ms) { return new Promise((resolve) => setTimeout(resolve, ms)); }
@@ -79,11 +79,13 @@ function drawCounters(doc) {
   }
 }
 
+// One line of the chart: a point per step (null: none that step, e.g. no first token: a gap).
 function polyline(values, scale, cls) {
   const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
-  const step = 600 / (HISTORY - 1), offset = HISTORY - values.length;
-  line.setAttribute("points", values.map((v, i) => ((offset + i) * step).toFixed(1) + "," +
-    (130 - 120 * (v || 0) / scale).toFixed(1)).join(" "));
+  const step = 600 / (CHART_STEPS - 1), offset = CHART_STEPS - values.length;
+  const points = values.map((v, i) => v === null ? null
+    : ((offset + i) * step).toFixed(1) + "," + (AXIS_Y - 110 * v / scale).toFixed(1));
+  line.setAttribute("points", points.filter((p) => p !== null).join(" "));
   line.setAttribute("class", cls);
   return line;
 }
@@ -97,14 +99,16 @@ function label(x, y, text, anchor) {
   return node;
 }
 
-function drawChart() {
+function drawChart(history) {
   const svg = document.getElementById("chart");
-  const tps = history.map((h) => h.tps), ttft = history.map((h) => h.ttft);
+  const points = history.points.slice(-CHART_STEPS);
+  const tps = points.map((p) => p.tokens_per_s), ttft = points.map((p) => p.ttft_p50_s);
   const tpsMax = Math.max(1, ...tps), ttftMax = Math.max(0.001, ...ttft.map((v) => v || 0));
   const axis = document.createElementNS("http://www.w3.org/2000/svg", "line");
-  Object.entries({ x1: 0, y1: 130, x2: 600, y2: 130, class: "axis" }).forEach(([k, v]) => axis.setAttribute(k, v));
+  Object.entries({ x1: 0, y1: AXIS_Y, x2: 600, y2: AXIS_Y, class: "axis" }).forEach(([k, v]) => axis.setAttribute(k, v));
   svg.replaceChildren(axis, polyline(tps, tpsMax, "tps"), polyline(ttft, ttftMax, "ttft"),
-    label(2, 10, tpsMax.toFixed(1) + " tok/s", "start"), label(598, 10, (1000 * ttftMax).toFixed(0) + " ms", "end"));
+    label(2, 10, tpsMax.toFixed(1) + " tok/s", "start"), label(598, 10, (1000 * ttftMax).toFixed(0) + " ms", "end"),
+    label(2, 137, (CHART_STEPS * history.step_s / 60).toFixed(0) + " min ago", "start"), label(598, 137, "now", "end"));
 }
 
 function noteEvent(doc) {
@@ -129,9 +133,7 @@ function render(doc) {
   reason.textContent = doc.reason || "";
   drawRing(doc.ranks, serving);
   drawCounters(doc);
-  history.push({ tps: doc.last_minute.tokens_per_s, ttft: doc.last_minute.ttft_p50_s });
-  if (history.length > HISTORY) history.shift();
-  drawChart();
+  drawChart(doc.history);
   noteEvent(doc);
 }
 

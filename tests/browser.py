@@ -12,6 +12,7 @@ from pathlib import Path
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
 from conftest import session_members
@@ -113,3 +114,17 @@ def counter(browser: Browser, name: str) -> str:
 def events(browser: Browser) -> list:
     """The states the page saw, oldest first."""
     return browser.js("return [...document.querySelectorAll('#events li')].reverse().map((n) => n.dataset.state)")
+
+
+# What the chat page (pages/chat.js) does.
+
+def chat(browser: Browser, text: str, max_tokens: int, temperature: str = "0"):
+    """Type `text` and Enter with these settings; returns the reply's element once it begins
+    (its data-finish is set when it ends: a finish reason, "stopped" or "error")."""
+    for field, value in (("#temperature", temperature), ("#max-tokens", str(max_tokens))):
+        browser.find(field).clear()
+        browser.find(field).send_keys(value)
+    replies = len(browser.all(".message.assistant"))
+    browser.find("#message").send_keys(text, Keys.ENTER)
+    browser.wait(lambda: len(browser.all(".message.assistant")) == replies + 1, "a reply begins")
+    return browser.all(".message.assistant")[-1]

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from selenium.webdriver.common.keys import Keys
 
-from browser import Browser, counter, page_state, ranks
+from browser import Browser, chat, counter, page_state, ranks
 from conftest import wait_until
 from distributed.serving.proto import generation_pb2 as pb
 from grpc_server import SERVER_ARGS, TOKEN, Server
@@ -83,6 +83,9 @@ def test_status_json_on_both_ports_needs_the_token(ring):
     chat = {"messages": [{"role": "user", "content": "The"}], "max_tokens": 2}
     assert call(f"{ring.base}/v1/chat/completions", token="wrong", body=chat)[0] == 401
     assert call(f"{ring.metrics}/chat")[0] == 404  # no API on --metrics' port: no chat page either
+    with urllib.request.urlopen(f"{ring.metrics}/", timeout=30) as page:  # open: the page asks for the token
+        assert page.headers["Content-Security-Policy"].startswith("default-src 'self'")
+        assert b'<meta name="trinity-auth" content="bearer">' in page.read()
 
 
 def test_status_page_shows_every_rank_as_get_model_info_reports(ring, browser):
@@ -122,16 +125,6 @@ def test_counters_and_chart_change_after_requests(ring, browser, tmp_path):
     assert counter(browser, "TTFT p50").endswith(" ms") and counter(browser, "speculative acceptance") != "off"
     browser.screenshot("status-page.png", tmp_path)
     assert browser.console_errors() == []
-
-
-def chat(browser, text, max_tokens, temperature="0"):
-    for field, value in (("#temperature", temperature), ("#max-tokens", str(max_tokens))):
-        browser.find(field).clear()
-        browser.find(field).send_keys(value)
-    replies = len(browser.all(".message.assistant"))
-    browser.find("#message").send_keys(text, Keys.ENTER)
-    browser.wait(lambda: len(browser.all(".message.assistant")) == replies + 1, "a reply begins")
-    return browser.all(".message.assistant")[-1]
 
 
 def test_chat_page_streams_a_reply_to_a_typed_message(ring, browser, tmp_path):

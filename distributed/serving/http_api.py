@@ -22,6 +22,7 @@ import select
 import socket
 import ssl
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler
 from typing import Optional
 
@@ -125,6 +126,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send_json(*front.health.answer())
             front.check_auth(self.headers)
             if path == "/v1/status":
+                query = urllib.parse.parse_qs(self.path.partition("?")[2], keep_blank_values=True)
+                if query:  # none is implemented: refused by name, never ignored
+                    raise ApiError(400, f"/v1/status takes no query parameters: got {', '.join(sorted(query))}",
+                                   param=sorted(query)[0])
                 return self._send_json(200, status_document(front.health, front.requests))
             self._send(200, *front.requests.metrics.exposition())
         except ApiError as e:

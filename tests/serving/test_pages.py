@@ -80,6 +80,8 @@ def test_status_json_on_both_ports_needs_the_token(ring):
         assert doc["requests"]["max_batch"] == info.max_batch and doc["prefix_cache"]["hit_rate"] is None
         assert doc["speculative"] == {"passes": 0, "drafted": 0, "accepted": 0, "acceptance": None}
         assert doc["history"]["step_s"] == 10 and 1 <= len(doc["history"]["points"]) <= 30
+    status, error = call(f"{ring.base}/v1/status?ranks=0&x")
+    assert status == 400 and error["error"]["message"] == "/v1/status takes no query parameters: got ranks, x"
     chat = {"messages": [{"role": "user", "content": "The"}], "max_tokens": 2}
     assert call(f"{ring.base}/v1/chat/completions", token="wrong", body=chat)[0] == 401
     assert call(f"{ring.metrics}/chat")[0] == 404  # no API on --metrics' port: no chat page either

@@ -21,7 +21,7 @@ function duration(s) {
   return (h ? h + " h " : "") + (h || m ? m + " min " : "") + sec + " s";
 }
 
-function drawRing(ranks, serving) {
+function drawRing(ranks) {
   const ring = document.getElementById("ring");
   ring.replaceChildren();
   const total = Math.max(1, ...ranks.map((r) => r.layers[1]));
@@ -34,7 +34,7 @@ function drawRing(ranks, serving) {
     const tags = el("div", "tags");
     if (r.embed) tags.append(el("span", "", "embed"));
     if (r.head) tags.append(el("span", "", "head"));
-    if (!r.alive) tags.append(el("span", "", serving ? "not heard" : "down"));
+    if (!r.alive) tags.append(el("span", "", "down"));
     box.append(tags);
     const memory = el("div", "memory"), whole = Math.max(r.memory_bytes || 0, r.peak_memory_bytes || 0, 1);
     const weights = r.parameter_bytes || 0, kv = r.kv_cache_bytes || 0, prefix = r.prefix_cache_bytes || 0;
@@ -131,7 +131,7 @@ function render(doc) {
   const reason = document.getElementById("reason");
   reason.hidden = !doc.reason;
   reason.textContent = doc.reason || "";
-  drawRing(doc.ranks, serving);
+  drawRing(doc.ranks);
   drawCounters(doc);
   drawChart(doc.history);
   noteEvent(doc);

@@ -171,3 +171,16 @@ def test_a_wrong_token_is_refused_then_the_right_one_works(ring, browser):
     assert ranks(browser) == [] and page_state(browser) == ""
     browser.find("#auth-token").send_keys(TOKEN, Keys.ENTER)
     browser.wait(lambda: page_state(browser) == "serving" and len(ranks(browser)) == 2, "the ring drawn")
+
+
+def test_the_chat_page_asks_again_after_a_wrong_token_and_sends_the_message(ring, browser):
+    browser.open(ring.base + "/chat")
+    browser.driver.execute_script("sessionStorage.clear()")
+    browser.open(ring.base + "/chat")
+    browser.find("#auth-token").send_keys("wrong-token", Keys.ENTER)  # taken: the server judges it at the send
+    reply = chat(browser, "The", 5)
+    browser.wait(lambda: "refused" in browser.text("#auth-message") and browser.find("#auth").is_displayed(),
+                 "the refusal")
+    browser.find("#auth-token").send_keys(TOKEN, Keys.ENTER)
+    browser.wait(lambda: reply.get_attribute("data-finish"), "the reply ends")
+    assert reply.get_attribute("data-finish") == "length" and reply.find_element("css selector", ".content").text

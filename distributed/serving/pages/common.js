@@ -35,15 +35,25 @@ const Auth = {
   },
 };
 
+// Auth.ask, unless `signal` (options.signal: the chat's Stop) aborts first.
+function askUnlessAborted(message, signal) {
+  if (!signal) return Auth.ask(message);
+  const aborted = new Promise((resolve, reject) => signal.addEventListener(
+    "abort", () => reject(new DOMException("stopped", "AbortError")), { once: true }));
+  return Promise.race([Auth.ask(message), aborted]);
+}
+
 // fetch() with the token; asks for it first where needed, and again after a 401.
 async function authorizedFetch(url, options) {
   options = options || {};
   for (;;) {
-    if (Auth.needed && !Auth.token) await Auth.ask("This server needs its access token (--auth-token).");
+    if (Auth.needed && !Auth.token) {
+      await askUnlessAborted("This server needs its access token (--auth-token).", options.signal);
+    }
     const response = await fetch(url, Object.assign({}, options, { headers: Auth.headers(options.headers) }));
     if (response.status !== 401) return response;
     sessionStorage.removeItem(Auth.key);
-    await Auth.ask("The server refused that token. Enter it again.");
+    await askUnlessAborted("The server refused that token. Enter it again.", options.signal);
   }
 }
 

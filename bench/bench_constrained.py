@@ -30,22 +30,34 @@ SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems"
           "required": ["items"], "additionalProperties": False}
 
 
-def round_of(stub, n: int, max_tokens: int, constrained: bool, timeout: float) -> dict:
+def no_fields(i: int) -> dict:
+    return {}
+
+
+def half_constrained(i: int) -> dict:
+    """Every second stream's extra GenerateRequest fields: the schema."""
+    return {"json_schema": json.dumps(SCHEMA)} if i % 2 else {}
+
+
+def round_of(stub, n: int, max_tokens: int, fields_of, timeout: float, prompt_of=None) -> dict:
+    """n greedy Generate streams released together, stream i with the fields fields_of(i)
+    and the prompt prompt_of(i): aggregate tok/s, each stream's tokens, the schema's texts."""
     from distributed.serving.proto import generation_pb2 as pb
 
     barrier, runs = threading.Barrier(n), [None] * n
+    prompt_of = prompt_of or (lambda i: f"Stream {i}: list some words.")
 
     def one(i):
-        extra = {"json_schema": json.dumps(SCHEMA)} if constrained and i % 2 else {}
-        request = pb.GenerateRequest(prompt=f"Stream {i}: list some words.", chat_template=True,
-                                     max_tokens=max_tokens, **extra)
+        extra = fields_of(i)
+        request = pb.GenerateRequest(prompt=prompt_of(i), chat_template=True, max_tokens=max_tokens, **extra)
         barrier.wait()
         sent, text, tokens = time.perf_counter(), "", 0
         try:
             for response in stub.Generate(request, timeout=timeout):
                 tokens += len(response.token_ids)
                 text += response.text
-            runs[i] = {"sent": sent, "done": time.perf_counter(), "tokens": tokens, "text": text, "schema": bool(extra)}
+            runs[i] = {"sent": sent, "done": time.perf_counter(), "tokens": tokens, "text": text,
+                       "schema": "json_schema" in extra}
         except Exception as e:  # reported with the result
             runs[i] = {"error": f"{type(e).__name__}: {e}"}
 
@@ -59,7 +71,7 @@ def round_of(stub, n: int, max_tokens: int, constrained: bool, timeout: float) -
         raise RuntimeError(f"{len(errors)} of {n} streams failed: {errors[0]}")
     wall = max(r["done"] for r in runs) - min(r["sent"] for r in runs)
     return {"tok_s": sum(r["tokens"] for r in runs) / wall, "tokens": [r["tokens"] for r in runs],
-            "texts": [r["text"] for r in runs if r["schema"]]}
+            "texts": [r["text"] for r in runs if r["schema"]], "all_texts": [r["text"] for r in runs]}
 
 
 def main() -> None:
@@ -87,13 +99,14 @@ def main() -> None:
         channel, _ = wait_serving(f"127.0.0.1:{port}", procs)
         stub = pb_grpc.GenerationStub(channel)
         for n in counts:  # warm-up at each batch size, both paths: kernels compiled, the grammar tokenizer built
-            round_of(stub, n, 8, False, args.timeout)
-            round_of(stub, n, 8, True, args.timeout)
+            round_of(stub, n, 8, no_fields, args.timeout)
+            round_of(stub, n, 8, half_constrained, args.timeout)
         for n in counts:
             results = {"none": [], "half": []}
             for _ in range(args.reps):
                 for name in ("none", "half"):
-                    results[name].append(round_of(stub, n, args.max_tokens, name == "half", args.timeout))
+                    fields_of = half_constrained if name == "half" else no_fields
+                    results[name].append(round_of(stub, n, args.max_tokens, fields_of, args.timeout))
             for r in results["half"]:
                 assert all(t.startswith('{"items":["') for t in r["texts"]), r["texts"][:1]
                 assert all(k == args.max_tokens for k in r["tokens"]), r["tokens"]

@@ -1,6 +1,7 @@
-"""Single-stream decode with and without speculative decoding (--prompt-lookup), P = 1..4.
+"""Single-stream decode with and without speculative decoding, P = 1..4.
 
-    python bench/bench_speculation.py [--max-ranks 4] [--reps 3] [--max-tokens 200] [--k 4] [--out PATH]
+    python bench/bench_speculation.py [--max-ranks 4] [--reps 3] [--max-tokens 200] [--k 4]
+                                      [--modes lookup,draft,both] [--out PATH]
 
 The embedded default model (distributed/shard/tiny_model), greedy, one request per fresh
 process, ranks of the ring backend started directly (as bench_decode's "direct"). Prompts:
@@ -8,8 +9,9 @@ process, ranks of the ring backend started directly (as bench_decode's "direct")
              continued by the model: it loops on its own phrases more than it copies
   grounded   a passage, then its first words again: the model's continuation repeats the
              passage where it copies it (the input-grounded case: edits, summaries, QA)
-For each P and prompt: decode tok/s without and with --prompt-lookup (median of --reps,
-interleaved rounds), their ratio, and how much of the output the drafts covered (accepted
+For each P, prompt and mode (lookup: --prompt-lookup; draft: --draft-model with the bundled
+draft, distributed/shard/tiny_draft; both): decode tok/s without and with it (median of
+--reps, interleaved rounds), their ratio, and how much of the output the drafts covered (accepted
 drafts / tokens generated), with the verification passes. Tokens must be the same.
 
 --ceiling: what the verification path gives where drafts are right, in one process (P=1 and
@@ -30,11 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PY, ROOT, bench_env, kill_groups, start_ranks  # noqa: E402
 
 
-def prompts() -> dict:
+def prompts(every: bool = False):
+    """{name: prompt} as above; every: the start of every held-out paragraph instead (a list)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from train_tiny_model import corpus  # the paragraphs training held out (every tenth)
 
     held_out = [p for p in corpus()[1].split("\n\n") if len(p) > 300]
+    if every:
+        return [p[:200] for p in held_out]
     passage = held_out[3][:600]
     return {"held-out": held_out[0][:200], "grounded": passage + "\n\n" + passage[:80]}
 
@@ -131,6 +136,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="--num-draft-tokens")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculation.json"))
+    p.add_argument("--modes", default="lookup,draft,both",
+                   help="against plain: lookup (--prompt-lookup), draft (--draft-model, the bundled draft), both")
     p.add_argument("--ceiling", action="store_true", help="in-process: drafts that are right (see above)")
     p.add_argument("--model", help="with --ceiling: this checkpoint (e.g. bench_gpu.py's Mini shape), 128 byte ids")
     args = p.parse_args()
@@ -146,44 +153,48 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"settings": vars(args), "ceiling": rows}, indent=1))
         return
-    spec = ["--prompt-lookup", "--num-draft-tokens", str(args.k)]
-    cases = [(name, ranks, mode) for name in texts for ranks in range(1, args.max_ranks + 1)
-             for mode in ("plain", "prompt lookup")]
+    draft = str(ROOT / "distributed" / "shard" / "tiny_draft")
+    flags = {"plain": [], "lookup": ["--prompt-lookup"], "draft": ["--draft-model", draft],
+             "both": ["--prompt-lookup", "--draft-model", draft]}
+    modes = ["plain"] + [m for m in args.modes.split(",") if m != "plain"]
+    cases = [(name, ranks, mode) for name in texts for ranks in range(1, args.max_ranks + 1) for mode in modes]
     runs = {case: [] for case in cases}
     start = time.perf_counter()
     for rep in range(args.reps):
         for case in cases:
             name, ranks, mode = case
-            r = run_once(ranks, texts[name], args.max_tokens, spec if mode != "plain" else [], args.timeout)
+            extra = flags[mode] + (["--num-draft-tokens", str(args.k)] if flags[mode] else [])
+            r = run_once(ranks, texts[name], args.max_tokens, extra, args.timeout)
             runs[case].append(r)
             print(f"[{rep + 1}/{args.reps}] {name} P={ranks} {mode}: "
                   f"{r.get('error') or '%.1f tok/s' % r['tps']}", file=sys.stderr, flush=True)
     rows = []
     for name in texts:
         for ranks in range(1, args.max_ranks + 1):
-            plain, spec_runs = ([r for r in runs[(name, ranks, m)] if "error" not in r]
-                                for m in ("plain", "prompt lookup"))
-            if not plain or not spec_runs:
-                rows.append({"prompt": name, "ranks": ranks, "error": True})
-                continue
-            s = spec_runs[0]["speculative"]
-            tps = [statistics.median(r["tps"] for r in rs) for rs in (plain, spec_runs)]
-            rows.append({"prompt": name, "ranks": ranks, "plain_tps": tps[0], "lookup_tps": tps[1],
-                         "ratio": tps[1] / tps[0], "tokens": len(plain[0]["tokens"]),
-                         "same_tokens": all(r["tokens"] == plain[0]["tokens"] for r in plain + spec_runs),
-                         "drafted": s["drafted"], "accepted": s["accepted"], "passes": s["passes"],
-                         "covered": s["accepted"] / max(1, len(plain[0]["tokens"])),
-                         "plain_runs": [r["tps"] for r in plain], "lookup_runs": [r["tps"] for r in spec_runs]})
+            plain = [r for r in runs[(name, ranks, "plain")] if "error" not in r]
+            for mode in modes[1:]:
+                spec_runs = [r for r in runs[(name, ranks, mode)] if "error" not in r]
+                if not plain or not spec_runs:
+                    rows.append({"prompt": name, "ranks": ranks, "mode": mode, "error": True})
+                    continue
+                s = spec_runs[0]["speculative"]
+                tps = [statistics.median(r["tps"] for r in rs) for rs in (plain, spec_runs)]
+                rows.append({"prompt": name, "ranks": ranks, "mode": mode, "plain_tps": tps[0], "spec_tps": tps[1],
+                             "ratio": tps[1] / tps[0], "tokens": len(plain[0]["tokens"]),
+                             "same_tokens": all(r["tokens"] == plain[0]["tokens"] for r in plain + spec_runs),
+                             "drafted": s["drafted"], "accepted": s["accepted"], "passes": s["passes"],
+                             "covered": s["accepted"] / max(1, len(plain[0]["tokens"])),
+                             "plain_runs": [r["tps"] for r in plain], "spec_runs": [r["tps"] for r in spec_runs]})
     print(f"\nembedded model, greedy, {args.max_tokens} tokens max, K={args.k}, median of {args.reps}")
-    print(f"{'prompt':<10}{'P':>3}{'plain tok/s':>13}{'lookup tok/s':>14}{'ratio':>7}{'tokens':>8}"
+    print(f"{'prompt':<10}{'P':>3}  {'mode':<7}{'plain tok/s':>12}{'spec tok/s':>12}{'ratio':>7}{'tokens':>8}"
           f"{'covered':>9}{'accepted/drafted':>18}{'passes':>8}  same")
     for r in rows:
         if r.get("error"):
-            print(f"{r['prompt']:<10}{r['ranks']:>3}  failed")
+            print(f"{r['prompt']:<10}{r['ranks']:>3}  {r['mode']:<7}  failed")
             continue
-        print(f"{r['prompt']:<10}{r['ranks']:>3}{r['plain_tps']:>13.1f}{r['lookup_tps']:>14.1f}{r['ratio']:>7.2f}"
-              f"{r['tokens']:>8}{r['covered']:>9.2f}{'%d/%d' % (r['accepted'], r['drafted']):>18}{r['passes']:>8}"
-              f"  {'yes' if r['same_tokens'] else 'NO'}")
+        print(f"{r['prompt']:<10}{r['ranks']:>3}  {r['mode']:<7}{r['plain_tps']:>12.1f}{r['spec_tps']:>12.1f}"
+              f"{r['ratio']:>7.2f}{r['tokens']:>8}{r['covered']:>9.2f}{'%d/%d' % (r['accepted'], r['drafted']):>18}"
+              f"{r['passes']:>8}  {'yes' if r['same_tokens'] else 'NO'}")
     print(f"wall time {time.perf_counter() - start:.0f} s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

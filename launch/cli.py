@@ -70,6 +70,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                       "safetensors headers are read); default: the preset's config, else the embedded tiny model")
     plan.add_argument("--quantize", type=int, metavar="BITS", help="plan as if converted by mlx-lm at BITS "
                       "(group 64, routers at 8 bits), for a config that is not quantized")
+    plan.add_argument("--draft-model", metavar="PATH_OR_REPO", help="plan rank 0 with run_trinity's --draft-model "
+                      "beside its layers (its weights and caches; only its config.json is read)")
     plan.add_argument("--json", action="store_true", help='print {"fits", "hosts": [...]} as JSON')
     run = sub.add_parser("run", help="plan, then start the ranks (ring backend: ourselves, locally or over "
                          "ssh; others through mlx.launch)", formatter_class=HelpFormatter)
@@ -173,7 +175,7 @@ def cmd_plan(args) -> int:
         h = unknown[0]
         raise TrinityError(f"host {h.ssh} (rank {h.rank}) has no memory_gb in the hostfile; `launch plan` needs "
                            "one per remote host (`launch run` measures it at start-up instead)")
-    plan = make_plan(config, sizes, hf, context, args.margin)
+    plan = make_plan(config, sizes, hf, context, args.margin, args.draft_model)
     longest = longest_contexts(config, plan) if plan.fits else {}
     if args.json:
         print(json.dumps({**plan.to_json(), "longest_context": longest}))
@@ -194,7 +196,7 @@ def longest_contexts(config: dict, plan, batches=(1, 8, 32)) -> dict:
     host's planned weights}, as `--max-context auto` computes it on the ring."""
     from distributed.shard.kv_budget import longest_context
 
-    rows = [{"layers": [h.start, h.end], "parameter_bytes": h.weight_bytes} for h in plan.hosts]
+    rows = [{"layers": [h.start, h.end], "parameter_bytes": h.weight_bytes + h.draft_bytes} for h in plan.hosts]
     memory = [h.memory_bytes for h in plan.hosts]
     limit = config.get("max_position_embeddings") or 2**31
     return {b: longest_context(config, rows, memory, b, limit, margin=plan.margin).context for b in batches}

@@ -77,9 +77,13 @@ def drop_hosts(hf: Hostfile, ranks: Set[int]) -> Hostfile:
     return Hostfile(hosts, hf.backend, list(hf.envs), None)
 
 
-def make_plan(config: dict, tensor_sizes, hf: Hostfile, context: int, margin: float) -> Plan:
+def make_plan(config: dict, tensor_sizes, hf: Hostfile, context: int, margin: float,
+              draft_model: Optional[str] = None) -> Plan:
+    """The plan for `hf`'s hosts; draft_model: --draft-model, held by rank 0 beside its layers."""
+    from distributed.shard.draft import draft_reserve
+
     return plan_layers(config, [h.memory_bytes for h in hf.hosts], [h.speed for h in hf.hosts],
-                       context, tensor_sizes, hf.names, margin)
+                       context, tensor_sizes, hf.names, margin, draft_reserve(draft_model, context, len(hf.hosts)))
 
 
 class DoesNotFit(TrinityError):
@@ -123,7 +127,7 @@ class Planner:
             return Layout(list(self.command))
         if any(h.memory_bytes is None for h in hf.hosts):  # measured, exchanged and planned by the ranks
             return Layout([*self.command, "--split", "auto"], [f"{PLAN_ENV}={plan_spec(hf.hosts, self.margin, self.context)}"])
-        plan = make_plan(self.config, self.sizes, hf, self.context, self.margin)
+        plan = make_plan(self.config, self.sizes, hf, self.context, self.margin, flag_value(self.command, "--draft-model"))
         if not plan.fits:
             raise DoesNotFit(plan)
         return Layout([*self.command, "--split", ",".join(map(str, plan.split))], [], plan)

@@ -2,6 +2,14 @@
 readable English, on text that ships with Python.
 
     nice python scripts/train_tiny_model.py [--steps N] [--out DIR]
+    nice python scripts/train_tiny_model.py --draft [--steps N]    # its draft model
+
+--draft trains the embedded model's draft (distributed/shard/tiny_draft/, for
+`--draft-model`): 2 layers (a dense one, then an MoE one), the embedded model's own
+tokenizer, distilled from it on the same corpus (cross-entropy against the embedded
+model's next-token distribution, plus its argmax as a hard label) and on the embedded
+model's own greedy continuations of training prompts, so that it proposes what the target
+would draw.
 
 Corpus: the prose of the standard library's `pydoc_data.topics` (the language reference
 that `help()` shows), from this interpreter, each paragraph once; every tenth paragraph is
@@ -46,20 +54,22 @@ from distributed.shard.config import model_args  # noqa: E402
 from distributed.shard.tiny_checkpoint import tiny_config  # noqa: E402
 
 OUT = ROOT / "distributed" / "shard" / "tiny_model"
+DRAFT_OUT = ROOT / "distributed" / "shard" / "tiny_draft"
 EOT = "<|endoftext|>"
 # A completion model has no roles: the "chat" template joins the messages' text, so a
 # prompt reaches the model as written (run_trinity.py applies the template by default).
 PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% if not loop.last %}\n\n{% endif %}{% endfor %}"
 
 
-def model_config(vocab_size: int, eot_id: int) -> dict:
-    """HF-style config.json: 6 layers (S S F S S F), window 64, 1 dense layer then MoE."""
-    layers = 6
+def model_config(vocab_size: int, eot_id: int, layers: int = 6) -> dict:
+    """HF-style config.json: 6 layers (S S F S S F), window 64, 1 dense layer then MoE
+    (the draft: 2 layers, S F)."""
     return tiny_config(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=384, moe_intermediate_size=64,
         num_hidden_layers=layers, num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, max_position_embeddings=2048, sliding_window=64, global_attn_every_n_layers=3,
-        layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)],
+        layer_types=["full_attention" if (i + 1) % 3 == 0 or i + 1 == layers else "sliding_attention"
+                     for i in range(layers)],
         num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
         # mlx-lm's default theta, so plain mlx_lm.load (which ignores rope_parameters) agrees.
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
@@ -161,12 +171,54 @@ def batches(stream: np.ndarray, batch: int, context: int, seed: int):
         yield mx.array(np.stack([stream[s:s + context + 1] for s in starts]))
 
 
-def train(model, moe, stream, held_chunks, args):
-    """AdamW with warm-up and cosine decay; returns a record of the run (losses, time)."""
+def load_teacher(path: Path):
+    """The embedded model as trained (mlx-lm's afmoe), to distil a draft from."""
+    config = json.loads((path / "config.json").read_text())
+    model = afmoe.Model(model_args(config))
+    weights = model.sanitize(dict(mx.load(str(path / "model.safetensors"))))
+    model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    return model
+
+
+def continuations(teacher, stream: np.ndarray, count: int, length: int, seed: int = 1, batch: int = 64) -> np.ndarray:
+    """The teacher's greedy continuations (`length` tokens) of `count` prompts of 8 to 64
+    tokens cut from the training stream, each after its prompt and before an end of text:
+    what a draft is asked to predict when the model continues a prompt."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    rng, out = np.random.default_rng(seed), []
+    eot = int(stream[-1])
+    for first in range(0, count, batch):
+        n, size = min(batch, count - first), int(rng.integers(8, 65))
+        starts = rng.integers(0, len(stream) - size, n)
+        prompts = np.stack([stream[s:s + size] for s in starts])
+        cache = make_prompt_cache(teacher)
+        y = mx.argmax(teacher(mx.array(prompts), cache=cache)[:, -1], axis=-1)
+        drawn = [y]
+        for _ in range(length - 1):
+            y = mx.argmax(teacher(y[:, None], cache=cache)[:, -1], axis=-1)
+            drawn.append(y)
+        text = np.concatenate([prompts, np.array(mx.stack(drawn, axis=1)), np.full((n, 1), eot)], axis=1)
+        out.append(text.reshape(-1))
+    return np.concatenate(out).astype(np.int32)
+
+
+def train(model, moe, stream, held_chunks, args, teacher=None):
+    """AdamW with warm-up and cosine decay; returns a record of the run (losses, time).
+    With a teacher, the loss is the cross-entropy against its next-token distribution."""
     def loss_fn(model, x):
         CountingSwitchGLU.loads.clear()
         logits = model(x[:, :-1])
-        loss = nn.losses.cross_entropy(logits, x[:, 1:]).mean()
+        if teacher is None:
+            loss = nn.losses.cross_entropy(logits, x[:, 1:]).mean()
+        else:
+            # The teacher's distribution, and its argmax (what greedy decoding draws, which a
+            # draft must propose to be accepted) as a hard label beside it.
+            teacher_logits = mx.stop_gradient(teacher(x[:, :-1]))
+            target = mx.softmax(teacher_logits, axis=-1)
+            loss = (-(target * nn.log_softmax(logits, axis=-1)).sum(axis=-1).mean()
+                    + nn.losses.cross_entropy(logits, mx.argmax(teacher_logits, axis=-1)).mean())
         return loss, mx.stack(CountingSwitchGLU.loads)
 
     schedule = optim.join_schedules(
@@ -219,29 +271,45 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--bias-rate", type=float, default=1e-3, help="expert_bias step per training step")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--out", type=Path, default=None, help=f"default: {OUT.relative_to(ROOT)} ({DRAFT_OUT.relative_to(ROOT)} with --draft)")
+    p.add_argument("--draft", action="store_true", help="train the embedded model's draft (2 layers, distilled from it)")
+    p.add_argument("--continuations", type=int, default=256,
+                   help="with --draft: the model's greedy continuations of training prompts added to the corpus")
     args = p.parse_args(argv)
+    args.out = args.out or (DRAFT_OUT if args.draft else OUT)
     args.out.mkdir(parents=True, exist_ok=True)
 
     train_docs, held_text = corpus()
-    tok = train_tokenizer(train_docs, args.vocab, args.out)
+    teacher = None
+    if args.draft:  # the target's own tokenizer: a draft must share it
+        from tokenizers import Tokenizer
+
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (args.out / name).write_bytes((OUT / name).read_bytes())
+        tok, teacher = Tokenizer.from_file(str(OUT / "tokenizer.json")), load_teacher(OUT)
+    else:
+        tok = train_tokenizer(train_docs, args.vocab, args.out)
     eot = tok.token_to_id(EOT)
     stream = np.fromiter((t for e in tok.encode_batch(train_docs) for t in (*e.ids, eot)), dtype=np.int32)
     held_chunks = windows(tok.encode(held_text).ids, args.context)
     print(f"corpus: {len(train_docs)} documents, {sum(map(len, train_docs))} characters, {len(stream)} tokens; "
           f"held out: {len(held_text)} characters", flush=True)
+    if teacher is not None:  # the draft also learns the model's own continuations
+        stream = np.concatenate([stream, continuations(teacher, stream, args.continuations, 256)])
+        print(f"with {args.continuations} of the model's continuations: {len(stream)} tokens", flush=True)
 
-    config = model_config(tok.get_vocab_size(), eot)
+    config = model_config(tok.get_vocab_size(), eot, layers=2 if args.draft else 6)
     model, moe = build_model(config)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"model: {n_params} parameters", flush=True)
-    record = train(model, moe, stream, held_chunks, args)
+    record = train(model, moe, stream, held_chunks, args, teacher)
 
     mx.save_safetensors(str(args.out / "model.safetensors"), hf_weights(model, config), metadata={"format": "pt"})
     (args.out / "config.json").write_text(json.dumps(config, indent=2))
     (args.out / "training.json").write_text(json.dumps({
-        "made_by": "scripts/train_tiny_model.py", "python": sys.version.split()[0], "mlx": mx.__version__,
-        "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"},
+        "made_by": "scripts/train_tiny_model.py" + (" --draft" if args.draft else ""),
+        "distilled_from": "tiny_model" if args.draft else None, "python": sys.version.split()[0], "mlx": mx.__version__,
+        "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "draft") and (args.draft or k != "continuations")},
         "parameters": n_params, "corpus_documents": len(train_docs),
         "corpus_characters": sum(map(len, train_docs)), "corpus_tokens": int(len(stream)),
         "heldout_characters": len(held_text), "heldout_sha256": hashlib.sha256(held_text.encode()).hexdigest(),

@@ -28,7 +28,7 @@ TOOLS = [  # OpenAI's form; get_weather is the one the weights call
 def start_agent_ring(tmp_path_factory, extra=()):
     """(namespace with base_url, port, path, tokenizer, server); stop it with server.stop()."""
     path = make_tool_checkpoint(tmp_path_factory.mktemp("agent_model"))
-    server = Server(path, 2, [*SERVER_ARGS, "--http", "127.0.0.1:0", "--prompt-lookup", *extra])
+    server = Server(path, 2, [*SERVER_ARGS, "--http", "127.0.0.1:0", "--prompt-lookup", "--speculate", "always", *extra])
     try:
         server.wait_serving()
         while not (listening := re.search(r"and \S+:(\d+) \(HTTP\)", server.output())):

@@ -32,7 +32,7 @@ LONG = 1000  # max_tokens of a request that is still running when the test acts 
 CONFIGS = {
     "stages2": (1, ["--stages", "2"], [[0, 4], [4, 8]]),
     # Speculating (prompt lookup): every test on it must see the output of the others.
-    "ranks2": (2, ["--prompt-lookup", "--num-draft-tokens", "3"], [[0, 4], [4, 8]]),
+    "ranks2": (2, ["--prompt-lookup", "--speculate", "always", "--num-draft-tokens", "3"], [[0, 4], [4, 8]]),
     "ranks3": (3, ["--split", "3,1,4"], [[0, 3], [3, 4], [4, 8]]),
 }
 

@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from conftest import ROOT, run_cli, run_json
+from draft_checkpoint import truncated_draft
 from distributed.cli import parse_args
 from reference import PROMPT, mlx_lm_greedy
 from shard.test_loader import checkpoint_bytes
@@ -192,13 +193,16 @@ def test_help_shows_defaults_and_names_readme_sections_that_exist(capsys):
     assert len(sections) >= 4 and set(sections) <= headings, (sections, headings)
 
 
-@pytest.mark.parametrize("ranks, extra", [(2, []), (3, ["--split", "3,1,4"])])
-def test_prompt_lookup_through_the_ring_gives_the_same_tokens(hf_checkpoint, ranks, extra):
+@pytest.mark.parametrize("ranks, extra, draft", [(2, [], False), (3, ["--split", "3,1,4"], True)])
+def test_prompt_lookup_through_the_ring_gives_the_same_tokens(hf_checkpoint, tmp_path, ranks, extra, draft):
     """Verification frames through real rings, rejected drafts trimmed on every rank,
-    far past the window: the greedy output and its logprobs as without speculation."""
+    far past the window: the greedy output and its logprobs as without speculation; on 3
+    ranks with a draft model too (the checkpoint's first 4 layers) where lookup finds nothing."""
     ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, 200, 8)
+    if draft:
+        extra = [*extra, "--draft-model", str(truncated_draft(hf_checkpoint, tmp_path / "draft", 4))]
     out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "200", "--prompt-lookup",
-                    "--num-draft-tokens", "3", *extra], ranks)
+                    "--speculate", "always", "--num-draft-tokens", "3", *extra], ranks)
     assert out["token_ids"] == ref_tokens
     assert max(abs(a - b) for a, b in zip(out["logprobs"], ref_logprobs)) < 1e-4
     spec = out["speculative"]

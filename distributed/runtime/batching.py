@@ -1,21 +1,18 @@
 """Continuous batching: what rank 0 puts into the ring next.
 
-Running sequences decode in groups, one per rank at most, that follow each
-other around the ring: while rank 1 runs group A's step, rank 0 runs group
-B's, so no rank waits for a whole round trip. A group is one batched decode
-step (mlx-lm's batch caches, one row per sequence); sequences join a group
-between its steps and leave it when they finish. A group's next step is sent
-as soon as its tokens are sampled, before rank 0 looks at them (lookahead, as
-mlx-lm's generate does), so the host's work per step (reading the tokens,
-streaming them, building the next step) overlaps the device's.
+Running sequences decode in groups, one per rank at most, that follow each other around the ring: while
+rank 1 runs group A's step, rank 0 runs group B's, so no rank waits for a whole round trip. A group is
+one batched decode step (mlx-lm's batch caches, one row per sequence); sequences join a group between
+its steps and leave it when they finish. A group's next step is sent as soon as its tokens are sampled,
+before rank 0 looks at them (lookahead, as mlx-lm's generate does), so the host's work per step (reading
+the tokens, streaming them, building the next step) overlaps the device's.
 
-New sequences are admitted in batches (`prefill`): waiting prompts prefill
-together, in chunks that follow each other along the ring. While groups are
-decoding, each chunk rides in a group's decode step, in the same frame
-(chunked prefill, as vLLM and Sarathi-Serve mix them: Stage.mixed runs the
-MoE over both), so the running rows take a token per chunk, and a step is
-delayed by one bounded chunk at most (with one rank, a chunk goes alone: `mix`). Then the
-batch's rows join the groups, each with its last prompt token as its next input.
+New sequences are admitted in batches (`prefill`): waiting prompts prefill together, in chunks that
+follow each other along the ring. While groups are decoding, each chunk rides in a group's decode step,
+in the same frame (chunked prefill, as vLLM and Sarathi-Serve mix them: Stage.mixed runs the MoE over
+both), so the running rows take a token per chunk, and a step is delayed by one bounded chunk at most
+(with one rank, a chunk goes alone: `mix`). Then the batch's rows join the groups, each with its last
+prompt token as its next input.
 """
 
 from collections import deque
@@ -24,14 +21,15 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..transport import Reply
+from ..transport import Op, Reply
 from .logits import shaped_logprobs, top_candidates, top_logprobs
 from .caches import is_batch
 from .grammar import prepare_masks
+from .memory_failure import fail_frame
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .sequence import Sequence
-from .speculation import PromptLookupDrafter, SpeculationOptions, SpeculationStats, judge, propose
+from .speculation import SpeculationOptions, SpeculationStats, judge, make_drafter, propose
 
 
 class PrefixHooks:
@@ -70,7 +68,7 @@ class Outstanding:
     group: Optional[Group] = None
     picked: Optional[tuple] = None  # what _pick gives; one rank: as the frame was sent
     first: bool = False  # a step giving some rows their first token
-    chunk: bool = False  # a step carrying a prefill chunk in its frame
+    chunk: list = field(default_factory=list)  # a step's frame carrying a prefill chunk: that batch's rows
     drafts: List[int] = field(default_factory=list)  # a verification frame's draft tokens
 
 
@@ -81,18 +79,17 @@ class Batcher:
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.speculation = speculation or SpeculationOptions()
         # Drafts for one-row groups (anything with propose(seq, k)); None: no speculation.
-        self.drafter = PromptLookupDrafter(self.speculation) if self.speculation.enabled else None
-        self.spec_stats = SpeculationStats()
         ranks = pipeline.num_ranks
+        self.drafter = make_drafter(self.speculation, sequences=ranks)
+        self.spec_stats = SpeculationStats()
         self.groups = [Group(slot) for slot in range(ranks)]
         self.group_cap = -(-max_batch // len(self.groups))
         self.max_batch = max_batch
         self.depth = ranks  # prompt chunks in the ring at once: enough to keep every rank busy
-        # Prompt chunks ride in decode steps' frames (_send_step) with several ranks, where a
-        # frame of its own would hold the groups' steps back a whole frame at every rank. With
-        # one, the device computes the chunk and the step one after the other either way, and
-        # the chunk alone first gives the earlier first tokens (bench_load --arrival-gap: TTFT
-        # p50 +13% to +52% mixed on an H200, +6% to +36% on a CPU).
+        # Prompt chunks ride in decode steps' frames (_send_step) with several ranks, where a frame of its
+        # own would hold the groups' steps back a whole frame at every rank. With one, the device computes
+        # the chunk and the step one after the other either way, and the chunk alone first gives the earlier
+        # first tokens (bench_load --arrival-gap: TTFT p50 +13% to +52% mixed on an H200, +6% to +36% on a CPU).
         self.mix = ranks > 1
         self.prefix = prefix or PrefixHooks()
         self.admission = Admission(pipeline, self._new_slot, prefill_step_size, prefill_batch_tokens)
@@ -173,8 +170,7 @@ class Batcher:
             self._send_prefill()
 
     def _prefill_may_go(self) -> bool:
-        """No prefill while prefilled rows wait to join a group or for their first token
-        (a chunk in the ring would delay it: the first token comes first)."""
+        """No prefill while prefilled rows wait to join a group or for their first token (it comes first)."""
         return not self.ready and not any(o.first for o in self.outstanding)
 
     def _send_prefill(self) -> bool:
@@ -233,7 +229,7 @@ class Batcher:
 
         def carry(chunk: mx.array, chunk_slot: int) -> None:
             self.pipeline.send_mixed(tokens[:, None], group.slot, chunk, chunk_slot)
-            carried.append(chunk_slot)
+            carried.extend(self.admission.current.members)  # the chunk's batch's rows
 
         batch = None
         if (self.mix and not first and self._prefill_may_go() and self.admission.pending
@@ -242,7 +238,7 @@ class Batcher:
         if not carried:
             self.pipeline.send(tokens[:, None], Reply.LAST, group.slot)
         group.busy = True
-        self._expect(Outstanding("step", list(group.members), group.slot, group, first=first, chunk=bool(carried)))
+        self._expect(Outstanding("step", list(group.members), group.slot, group, first=first, chunk=carried))
         if batch is not None and batch.done:
             self._prefilled(batch)
 
@@ -270,10 +266,12 @@ class Batcher:
         """Stream the target's draws up to the first that differs from its draft (that one
         included: it is the step's own token), then drop the rejected drafts' positions
         from every rank's caches: they hold the row's history up to its last token fed."""
-        _, h = self.pipeline.recv()
+        header, h = self.pipeline.recv()
+        if header.op == Op.NO_MEMORY:  # a rank could not run it (memory_guard.py)
+            return fail_frame(self, frame, h)
         seq, drafts = frame.sequences[0], frame.drafts
         with self.pipeline.stats.computing():
-            tokens, chosen, tops = judge(self.pipeline.stage.head, seq, drafts, h)
+            tokens, chosen, tops = judge(self.pipeline.stage.head, seq, drafts, h, self.speculation.num_draft_tokens)
         self.spec_stats.accepted += len(tokens) - 1
         reason, last = None, 0
         for last, token in enumerate(tokens):
@@ -318,16 +316,18 @@ class Batcher:
         if frame.kind == "verify":
             return self._receive_verify(frame)
         if frame.picked is None:
-            _, h = self.pipeline.recv()
+            header, h = self.pipeline.recv()
+            if header.op == Op.NO_MEMORY:  # a rank could not run it (memory_guard.py)
+                return fail_frame(self, frame, h)
             if frame.kind == "chunk":
                 if h is not None:  # every position (Reply.ALL): a prompt being scored
                     frame.sequences[0].logits.prompt.add(self.pipeline.stage.head, h)
                 return
             frame.picked = self._pick(frame.sequences, h)
         tokens, chosen, top = frame.picked
-        # The rows in the slot now, in order: those not finished, as with lookahead a
-        # step is sent before the previous one's tokens are looked at, so rows that
-        # finished there were in this step too (and were filtered out of the caches since).
+        # The rows in the slot now, in order: those not finished, as with lookahead a step is sent before
+        # the previous one's tokens are looked at, so rows that finished there were in this step too (and
+        # were filtered out of the caches since; so are rows a NO_MEMORY reply ended: memory_failure.py).
         in_slot = [(i, s) for i, s in enumerate(frame.sequences) if not s.finished]
         # Rows whose first token this is (their last prompt token was this step's input).
         fresh = {id(s) for _, s in in_slot if s.awaiting_first}

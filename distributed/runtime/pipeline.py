@@ -18,6 +18,7 @@ from ..shard.stage import Stage, flatten
 from ..transport import Header, Op, Reply, Transport
 from . import rank_info
 from .caches import SlotCaches
+from .memory_guard import MemoryGuard
 from .rank_stats import RankStats
 
 
@@ -32,7 +33,10 @@ class Pipeline:
         self.waker: Optional[Callable[[int], None]] = None
         self._parked = 0  # number of the PARK frame the ring is parked at; 0: awake
         self._parks = 0
-        self.stats = RankStats(self.caches)
+        # --memory-limit, frame by frame (memory_guard.py); a refused frame's reply comes
+        # back as NO_MEMORY. One rank has no ring to send it round: it checks nothing.
+        self.guard = MemoryGuard(stage, self.caches, 0, enabled=transport is not None)
+        self.stats = RankStats(self.caches, self.guard)
         # The other ranks' RankStats reports by rank, as last heard (the watchdog's, or in-process workers').
         self.peer_reports: Callable[[], Dict[int, dict]] = dict
         # The last hidden state sent, whose computation may still run (timed before the next reply).
@@ -68,6 +72,7 @@ class Pipeline:
     def _cache_op(self, op: Op, slot: int, arg: int = 0, values: Sequence[int] = ()) -> None:
         """Apply a cache op here and on every other rank (after the frames already sent)."""
         self.caches.apply(op, slot, arg, values)
+        self.guard.settle()
         self._tell_others(op, slot, arg, values)
 
     def _tell_others(self, op: Op, slot: int, arg: int = 0, values: Sequence[int] = ()) -> None:
@@ -127,6 +132,9 @@ class Pipeline:
     def send(self, tokens: mx.array, reply: Reply, slot: int = 0) -> None:
         """Start tokens (batch, length) through all stages; unless `reply` is
         NONE, recv() later returns the reply."""
+        refused = self.guard.verdict([(tokens.shape[0], tokens.shape[1], slot)], self._itemsize)
+        if refused is not None:
+            return self._send(*self.guard.failed(Header(Op.FORWARD, reply, slot), refused))
         h = self.stage(self.stage.embed(tokens), self.caches.get(slot))
         self.stats.forward_frames += 1
         if self.transport is not None:
@@ -148,6 +156,13 @@ class Pipeline:
         chunk's tokens share the step's pass over the expert weights). The reply is the
         step's (Reply.LAST); the chunk's outputs are only kept in its caches. Several
         ranks only (the batcher mixes nothing with one: Batcher.mix)."""
+        if chunk_slot in self.guard.doomed:  # the chunk's rows failed here: the step goes on alone
+            return self.send(tokens, Reply.LAST, slot)
+        parts = [(tokens.shape[0], 1, slot), (chunk.shape[0], chunk.shape[1], chunk_slot)]
+        refused = self.guard.verdict(parts, self._itemsize)
+        if refused is not None:
+            header = Header(Op.FORWARD, Reply.LAST, slot, chunk_slot=chunk_slot, chunk_rows=chunk.shape[0])
+            return self._send(*self.guard.failed(header, refused))
         h, c = self.stage.mixed([(self.stage.embed(tokens), self.caches.get(slot)),
                                  (self.stage.embed(chunk), self.caches.get(chunk_slot))])
         self.stats.forward_frames += 1
@@ -160,9 +175,14 @@ class Pipeline:
             self._computing = payload
             self.stats.dispatched()
 
+    @property
+    def _itemsize(self) -> int:
+        return self.stage.norm.weight.dtype.size  # the hidden states' (weights may be quantized)
+
     def recv(self) -> Tuple[Header, Optional[mx.array]]:
         """The reply to the oldest frame sent that asked for one: final hidden
-        states (Reply.LAST / ALL), or no payload (Reply.ACK)."""
+        states (Reply.LAST / ALL), no payload (Reply.ACK), or a NO_MEMORY header
+        (memory_guard.py) whose payload says which rank could not run the frame."""
         if self.transport is None:
             return self._local.popleft()
         if self._computing is not None:

@@ -1,5 +1,6 @@
 """What a rank counts about its own work, for rank 0's metrics: forward frames (and
-how many carried a prefill chunk beside a decode step), the time of its own forward computation, and the bytes its KV caches hold.
+how many carried a prefill chunk beside a decode step), the time of its own forward computation, the bytes its KV caches hold,
+and MLX's memory figures (active, buffer cache, peak) with the frames refused for lack of memory (memory_guard.py).
 
 Other ranks evaluate each frame apart from its send (which may wait for the next
 rank) and do nothing else meanwhile: their time is their whole computation. Rank
@@ -24,11 +25,12 @@ from typing import Optional
 import mlx.core as mx
 
 from .caches import SlotCaches
+from .memory_guard import MemoryGuard
 
 
 class RankStats:
-    def __init__(self, caches: SlotCaches):
-        self.caches = caches
+    def __init__(self, caches: SlotCaches, guard: Optional[MemoryGuard] = None):
+        self.caches, self.guard = caches, guard
         self.forward_seconds = 0.0
         self.forward_frames = 0
         self.mixed_frames = 0  # of those, decode steps that carried a prefill chunk (Stage.mixed)
@@ -63,5 +65,8 @@ class RankStats:
             "mixed_frames": self.mixed_frames,
             "kv_cache_bytes": sum(c.nbytes for caches in slots for c in caches),
             "prefix_cache_bytes": sum(c.nbytes for caches in entries for c in caches),
+            "active_memory_bytes": mx.get_active_memory(),
+            "cache_memory_bytes": mx.get_cache_memory(),
             "peak_memory_bytes": mx.get_peak_memory(),
+            "memory_refused_frames": self.guard.refused if self.guard is not None else 0,
         }

@@ -20,6 +20,7 @@ from mlx_lm.sample_utils import apply_top_p
 
 from .logits import SequenceLogits
 from .request import FinishEvent, TokenEvent
+from .speculation import PassClock
 
 
 @mx.compile
@@ -99,6 +100,8 @@ class Sequence:
         # drafts, and the passes in a row whose drafts missed.
         self.draft_pause = 0
         self.draft_misses = 0
+        self.draft_k = 0  # drafts its next pass may carry (speculation.adapt; 0: not yet set)
+        self.pass_clock = PassClock()  # what its passes and plain steps cost (speculation.back_off)
 
     def _resume(self, tokens: List[int]) -> None:
         """Bring the streaming state to where the original run was after `tokens`:
@@ -139,7 +142,9 @@ class Sequence:
     def accept(self, token: int, logprob: float, top=None) -> Optional[str]:
         """Stream a decoded token (`top`: its top logprobs); returns the finish reason
         if the request is done."""
-        self.first_at = self.first_at or time.perf_counter()
+        now = time.perf_counter()
+        self.first_at = self.first_at or now
+        self.pass_clock.token(now)
         self.sampled.append(token)
         self.draft_pause = max(0, self.draft_pause - 1)
         if self.handle.cancelled:

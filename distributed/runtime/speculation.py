@@ -6,13 +6,17 @@ token streamed is the target's own draw, so greedy output is the same token for 
 and sampled output keeps the target's distribution). The caches of every rank then
 drop the positions of the rejected drafts (Op.TRIM: caches.trim_newest).
 
-Drafters here: prompt lookup (n-gram matching over the prompt and the text so far, as
-HF transformers' prompt_lookup_num_tokens and vLLM's ngram method do). A drafter only
-proposes; it never changes what is streamed.
+Drafters: prompt lookup (n-gram matching over the prompt and the text so far, as
+HF transformers' prompt_lookup_num_tokens and vLLM's ngram method do) and a draft model
+(draft_model.py); with both, a lookup match wins (it copies text the sequence already
+holds) and the model drafts otherwise. A drafter only proposes; it never changes what
+is streamed. How many drafts a pass carries adapts per sequence (HF transformers'
+heuristic schedule): two more after a pass whose drafts all held, one fewer otherwise,
+between 1 and --num-draft-tokens.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import mlx.core as mx
 
@@ -23,16 +27,46 @@ DEFAULT_DRAFT_TOKENS = 4
 
 @dataclass
 class SpeculationOptions:
-    """What the server speculates with (the command line's --prompt-lookup, --num-draft-tokens)."""
+    """What the server speculates with (the command line's --prompt-lookup, --draft-model,
+    --num-draft-tokens)."""
 
     prompt_lookup: bool = False
     num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
     max_ngram: int = 3  # longest suffix of the history matched earlier in it
     min_ngram: int = 2  # shortest: one token alone predicts too little
+    draft: Any = None  # the draft model's Stage (every layer), loaded on rank 0
+    measured: bool = True  # pause where passes cost more than plain steps (PassClock); False: never
 
     @property
     def enabled(self) -> bool:
-        return self.prompt_lookup and self.num_draft_tokens > 0
+        return (self.prompt_lookup or self.draft is not None) and self.num_draft_tokens > 0
+
+
+def make_drafter(options: SpeculationOptions, sequences: int = 1):
+    """The drafter `options` ask for (None: no speculation); `sequences`: how many may
+    speculate at once (one-row groups: one per rank at most), whose draft caches are kept."""
+    if not options.enabled:
+        return None
+    drafters = [PromptLookupDrafter(options)] if options.prompt_lookup else []
+    if options.draft is not None:
+        from .draft_model import ModelDrafter
+
+        drafters.append(ModelDrafter(options.draft, sequences))
+    return drafters[0] if len(drafters) == 1 else FirstProposal(drafters)
+
+
+class FirstProposal:
+    """Several drafters: the first that proposes anything."""
+
+    def __init__(self, drafters):
+        self.drafters = drafters
+
+    def propose(self, seq, k: int) -> List[int]:
+        for drafter in self.drafters:
+            drafts = drafter.propose(seq, k)
+            if drafts:
+                return drafts
+        return []
 
 
 def prompt_lookup(history: List[int], k: int, max_ngram: int = 3, min_ngram: int = 2) -> List[int]:
@@ -61,13 +95,57 @@ class PromptLookupDrafter:
 
 
 MAX_PAUSE = 32  # tokens
+PROBE = 4  # plain tokens timed after a sequence's first pass, to compare the two
+COSTLY_PAUSE = 16  # plain tokens after a pass that cost more per token than plain steps
+
+
+class PassClock:
+    """What a sequence's tokens cost, measured on rank 0's clock (moving averages): seconds
+    per token of its verification passes (from the token before the pass, drafting
+    included, to the pass's last token) and of its plain steps (from one token to the next,
+    with the lookahead a pass forgoes). Speculation pays only while passes cost less."""
+
+    def __init__(self):
+        self.measured = True  # False: never compared (SpeculationOptions.measured)
+        self.last: Optional[float] = None  # when its last token was accepted
+        self.pass_start: Optional[float] = None
+        self.pending = 0  # tokens of the judged pass not accepted yet
+        self.tokens = 0  # the judged pass's tokens
+        self.plain: Optional[float] = None
+        self.spec: Optional[float] = None
+
+    def drafting(self) -> None:
+        self.pass_start = self.last
+
+    def judged(self, tokens: int) -> None:
+        self.pending = self.tokens = tokens
+
+    def token(self, now: float) -> None:
+        if self.pending:
+            self.pending -= 1
+            if not self.pending and self.pass_start is not None:
+                self.spec = _average(self.spec, (now - self.pass_start) / self.tokens)
+        elif self.last is not None:
+            self.plain = _average(self.plain, now - self.last)
+        self.last = now
+
+    @property
+    def costs_more(self) -> bool:
+        return self.spec is not None and self.plain is not None and self.spec > self.plain
+
+
+def _average(old: Optional[float], new: float, weight: float = 0.5) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 def back_off(seq, accepted: Optional[int]) -> None:
     """After a pass (`accepted` drafts) or a step that found nothing to propose (None): a
     sequence whose drafts all missed decodes its next 2, 4, ... 32 tokens plainly (with the
     lookahead that a verification frame forgoes), so text that does not repeat costs little;
-    a hit resets that. Nothing to propose skips one token (the next may match)."""
+    a hit resets that. Nothing to propose skips one token (the next may match). By measured
+    cost (PassClock): after its first pass a sequence decodes PROBE tokens plainly to time
+    them, and while its passes cost more per token than plain steps it decodes COSTLY_PAUSE
+    tokens plainly between passes (each pass after a pause measures again)."""
     if accepted is None:
         seq.draft_pause = 1
     elif accepted:
@@ -75,6 +153,17 @@ def back_off(seq, accepted: Optional[int]) -> None:
     else:
         seq.draft_misses += 1
         seq.draft_pause = min(2 ** seq.draft_misses, MAX_PAUSE)
+    if accepted is not None and seq.pass_clock.measured:
+        clock = seq.pass_clock
+        if clock.plain is None:
+            seq.draft_pause = max(seq.draft_pause, PROBE)
+        elif clock.costs_more:
+            seq.draft_pause = max(seq.draft_pause, COSTLY_PAUSE)
+
+
+def adapt(seq, drafted: int, accepted: int, most: int) -> None:
+    """The sequence's next pass drafts two more after all `drafted` held, one fewer otherwise."""
+    seq.draft_k = min(most, seq.draft_k + 2) if accepted == drafted else max(1, seq.draft_k - 1)
 
 
 @dataclass
@@ -90,24 +179,31 @@ class SpeculationStats:
 def propose(drafter, options: SpeculationOptions, seq) -> List[int]:
     """The drafter's tokens for `seq`'s next pass: never more than it can still take after
     the token the pass gives anyway; nothing to propose backs off one token."""
-    k = min(options.num_draft_tokens, seq.request.max_tokens - seq.count - 1)
+    seq.draft_k = seq.draft_k or options.num_draft_tokens
+    seq.pass_clock.measured = options.measured
+    k = min(seq.draft_k, seq.request.max_tokens - seq.count - 1)
     drafts = drafter.propose(seq, k) if k > 0 else []
     if drafts and seq.logits.constraint is not None:  # what the grammar forbids cannot be accepted
         drafts = seq.logits.constraint.valid_prefix(seq.generated, drafts)
     if k > 0 and not drafts:
         back_off(seq, None)
+    if drafts:
+        seq.pass_clock.drafting()
     return drafts
 
 
-def judge(head, seq, drafts: List[int], h: mx.array):
+def judge(head, seq, drafts: List[int], h: mx.array, most: int = DEFAULT_DRAFT_TOKENS):
     """A verification frame's reply `h` (1, K + 1, hidden): the tokens to stream (the
     target's draws up to the first that differs from its draft, that one included), their
-    logprobs and top logprobs; the sequence backs off if no draft held."""
+    logprobs and top logprobs; the sequence backs off if no draft held, and its next
+    pass drafts up to `most`."""
     logits = head(h)[0]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     mx.eval(logprobs)
     tokens = draws(seq, logits, logprobs, drafts)
+    seq.pass_clock.judged(len(tokens))
     back_off(seq, len(tokens) - 1)
+    adapt(seq, len(drafts), len(tokens) - 1, most)
     return (tokens, *reported(seq, logprobs, tokens))
 
 

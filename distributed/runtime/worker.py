@@ -9,6 +9,7 @@ from ..shard.stage import Stage, flatten, unflatten
 from ..transport import Header, Op, Reply, Transport
 from . import rank_info
 from .caches import CACHE_OPS, SlotCaches
+from .memory_guard import MemoryGuard, allocation_failed, step_alone
 from .rank_stats import RankStats
 
 Frame = Tuple[Header, Optional[mx.array]]
@@ -20,7 +21,8 @@ class StageWorker:
         self.rank, self.is_last = rank, rank == size - 1
         self.wait_wake = wait_wake  # parks this rank off the transport (the watchdog's); None: no parking
         self.caches = SlotCaches(stage)
-        self.stats = RankStats(self.caches)  # rank 0 hears it with the watchdog's heartbeats
+        self.guard = MemoryGuard(stage, self.caches, rank)  # --memory-limit, frame by frame
+        self.stats = RankStats(self.caches, self.guard)  # rank 0 hears it with the watchdog's heartbeats
         self.parameter_bytes = parameter_bytes(stage)
 
     def handle(self, header: Header, payload: Optional[mx.array]) -> Optional[Frame]:
@@ -30,6 +32,7 @@ class StageWorker:
         if header.op in CACHE_OPS:
             values = [] if payload is None else payload.reshape(-1).tolist()
             self.caches.apply(header.op, header.slot, header.arg, values)
+            self.guard.settle()
             # The ring keeps frames in order, so rank 0 needs no acknowledgement.
             return None if self.is_last else (header, payload)
         if header.op == Op.INFO:
@@ -38,14 +41,20 @@ class StageWorker:
             )
             table = mx.concatenate([payload, row], axis=1)
             return Header.for_payload(Op.INFO, table), table
+        if header.op == Op.NO_MEMORY:  # a frame a rank before could not run: on to rank 0, as its reply
+            return None if self.is_last and header.reply == Reply.NONE else (header, payload)
         if header.op in (Op.STOP, Op.PARK):
             return header, None  # round trips: the last rank passes them back to rank 0
         raise ValueError(f"rank {self.rank} received unknown op {header.op}")
 
     def _forward(self, header: Header, h: mx.array) -> Optional[Frame]:
         self.stats.forward_frames += 1
-        if header.mixed:
-            return self._forward_mixed(header, h)
+        return self._forward_mixed(header, h) if header.mixed else self._forward_plain(header, h)
+
+    def _forward_plain(self, header: Header, h: mx.array) -> Optional[Frame]:
+        refused = self.guard.verdict([(header.batch, header.length, header.slot)], h.dtype.size)
+        if refused is not None:
+            return self.guard.failed(header, refused)
         h = self.stage(h, self.caches.get(header.slot))
         if self.is_last:
             if header.reply in (Reply.NONE, Reply.ACK):
@@ -61,6 +70,12 @@ class StageWorker:
         chunk = (header.chunk_rows, header.chunk_length, header.width)
         step = (header.length - chunk[0] * chunk[1], 1, header.width)
         parts = unflatten(h, [step, chunk])
+        if header.chunk_slot in self.guard.doomed:  # the chunk's rows failed here: the step goes on alone
+            return self._forward_plain(step_alone(header, parts[0]), parts[0])
+        refused = self.guard.verdict([(step[0], 1, header.slot), (chunk[0], chunk[1], header.chunk_slot)],
+                                     h.dtype.size)
+        if refused is not None:
+            return self.guard.failed(header, refused)
         outs = self.stage.mixed([(parts[0], self.caches.get(header.slot)),
                                  (parts[1], self.caches.get(header.chunk_slot))])
         if self.is_last:
@@ -80,9 +95,14 @@ class StageWorker:
                 # Evaluated here, not in the send (which may wait for the next rank): the time is
                 # this rank's computation alone.
                 with self.stats.computing():
-                    out = self.handle(header, payload)
-                    if out is not None and out[1] is not None:
-                        mx.eval(out[1])
+                    try:
+                        out = self.handle(header, payload)
+                        if out is not None and out[1] is not None:
+                            mx.eval(out[1])
+                    except Exception as e:  # MLX refused an allocation: this frame fails, not the ring
+                        if not allocation_failed(e):
+                            raise
+                        out = self.guard.mlx_failed(header)
             else:
                 out = self.handle(header, payload)
             if out is not None:

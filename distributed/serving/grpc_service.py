@@ -7,7 +7,8 @@ is loading"; attach() makes it SERVING; set_not_serving(reason) after the ring
 breaks (Generate then answers UNAVAILABLE with the reason); stop() at shutdown.
 
 Status codes: bad input INVALID_ARGUMENT ("field: what is wrong", from
-frontend/request validation); --max-queue exceeded RESOURCE_EXHAUSTED; loading,
+frontend/request validation); --max-queue exceeded, or a request a rank had no memory
+for (runtime/memory_guard.py: it alone fails), RESOURCE_EXHAUSTED; loading,
 ring broken or shutting down UNAVAILABLE; a client deadline cancels the request
 within one decode step, as does the client cancelling the stream.
 
@@ -40,6 +41,7 @@ from grpc_reflection.v1alpha import reflection
 
 from .. import TrinityError
 from ..runtime.grammar import json_schema_grammar, lark_grammar, regex_grammar
+from ..runtime.memory_guard import is_out_of_memory
 from ..runtime.request import FinishEvent, GenerationRequest, PromptEvent, RequestError
 from ..runtime.scheduler import QueueFull, RingUnavailable
 from ..shard.kv_budget import MAX_BATCH
@@ -136,6 +138,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                           logprobs=[event.logprob], top_logprobs=top)
         finally:
             handle.cancel()  # the stream was closed early; a no-op once finished
+        if event.finish_reason == "error" and is_out_of_memory(event.error):  # this request alone: the ring goes on
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, event.error)
         if event.finish_reason == "error":
             context.abort(grpc.StatusCode.UNAVAILABLE, f"generation failed, the pipeline is down: {event.error}")
         if event.finish_reason == "cancelled" and req.expired():

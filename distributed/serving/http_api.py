@@ -7,7 +7,7 @@ they become, is openai_fields.py's; the JSON that comes back, openai_replies.py'
 chat messages and tool calls, tools.py's. Errors are OpenAI error bodies: 400 bad
 input or a field that is not implemented (naming it), 401 missing or wrong bearer
 token, 404 a model this server does not serve, 429 queue full, 503 loading or
-pipeline down. Defaults follow OpenAI: temperature 1; max_tokens 16 for
+pipeline down, 507 a rank had no memory for the request (runtime/memory_guard.py). Defaults follow OpenAI: temperature 1; max_tokens 16 for
 completions, the rest of the context (up to the server's cap) for chat.
 
 Monitoring: GET /health (health.py; open without a token, as gRPC's health),
@@ -26,6 +26,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler
 from typing import Optional
 
+from ..runtime.memory_guard import is_out_of_memory
 from ..runtime.request import RequestError
 from ..runtime.scheduler import QueueFull, RingUnavailable
 from . import pages
@@ -43,6 +44,9 @@ GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 def _down(reason: str) -> ApiError:
+    """A request that failed: 507 if a rank had no memory for it (it alone failed), else the ring is down."""
+    if is_out_of_memory(reason):
+        return ApiError(507, reason, "insufficient_memory")
     return ApiError(503, f"the pipeline is down: {reason}", "service_unavailable")
 
 

@@ -119,6 +119,12 @@ class _RingCollector:
         reports = s.rank_reports()  # {} in the router
         if reports:
             yield from self._ranks(reports, {r["rank"]: r["host"] for r in info.ranks})
+        limits = _gauge("rank_memory_limit_bytes", "Each rank's --memory-limit (ranks without one: none)",
+                        labels=["rank", "host"])
+        for r in info.ranks:
+            if r.get("memory_limited"):
+                limits.add_metric([str(r["rank"]), r["host"]], r["memory_bytes"])
+        yield limits
 
     @staticmethod
     def _ranks(reports: dict, hosts: dict):
@@ -136,7 +142,15 @@ class _RingCollector:
                                       labels=labels)),
             ("prefix_cache_bytes", _gauge("prefix_cache_bytes", "Bytes of prefix-cache entries each rank holds",
                                           labels=labels)),
-            ("peak_memory_bytes", _gauge("rank_peak_memory_bytes", "Each rank's peak MLX memory", labels=labels)),
+            ("active_memory_bytes", _gauge("rank_memory_active_bytes", "Bytes each rank's MLX arrays hold now "
+                                           "(mx.get_active_memory)", labels=labels)),
+            ("cache_memory_bytes", _gauge("rank_memory_cache_bytes", "Bytes of freed buffers each rank's MLX keeps "
+                                          "for reuse (mx.get_cache_memory; bounded under --memory-limit)",
+                                          labels=labels)),
+            ("peak_memory_bytes", _gauge("rank_memory_peak_bytes", "Each rank's peak MLX memory (mx.get_peak_memory)",
+                                         labels=labels)),
+            ("memory_refused_frames", _counter("rank_memory_refused_frames", "Frames a rank did not run for lack of "
+                                               "memory (their requests failed, the ring went on)", labels=labels)),
         ]
         for key, family in families:
             for rank, report in sorted(reports.items()):

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Iterator, List, Optional, Tuple
 
+from ..runtime.memory_guard import is_out_of_memory
 from ..runtime.request import FinishEvent, TokenEvent
 from .metrics import Metrics
 from .recent import Recent
@@ -107,12 +108,23 @@ class RequestLog:
         ttft = "-" if trace.first is None else f"{trace.first - trace.start:.3f}"
         self.write(f"request front_end={fe} route={trace.route} status={status} outcome={outcome} "
                    f"prompt_tokens={prompt} cached_tokens={cached} completion_tokens={completion} "
-                   f"ttft_s={ttft} duration_s={duration:.3f} client={trace.client}"
+                   f"ttft_s={ttft} duration_s={duration:.3f} client={trace.client}{self._memory()}"
                    + (f" error={json.dumps(error)}" if error else ""))
         m.requests.labels(fe, outcome).inc()  # last: once a scrape counts the request, the rest is done
         with self._lock:
             self._open -= 1
             self._all_logged.notify_all()
+
+
+    def _memory(self) -> str:
+        """Each rank's MLX memory now (MiB, in rank order: active, buffer cache, peak), as last heard."""
+        scheduler = self.metrics.scheduler
+        reports = sorted(scheduler.rank_reports().items()) if scheduler is not None else []
+        if not reports:  # not loaded yet, or the launcher's router
+            return ""
+        mib = lambda key: ",".join(f"{r.get(key, 0) / 2**20:.1f}" for _, r in reports)
+        return (f" memory_active_mib={mib('active_memory_bytes')} memory_cache_mib={mib('cache_memory_bytes')}"
+                f" memory_peak_mib={mib('peak_memory_bytes')}")
 
 
 class Trace:
@@ -175,6 +187,7 @@ class Trace:
             reasons = [f.finish_reason for f in self.finishes]
             outcome = next((r for r in reasons if r in ("error", "cancelled")), reasons[0])
             error = error or next((f.error for f in self.finishes if f.error), None)
+            outcome = "out_of_memory" if outcome == "error" and is_out_of_memory(error) else outcome
         elif status in (None, 200, "OK"):
             outcome = "cancelled"  # the client went away mid-answer
         else:

@@ -11,11 +11,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-lookup", action="store_true",
                    help="draft from the prompt and the text so far (n-gram lookup, no model): a sequence decoding "
                    "alone verifies up to --num-draft-tokens drafts in one pass through the ring")
+    g.add_argument("--draft-model", metavar="PATH_OR_REPO",
+                   help="draft with this small AFMoE checkpoint, which must share the model's tokenizer (loaded on "
+                   "rank 0 only, counted in its memory); with --prompt-lookup too, a lookup match wins")
+    g.add_argument("--speculate", choices=["measured", "always"], default="measured",
+                   help="measured: a sequence whose passes cost more per token than its plain steps (timed on rank "
+                   "0) decodes plainly between passes; always: every pass its drafter proposes (for tests)")
     g.add_argument("--num-draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, metavar="K",
-                   help="drafts per verification pass")
+                   help="most drafts per verification pass (each sequence adapts: two more after a pass whose drafts "
+                   "all held, one fewer otherwise)")
 
 
 def options(args: argparse.Namespace) -> SpeculationOptions:
     if args.num_draft_tokens < 1:
         raise TrinityError(f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}")
-    return SpeculationOptions(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
+    return SpeculationOptions(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
+                              measured=args.speculate == "measured")
+
+
+def loaded(args: argparse.Namespace, tokenizer) -> SpeculationOptions:
+    """options(args) with the draft model loaded (rank 0, beside its stage)."""
+    from ..shard.draft import load_draft
+
+    spec = options(args)
+    if args.draft_model:
+        spec.draft = load_draft(args.draft_model, tokenizer)
+    return spec

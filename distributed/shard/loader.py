@@ -79,19 +79,19 @@ def _is_local(model: str) -> bool:
     return Path(model).exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
 
 
-def model_dir(model: str) -> Path:
+def model_dir(model: str, flag: str = "--model") -> Path:
     """A local directory as is; for a Hugging Face repo id, a snapshot of its
     config and tokenizer files only (weights come with fetch_stage_files)."""
     if _is_local(model):
         path = Path(model).expanduser()
         if path.exists() and not path.is_dir():
-            raise TrinityError(f"--model {model} is a file: give the checkpoint's folder (the one with config.json)")
+            raise TrinityError(f"{flag} {model} is a file: give the checkpoint's folder (the one with config.json)")
         if not path.is_dir():
-            raise TrinityError(f"--model {model}: no such folder (nor a Hugging Face repo id, which reads owner/name)")
+            raise TrinityError(f"{flag} {model}: no such folder (nor a Hugging Face repo id, which reads owner/name)")
         return path
     path = snapshot(model, METADATA_PATTERNS)
     if not (path / "config.json").exists():
-        raise TrinityError(f"--model {model}: the repo on {where()} has no config.json")
+        raise TrinityError(f"{flag} {model}: the repo on {where()} has no config.json")
     return path
 
 

@@ -35,6 +35,7 @@ class HostPlan:
     usable_bytes: int
     speed: float = 1.0
     weights: Dict[str, int] = field(default_factory=dict)  # by category
+    draft_bytes: int = 0  # rank 0: the draft model's weights and caches (--draft-model)
 
     @property
     def layers(self) -> List[int]:
@@ -42,7 +43,7 @@ class HostPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.cache_bytes
+        return self.weight_bytes + self.cache_bytes + self.draft_bytes
 
     @property
     def headroom_bytes(self) -> int:
@@ -58,6 +59,7 @@ class HostPlan:
             "weight_bytes": self.weight_bytes, "cache_bytes": self.cache_bytes,
             "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes,
             "headroom_bytes": self.headroom_bytes, "speed": self.speed, "weights": self.weights,
+            "draft_bytes": self.draft_bytes,
         }
 
 
@@ -87,7 +89,8 @@ class Plan:
             if h.missing_bytes:
                 lines.append(
                     f"host {h.host} (rank {h.rank}) needs {gib(h.total_bytes)} for layers "
-                    f"[{h.start}, {h.end}){' with the embedding and head' if h.rank == 0 else ''} "
+                    f"[{h.start}, {h.end}){' with the embedding and head' if h.rank == 0 else ''}"
+                    f"{' and the draft model' if h.draft_bytes else ''} "
                     f"at context {self.context} but has {gib(h.usable_bytes)} usable "
                     f"({gib(h.memory_bytes)} less the {self.margin:.0%} safety margin): "
                     f"{gib(h.missing_bytes)} missing"
@@ -114,10 +117,13 @@ class Plan:
             rows.append(
                 f"{h.rank:>4}  {h.host[:18]:<18} {f'[{h.start}, {h.end})':<10} {f(w.get('attention', 0)):>8} "
                 f"{f(w.get('dense_mlp', 0)):>8} {f(w.get('experts', 0)):>8} {f(w.get('embed_head', 0)):>8} "
-                f"{f(h.weight_bytes):>8} {f(h.cache_bytes):>8} {f(h.memory_bytes):>9} "
+                f"{f(h.weight_bytes):>8} {f(h.cache_bytes + h.draft_bytes):>8} {f(h.memory_bytes):>9} "
                 f"{f(h.usable_bytes):>9} {f(h.headroom_bytes):>9}"
             )
+        draft = self.hosts[0].draft_bytes
         rows.append(f"{unit}; context {self.context} tokens; safety margin {self.margin:.0%}; "
+                    + (f"rank 0 also holds the draft model ({f(draft)}, in its cache column); " if draft else "")
+                    + 
                     f"sizes from {self.source}; split {','.join(map(str, self.split))}; "
                     + ("fits" if self.fits else "DOES NOT FIT"))
         return "\n".join(rows)
@@ -162,7 +168,8 @@ def _partition(costs: Sequence[int], head: int, usable: Sequence[int], weights: 
 
 
 def plan_sizes(sizes: ModelSizes, memories: Sequence[int], speeds: Optional[Sequence[float]] = None,
-               context: int = 4096, hosts: Optional[Sequence[str]] = None, margin: float = DEFAULT_MARGIN) -> Plan:
+               context: int = 4096, hosts: Optional[Sequence[str]] = None, margin: float = DEFAULT_MARGIN,
+               draft_bytes: int = 0) -> Plan:
     """plan_layers for sizes already computed."""
     P, L = len(memories), sizes.num_layers
     speeds = list(speeds) if speeds is not None else [1.0] * P
@@ -181,10 +188,11 @@ def plan_sizes(sizes: ModelSizes, memories: Sequence[int], speeds: Optional[Sequ
         raise TrinityError(f"the context must be at least 1 token, got {context}")
     usable = [int(m * (1 - margin)) for m in memories]
     costs = [sizes.layer_weight_bytes(l) + sizes.layer_cache_bytes(l, context) for l in range(L)]
-    bounds = _partition(costs, sizes.embed_head, usable, [u * s for u, s in zip(usable, speeds)], capped=True)
+    head = sizes.embed_head + draft_bytes  # what rank 0 holds beside its layers
+    bounds = _partition(costs, head, usable, [u * s for u, s in zip(usable, speeds)], capped=True)
     if bounds is None:
         # Nothing fits: show the memory-proportional split and what each host lacks under it.
-        bounds = _partition(costs, sizes.embed_head, usable, usable, capped=False)
+        bounds = _partition(costs, head, usable, usable, capped=False)
     out = []
     for r in range(P):
         s, e = bounds[r], bounds[r + 1]
@@ -192,19 +200,20 @@ def plan_sizes(sizes: ModelSizes, memories: Sequence[int], speeds: Optional[Sequ
             host=hosts[r], rank=r, start=s, end=e,
             weight_bytes=sizes.weight_bytes(s, e, r == 0), cache_bytes=sizes.cache_bytes(s, e, context),
             memory_bytes=int(memories[r]), usable_bytes=usable[r], speed=float(speeds[r]),
-            weights=sizes.breakdown(s, e, r == 0),
+            weights=sizes.breakdown(s, e, r == 0), draft_bytes=draft_bytes if r == 0 else 0,
         ))
     return Plan(out, context, margin, sizes.source)
 
 
 def plan_layers(config: dict, memories: Sequence[int], speeds: Optional[Sequence[float]] = None,
                 context: int = 4096, index_sizes: Optional[Dict[str, int]] = None,
-                hosts: Optional[Sequence[str]] = None, margin: float = DEFAULT_MARGIN) -> Plan:
+                hosts: Optional[Sequence[str]] = None, margin: float = DEFAULT_MARGIN, draft_bytes: int = 0) -> Plan:
     """Plan contiguous layer ranges for hosts with `memories` bytes each (rank order).
 
     config: config.json as a dict. speeds: optional relative speed per host (default 1).
     context: target tokens per request (prompt + generation). index_sizes: exact bytes per
-    checkpoint tensor name, when known (see launch.checkpoint.tensor_sizes). A plan that
+    checkpoint tensor name, when known (see launch.checkpoint.tensor_sizes). draft_bytes:
+    what rank 0 holds beside its layers for --draft-model (shard/draft.py). A plan that
     does not fit has fits == False; plan.shortfall() says what is missing where.
     """
-    return plan_sizes(model_sizes(config, index_sizes), memories, speeds, context, hosts, margin)
+    return plan_sizes(model_sizes(config, index_sizes), memories, speeds, context, hosts, margin, draft_bytes)

@@ -12,6 +12,7 @@ import os
 from typing import Dict, Optional
 
 from .. import TrinityError
+from ..shard.draft import draft_reserve
 from ..shard.memory import gather_memory
 from ..shard.memory_limit import limited
 from ..shard.memory_plan import DEFAULT_MARGIN, Plan, plan_layers
@@ -29,12 +30,13 @@ def plan_spec(hosts, margin: float, context: int) -> str:
 
 
 def startup_plan(config: dict, group, context: Optional[int] = None,
-                 index_sizes: Optional[Dict[str, int]] = None, memory_limit=None) -> Plan:
+                 index_sizes: Optional[Dict[str, int]] = None, memory_limit=None, draft_model=None) -> Plan:
     """Measure, exchange and plan; every rank of `group` must call it, before loading.
 
     Memory from TRINITY_PLAN wins over the measured figure; context: the argument,
     else TRINITY_PLAN's, else max_position_embeddings. Check plan.fits (and raise
-    plan.shortfall() on every rank) before loading.
+    plan.shortfall() on every rank) before loading. draft_model: --draft-model, which
+    rank 0 holds beside its layers.
     """
     spec = json.loads(os.environ.get(PLAN_ENV) or "{}")
     measured = [limited(m, memory_limit) for m in gather_memory(group)]  # --memory-limit's bytes win
@@ -50,4 +52,5 @@ def startup_plan(config: dict, group, context: Optional[int] = None,
         index_sizes=index_sizes,
         hosts=[h.get("host") or f"rank{r}" for r, h in enumerate(hosts)],
         margin=spec.get("margin", DEFAULT_MARGIN),
+        draft_bytes=draft_reserve(draft_model, int(context), group.size()),
     )

@@ -47,13 +47,13 @@ def startup_check(group, error: Optional[BaseException], hosts: List[str], watch
         raise StartupRefused("; ".join(failed))
 
 
-def planned_split(config: dict, group, max_context: Optional[int], memory_limit=None) -> List[int]:
+def planned_split(config: dict, group, max_context: Optional[int], memory_limit=None, draft_model=None) -> List[int]:
     """--split auto: every rank measures its memory, all exchange it, and each
     computes the same memory-proportional plan (from config.json alone, so
     ranks holding different weight files still agree)."""
     from .auto_split import startup_plan
 
-    plan = startup_plan(config, group, context=max_context, memory_limit=memory_limit)
+    plan = startup_plan(config, group, context=max_context, memory_limit=memory_limit, draft_model=draft_model)
     if not plan.fits:
         raise StartupRefused("the model does not fit:\n" + plan.shortfall())
     return plan.split
@@ -138,7 +138,8 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None,
     num_layers = model_args(config).num_hidden_layers
     if args.split == "auto":
         try:
-            split = planned_split(config, group, fixed_context(args), args.memory_limit)
+            split = planned_split(config, group, fixed_context(args), args.memory_limit,
+                                  getattr(args, "draft_model", None))
         except StartupRefused:
             if watchdog is not None:
                 watchdog.close()  # every rank made the same plan, and exits with it

@@ -5,7 +5,10 @@ and the prefix cache, all from each rank's memory figure (its host share, or
 `--max-context N` is a limit as given; `--max-context auto` is the longest context at
 which --max-batch sequences' caches fit on the tightest rank (kv_budget.longest_context),
 so a request that could not fit is refused up front, naming the numbers, instead of
-running out of memory mid-prefill.
+running out of memory mid-prefill. Under --memory-limit the prefill chunk is also cut
+to what fits: the longest (up to --prefill-step-size) whose activations at that context
+fit in the margin the plans leave on each rank (what every rank's guard checks each frame
+against: runtime/memory_guard.py), so a request the context admits is not refused mid-prefill.
 """
 
 from argparse import ArgumentTypeError
@@ -13,8 +16,12 @@ from dataclasses import dataclass
 from typing import List, Optional, Union
 
 from .. import TrinityError
+from ..runtime.memory_guard import activation_bytes
 from ..runtime.prefix_cache import default_budget
+from ..shard.draft import draft_reserve
 from ..shard.kv_budget import DEFAULT_CONTEXT, kv_budget, longest_context
+from ..shard.memory_plan import DEFAULT_MARGIN
+from ..shard.sizes import dtype_bytes, model_args
 
 AUTO = "auto"
 
@@ -58,11 +65,20 @@ def prefix_cache_budget(args, config: dict, ranks, memory_bytes: List[int]) -> i
     return default_budget(kv_budget(config, ranks, memory_bytes, planning_context(args, config)).free_bytes)
 
 
+def beside_draft(args, config: dict, memory_bytes: List[int], ranks: int) -> List[int]:
+    """Each rank's memory figure, rank 0's less what --draft-model takes there: its weights
+    and the caches of the sequences that may speculate at once (one per rank) at the
+    planning context."""
+    taken = draft_reserve(getattr(args, "draft_model", None), planning_context(args, config), ranks)
+    return [max(0, memory_bytes[0] - taken), *memory_bytes[1:]]
+
+
 @dataclass
 class Sizes:
     max_context: int
     max_batch: int
     prefix_cache_bytes: int
+    prefill_step_size: int
     lines: List[str]  # what was chosen and why, printed at start
 
 
@@ -83,4 +99,21 @@ def serving_sizes(args, config: dict, ranks, memory_bytes: List[int], batch: Opt
                                f"--prefix-cache-bytes, or give the ring more memory)")
         max_context = fit.context
         lines.append(f"max context: {fit.describe()} (--max-context auto)")
-    return Sizes(max_context, max_batch, prefix_cache_bytes, lines)
+    step = args.prefill_step_size
+    if getattr(args, "memory_limit", None) is not None:
+        step = prefill_chunk(config, min(memory_bytes), max_context, step)
+        lines.append(f"prefill chunk: {step} tokens (their activations at {max_context} tokens fit "
+                     f"--memory-limit's margin)")
+    return Sizes(max_context, max_batch, prefix_cache_bytes, step, lines)
+
+
+def prefill_chunk(config: dict, memory_bytes: int, context: int, most: int) -> int:
+    """The longest prefill chunk, up to `most` tokens, whose activations attending to
+    `context` positions fit half the margin of a rank planning with `memory_bytes` (1 at least)."""
+    # Half the margin: the other half holds what else the rank keeps meanwhile (replies, logits, inputs).
+    args, itemsize, margin = model_args(config), dtype_bytes(config), int(memory_bytes * DEFAULT_MARGIN) // 2
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if activation_bytes(args, mid, context, itemsize) <= margin else (lo, mid - 1)
+    return lo

@@ -228,3 +228,26 @@ def test_plan_reports_the_longest_context_each_batch_gets(capsys):
     assert expected["1"] == 262144 > expected["8"] > expected["32"] > 0
     code, out, _ = cli(capsys, "plan", "--preset", "trinity-large", "--memory-gb", "96,96,96", "--quantize", "4")
     assert f"{expected['8']} tokens for 8 sequences" in out
+
+
+def test_plan_counts_the_draft_model_on_rank_0(capsys, tmp_path):
+    """Trinity-Large over four 128 GB Macs with Trinity-Nano (4-bit) as its draft: rank 0
+    holds the draft's weights and one speculating sequence's caches per rank at the plan's
+    context beside its layers, and takes no more layers for it."""
+    from distributed.shard.draft import draft_bytes
+    from distributed.shard.sizes import quantize_config
+    from trinity_configs import nano
+
+    draft = quantize_config(nano(), 4)
+    (tmp_path / "config.json").write_text(json.dumps(draft))
+    base = ["plan", "--preset", "trinity-large", "--memory-gb", "128,128,128,128", "--quantize", "4", "--json"]
+    code, out, _ = cli(capsys, *base)
+    alone = json.loads(out)
+    code_with, out, _ = cli(capsys, *base, "--draft-model", str(tmp_path))
+    plan = json.loads(out)
+    assert code == code_with == 0 and plan["fits"]
+    rank0 = plan["hosts"][0]
+    assert rank0["draft_bytes"] == draft_bytes(draft, plan["context"], 4) > 3 * 2**30
+    assert [h["draft_bytes"] for h in plan["hosts"][1:]] == [0, 0, 0]
+    assert rank0["layers"][1] <= alone["hosts"][0]["layers"][1]
+    assert rank0["headroom_bytes"] == rank0["memory_bytes"] - rank0["weight_bytes"] - rank0["cache_bytes"] - rank0["draft_bytes"]

@@ -93,7 +93,7 @@ def test_speculation_checks_drafts_against_the_grammar(pipeline, hf_checkpoint):
     reference = mlx_lm_masked_greedy(hf_checkpoint, PROMPT, grammar, 80)
     forbidden = load_tokenizer(hf_checkpoint).encode("z", add_special_tokens=False)[0]
     drafter = Drafter(reference, forbidden)
-    spec = SpeculationOptions(prompt_lookup=True, num_draft_tokens=3)
+    spec = SpeculationOptions(prompt_lookup=True, num_draft_tokens=3, measured=False)
     [(tokens, finish)], scheduler = run(pipeline, hf_checkpoint, [GenerationRequest(list(PROMPT), max_tokens=80,
                                                                                     grammar=grammar)], spec, drafter)
     assert tokens == reference and finish.finish_reason == "stop"

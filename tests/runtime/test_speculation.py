@@ -11,7 +11,9 @@ from mlx_lm.utils import load_tokenizer
 from distributed.runtime.caches import compact, trim_newest
 from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
-from distributed.runtime.speculation import SpeculationOptions, prompt_lookup
+from types import SimpleNamespace
+
+from distributed.runtime.speculation import COSTLY_PAUSE, PROBE, PassClock, SpeculationOptions, back_off, prompt_lookup
 from reference import PROMPT, mlx_lm_greedy
 from stages import in_process_pipeline
 
@@ -82,7 +84,7 @@ def pipeline(hf_checkpoint):
 
 def run(pipeline, path, drafter=None, k=4, **fields):
     scheduler = Scheduler(pipeline, load_tokenizer(path), prefill_step_size=16,
-                          speculation=SpeculationOptions(prompt_lookup=True, num_draft_tokens=k))
+                          speculation=SpeculationOptions(prompt_lookup=True, num_draft_tokens=k, measured=False))
     if drafter is not None:
         scheduler.batcher.drafter = drafter
     handle = scheduler.submit(GenerationRequest(list(PROMPT), **fields))
@@ -130,3 +132,34 @@ def test_processors_stops_limits_and_top_logprobs_as_without_speculation(pipelin
 def test_seeded_sampling_stays_seeded(pipeline, hf_checkpoint):
     runs = [run(pipeline, hf_checkpoint, None, max_tokens=40, temperature=0.8, seed=11)[0] for _ in range(2)]
     assert [e.token_id for e in runs[0]] == [e.token_id for e in runs[1]]
+
+
+def test_measured_cost_pauses_passes_while_they_cost_more_than_plain_steps():
+    """PassClock on given times: plain tokens 10 ms apart; a pass of 3 tokens taking 50 ms
+    from the token before it (16.7 ms a token) pauses drafting; a fast one after it does not."""
+    seq = SimpleNamespace(pass_clock=PassClock(), draft_pause=0, draft_misses=0)
+    clock = seq.pass_clock
+    clock.drafting()
+    clock.judged(2)
+    clock.token(0.0), clock.token(0.0)
+    back_off(seq, 1)
+    assert seq.draft_pause == PROBE and clock.plain is None  # no plain step timed yet: time some
+    for t in (0.010, 0.020, 0.030):
+        clock.token(t)
+    clock.drafting()
+    clock.judged(3)
+    for _ in range(3):
+        clock.token(0.080)
+    seq.draft_pause = 0
+    back_off(seq, 2)
+    assert clock.costs_more and seq.draft_pause == COSTLY_PAUSE
+    clock.drafting()
+    clock.judged(4)
+    for _ in range(4):
+        clock.token(0.090)  # 2.5 ms a token: the average drops below the plain steps'
+    seq.draft_pause = 0
+    back_off(seq, 3)
+    assert not clock.costs_more and seq.draft_pause == 0
+    clock.measured, clock.spec = False, 1.0  # --speculate always: never paused for cost
+    back_off(seq, 3)
+    assert seq.draft_pause == 0

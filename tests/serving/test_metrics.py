@@ -150,7 +150,8 @@ def test_a_scrape_counts_what_the_clients_saw(ring, served):
     for rank in ("0", "1"):
         assert total(samples, "trinity_rank_forward_seconds_total", rank=rank, host=host) > 0
         assert total(samples, "trinity_prefix_cache_bytes", rank=rank) > 0  # each holds its slice of the entries
-        assert total(samples, "trinity_rank_peak_memory_bytes", rank=rank) > 0
+        assert total(samples, "trinity_rank_memory_peak_bytes", rank=rank) > 0
+        assert total(samples, "trinity_rank_memory_active_bytes", rank=rank) > 0
 
 
 def test_one_access_log_line_per_request(ring, served):

@@ -1,18 +1,29 @@
-"""--max-context auto on a real 2-rank ring held to --memory-limit: the context it reports
-is the longest at which --max-batch sequences' caches fit beside the tightest rank's
-weights; a request longer than that is refused up front naming the numbers, one that fits
-is served, and every rank reports the memory it plans with."""
+"""Real 2-rank rings held to --memory-limit.
 
+--max-context auto: the context it reports is the longest at which --max-batch sequences'
+caches fit beside the tightest rank's weights; a request longer than that is refused up
+front naming the numbers, one that fits is served, and every rank reports the memory it
+plans with. A fixed --max-context beyond what fits: a prompt whose prefill outgrows the
+limit fails alone with an error naming memory (gRPC RESOURCE_EXHAUSTED, HTTP 507) while
+the ring goes on serving, exactly. Both servers (two rings of 2 ranks on this host) under
+a mixed load stay within their limits, and their buffer caches within their bounds, as
+their metrics show."""
+
+import http.client
 import json
+import re
+import threading
 
 import grpc
 import pytest
 
 from distributed.serving.proto import generation_pb2 as pb
+from distributed.shard.memory_limit import cache_bound
 from distributed.shard.memory_plan import DEFAULT_MARGIN
 from distributed.shard.tiny_checkpoint import DEFAULT_MODEL
 from distributed.startup.sizing import context_arg
-from grpc_server import Server
+from grpc_server import SERVING, Server, generate
+from reference import PROMPT
 
 LIMIT = 7_000_000  # bytes a rank: the tiny model's weights and a few hundred tokens of two sequences
 BATCH = 2
@@ -34,15 +45,45 @@ def by_hand_context(config: dict, layers, parameter_bytes: int) -> int:
     return best
 
 
-@pytest.fixture(scope="module")
-def limited_ring():
-    s = Server(DEFAULT_MODEL, 2, ["--memory-limit", str(LIMIT), "--max-context", "auto",
-                                  "--max-batch", str(BATCH), "--prefix-cache-bytes", "0"])
+def ring(max_context: str):
+    s = Server(DEFAULT_MODEL, 2, ["--memory-limit", str(LIMIT), "--max-context", max_context, "--max-batch",
+                                  str(BATCH), "--prefix-cache-bytes", "0", "--http", "127.0.0.1:0"])
     try:
         s.wait_serving()
+        s.http = s.http_address()
         yield s
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def limited_ring():
+    yield from ring("auto")
+
+
+@pytest.fixture(scope="module")
+def overcommitted_ring():
+    """The model's whole context (2048), more than LIMIT holds: the limit binds mid-request."""
+    yield from ring("2048")
+
+
+def post(address, path: str, body: dict):
+    conn = http.client.HTTPConnection(*address, timeout=120)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def metrics(address) -> dict:
+    """{(name, rank): value} of the per-rank samples of one /metrics scrape."""
+    conn = http.client.HTTPConnection(*address, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    return {(m[0], m[1]): float(m[2]) for m in re.findall(r'^(trinity_\w+)\{[^}]*rank="(\d+)"[^}]*\} (\S+)$', text, re.M)}
+
+
+def greedy(stub, prompt, max_tokens=16):
+    return generate(stub, token_ids=prompt, max_tokens=max_tokens)["token_ids"]
 
 
 def test_the_context_is_what_the_tightest_rank_holds(limited_ring):
@@ -64,6 +105,68 @@ def test_a_request_that_could_not_fit_is_refused_and_one_that_fits_is_served(lim
     assert f"prompt ({context - 3} tokens) + max_tokens (4) exceeds the context of {context} tokens" in e.value.details()
     replies = list(limited_ring.stub.Generate(pb.GenerateRequest(token_ids=prompt, max_tokens=3), timeout=120))
     assert sum(len(r.token_ids) for r in replies) == 3 and replies[-1].finish_reason == "length"
+
+
+LONG_PROMPT = [5 + i % 50 for i in range(1800)]  # fits the context (2048), not LIMIT
+
+
+def test_a_prefill_that_outgrows_the_limit_fails_alone(overcommitted_ring):
+    s = overcommitted_ring
+    fresh = greedy(s.stub, PROMPT)  # the ring's first request
+    with pytest.raises(grpc.RpcError) as e:
+        generate(s.stub, token_ids=LONG_PROMPT, max_tokens=4)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = e.value.details()
+    assert re.fullmatch(r"out of memory on rank [01]: the request's next frame needs [\d.]+ MiB beside [\d.]+ MiB "
+                        r"in use, above its --memory-limit of 6\.7 MiB; it was dropped, the server goes on", details)
+    assert s.health_status() == SERVING
+    assert greedy(s.stub, PROMPT) == fresh  # served exactly, as on the fresh ring
+    status, body = post(s.http, "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 4})
+    assert status == 507 and body["error"]["message"].startswith("out of memory on rank"), (status, body)
+    assert greedy(s.stub, PROMPT) == fresh and s.health_status() == SERVING
+    line = [x for x in s.output(10**7).splitlines() if "prompt_tokens=1800" in x][0]
+    assert "status=RESOURCE_EXHAUSTED outcome=out_of_memory" in line and "memory_peak_mib=" in line
+    refused = metrics(s.http)
+    assert sum(v for (name, _), v in refused.items() if name == "trinity_rank_memory_refused_frames_total") >= 2
+
+
+def test_two_servers_on_one_host_stay_within_their_limits(limited_ring, overcommitted_ring):
+    """A mixed load on both at once (prompts short and long, concurrent, beyond --max-batch):
+    on the planned ring (--max-context auto) every request is served; on the other a request
+    is served or fails naming memory; no rank's peak passes its limit, no buffer cache its bound."""
+    context = limited_ring.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).max_context
+    lengths = [12, context - 40, 100, context // 2, 40, context - 10]
+    outcomes = {}
+
+    def load(server, key, lengths):
+        for i, n in enumerate(lengths):
+            try:
+                generate(server.stub, token_ids=[3 + (i + j) % 90 for j in range(n)], max_tokens=8)
+                outcomes[key, i] = "OK"
+            except grpc.RpcError as e:
+                outcomes[key, i] = (e.code(), e.details().split(":")[0])
+
+    threads = [threading.Thread(target=load, args=(server, (name, t), lengths[t:] + lengths[:t]))
+               for name, server in (("planned", limited_ring), ("overcommitted", overcommitted_ring))
+               for t in range(3)]  # 3 clients a server: one more than --max-batch
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(v == "OK" for (key, _), v in outcomes.items() if key[0] == "planned"), outcomes
+    assert all(v in ("OK", (grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory on rank 0"),
+                     (grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory on rank 1"))
+               for v in outcomes.values()), outcomes
+    for server in (limited_ring, overcommitted_ring):
+        assert server.health_status() == SERVING
+        server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)  # after it, every rank has reported
+        m = metrics(server.http)
+        for rank in ("0", "1"):
+            figures = {name: v for (name, r), v in m.items() if r == rank and "memory" in name}
+            assert figures["trinity_rank_memory_limit_bytes"] == LIMIT, figures
+            assert 0 < figures["trinity_rank_memory_active_bytes"] <= figures["trinity_rank_memory_peak_bytes"] <= LIMIT, (
+                server.http, rank, figures)
+            assert figures["trinity_rank_memory_cache_bytes"] <= cache_bound(LIMIT), figures
 
 
 @pytest.mark.parametrize("text, value", [("auto", "auto"), ("AUTO", "auto"), ("4096", 4096)])

@@ -1,0 +1,46 @@
+"""Rank 0's part when a frame comes back NO_MEMORY (memory_guard.py): its requests end.
+
+The frame's rows (a decode step's group, a prefill chunk's batch, or both in one mixed
+frame) are lost: ranks before the one that refused it ran it and ranks after did not,
+so their caches no longer agree. Each such sequence ends with an error naming memory,
+and its rows leave wherever they are now (a decode group, a prefilled batch waiting to
+join one, the batch being sent) through the ordinary cache ops, as a cancellation's
+would, so every rank drops them. Every other sequence and the ring go on.
+"""
+
+from typing import List
+
+import mlx.core as mx
+
+from .memory_guard import describe
+
+
+def fail_frame(batcher, frame, payload: mx.array) -> None:
+    """`frame` (batching.Outstanding) came back NO_MEMORY with `payload`."""
+    message = describe(payload)
+    doomed = [s for s in frame.sequences + list(frame.chunk) if not s.finished]
+    ids = {id(s) for s in doomed}
+    pipeline = batcher.pipeline
+    for group in batcher.groups:
+        group.members = _without(pipeline, group.slot, group.members, ids)
+    for batch in list(batcher.ready):
+        batch.members = _without(pipeline, batch.slot, batch.members, ids)
+        if not batch.members:
+            batcher.ready.remove(batch)
+    current = batcher.admission.current
+    if current is not None and any(id(s) in ids for s in current.members):
+        pipeline.release(current.slot)  # after its chunks still in the ring; a chunk covers every row
+        batcher.admission.current = None
+    if frame.group is not None:
+        frame.group.busy = False  # this was its step in the ring
+    for seq in doomed:
+        seq.finish("error", error=message)
+        batcher.sequences -= 1
+
+
+def _without(pipeline, slot: int, members: List, ids: set) -> List:
+    """`members` of `slot` but those in `ids`, whose rows leave its caches on every rank."""
+    keep = [i for i, s in enumerate(members) if id(s) not in ids]
+    if len(keep) < len(members):
+        pipeline.filter(slot, keep)  # none kept: the slot is dropped
+    return [members[i] for i in keep]

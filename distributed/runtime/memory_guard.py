@@ -1,0 +1,130 @@
+"""Each rank's check that a frame fits its --memory-limit, and its part when one does not.
+
+MLX holds the limit only where its allocator does (on Apple GPUs an allocation past it
+waits for running work, then raises); its CPU allocator records the limit and never
+reads it (mlx/backend/no_gpu/allocator.cpp), so a rank past its limit there just grows.
+So every rank checks each FORWARD frame before it builds it: what the frame's evaluation
+allocates (frame_bytes: attention scores, the layers' other activations, KV cache
+growth) beside the bytes in use now must fit the limit. A frame that does not fit is not
+run: the rank passes a NO_MEMORY frame on in its place, which reaches rank 0 as that
+frame's reply, and rank 0 ends the frame's requests (memory_failure.py). Nothing ran, so
+this rank's caches stay whole; it frees its buffer cache and treats the frame's slots as
+doomed: frames on them already in the ring are not run either (a prefill chunk riding in
+a decode step is dropped from it, the step runs) until rank 0's cache ops drop those
+slots. An allocation MLX itself refuses (a RuntimeError out of an evaluation) takes the
+same path. Without --memory-limit, or on one rank (no ring to reply through), nothing is
+checked.
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from ..shard.memory_limit import applied_limit
+from ..shard.stage import Stage
+from ..transport import Header, Op
+from .caches import SlotCaches
+
+OUT_OF_MEMORY = "out of memory"  # how every such failure's message begins
+_ALLOCATION_ERRORS = ("unable to allocate", "out of memory", "bad_alloc", "bad alloc")
+_KV_STEP = 256  # mlx-lm's KVCache grows by this many positions at a time
+_KIB = 1024
+
+Part = Tuple[int, int, int]  # (rows, length, slot) of one batch in a frame
+
+
+def is_out_of_memory(error: Optional[str]) -> bool:
+    """A request's error says it ran out of memory (gRPC RESOURCE_EXHAUSTED, HTTP 507)."""
+    return bool(error) and error.startswith(OUT_OF_MEMORY)
+
+
+def allocation_failed(e: BaseException) -> bool:
+    """MLX could not allocate (its malloc, Metal's or CUDA's out-of-memory error)."""
+    return isinstance(e, (RuntimeError, MemoryError)) and any(w in str(e).lower() for w in _ALLOCATION_ERRORS)
+
+
+def activation_bytes(args, length: int, context: int, itemsize: int) -> int:
+    """An upper estimate of one row's activations in a layer, for `length` new tokens
+    attending to `context` positions: its attention scores (float32) and its MLP's or
+    experts' intermediates. Fitted to the tiny model on MLX's CPU backend, whose
+    attention materialises the scores: 10-20% above the peak seen."""
+    mlp = 3 * max(args.intermediate_size, (args.num_experts_per_tok + args.num_shared_experts)
+                  * args.moe_intermediate_size)
+    return int(args.num_attention_heads * length * context * 4 * 1.1) + length * (mlp + 12 * args.hidden_size) * itemsize
+
+
+def frame_bytes(stage: Stage, caches: List, rows: int, length: int, itemsize: int) -> int:
+    """What running `rows` x `length` tokens through `stage` after `caches` allocates, at
+    most: the largest layer's activations and every layer's KV cache growth (a grown
+    cache is copied whole, beside the new positions' zeros)."""
+    a = stage.args
+    kv_token = 2 * a.num_key_value_heads * a.head_dim * itemsize
+    activations, kv = 0, 0
+    for layer, cache in zip(stage.layers, caches):
+        past = cache.size() if cache.keys is not None else 0
+        if layer.use_sliding:
+            past = min(past, a.sliding_window)
+            kv += (past + length) * kv_token if length > 1 else 0
+        elif cache.keys is None or past + length > cache.keys.shape[2]:
+            grown = -(-length // _KV_STEP) * _KV_STEP  # mlx-lm's new zeros, then the whole cache concatenated
+            kv += (past + 2 * grown) * kv_token
+        activations = max(activations, activation_bytes(a, length, past + length, itemsize))
+    return rows * (activations + kv)
+
+
+def figures(rank: int, needed: int, in_use: int, limit: int) -> mx.array:
+    """A NO_MEMORY frame's payload (KiB; needed 0: MLX refused an allocation)."""
+    return mx.array([rank, -(-needed // _KIB), in_use // _KIB, limit // _KIB], dtype=mx.int32).reshape(1, -1, 1)
+
+
+def describe(payload: mx.array) -> str:
+    """The one-line error of a NO_MEMORY frame's payload."""
+    rank, needed, in_use, limit = payload.reshape(-1).tolist()
+    mib = lambda kib: f"{kib / _KIB:.1f} MiB"
+    bound = f"its --memory-limit of {mib(limit)}" if limit else "no --memory-limit"
+    if needed:
+        return (f"{OUT_OF_MEMORY} on rank {rank}: the request's next frame needs {mib(needed)} beside "
+                f"{mib(in_use)} in use, above {bound}; it was dropped, the server goes on")
+    return f"{OUT_OF_MEMORY} on rank {rank}: MLX could not allocate with {mib(in_use)} in use ({bound})"
+
+
+class MemoryGuard:
+    def __init__(self, stage: Stage, caches: SlotCaches, rank: int, enabled: bool = True):
+        self.stage, self.caches, self.rank, self.enabled = stage, caches, rank, enabled
+        self.doomed: Dict[int, mx.array] = {}  # slot -> the payload of the failure that doomed it
+        self.refused = 0  # frames refused here (metrics)
+
+    def verdict(self, parts: List[Part], itemsize: int) -> Optional[mx.array]:
+        """None: a frame of `parts` may run; else the NO_MEMORY payload to pass on instead."""
+        doomed = next((self.doomed[s] for _, _, s in parts if s in self.doomed), None)
+        limit = applied_limit() if self.enabled else None
+        if doomed is not None or limit is None:
+            return doomed
+        needed = sum(frame_bytes(self.stage, self.caches.get(s), r, n, itemsize) for r, n, s in parts)
+        in_use = mx.get_active_memory()
+        return None if in_use + needed <= limit else figures(self.rank, needed, in_use, limit)
+
+    def failed(self, header: Header, payload: mx.array) -> Tuple[Header, mx.array]:
+        """The frame `header` does not run here: its slots are doomed, the buffer cache is
+        freed, and this is the NO_MEMORY frame to pass on in its place."""
+        slots = {header.slot, header.chunk_slot} if header.mixed else {header.slot}
+        self.refused += not slots <= set(self.doomed)  # a failure here, not a doomed slot's frame
+        for slot in slots - set(self.doomed):
+            self.caches.get(slot)  # it exists until rank 0 drops it, which ends the doom
+            self.doomed[slot] = payload
+        mx.clear_cache()
+        return Header.for_payload(Op.NO_MEMORY, payload, reply=header.reply, slot=header.slot), payload
+
+    def mlx_failed(self, header: Header) -> Tuple[Header, mx.array]:
+        """MLX refused an allocation while evaluating `header`'s frame."""
+        return self.failed(header, figures(self.rank, 0, mx.get_active_memory(), applied_limit() or 0))
+
+    def settle(self) -> None:
+        """After a cache op: slots rank 0 has dropped are no longer doomed."""
+        for slot in [s for s in self.doomed if s not in self.caches.slots]:
+            del self.doomed[slot]
+
+
+def step_alone(header: Header, step: mx.array) -> Header:
+    """A mixed frame's header without its chunk (the chunk's slot is doomed)."""
+    return Header.for_payload(Op.FORWARD, step, reply=header.reply, slot=header.slot)

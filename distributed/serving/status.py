@@ -5,8 +5,9 @@ what the status page (pages/) shows, for scripts too.
     model, uptime_s      the served id; seconds since this server started
     ranks                rows as run_trinity.py --json's and GetModelInfo's (rank, host, layers
                          [start, end), embed, head, peak_memory_bytes, parameter_bytes,
-                         memory_bytes) plus kv_cache_bytes, prefix_cache_bytes, forward_share
-                         (forward seconds per second over the last minute) and alive
+                         memory_bytes) plus active_memory_bytes, cache_memory_bytes (MLX's now),
+                         kv_cache_bytes, prefix_cache_bytes, forward_share (forward seconds
+                         per second over the last minute) and alive
     requests             running, waiting, max_batch, served (ended so far) and their outcomes
     tokens               prompt, cached, generated (as the clients' usage counts them)
     last_minute          tokens_per_s, ttft_p50_s, ttft_p99_s (recent.py)
@@ -27,7 +28,7 @@ from typing import Optional
 from .health import Health
 from .metrics import prefix_cache_of, speculation_of
 
-LIVE = ("kv_cache_bytes", "prefix_cache_bytes")
+LIVE = ("active_memory_bytes", "cache_memory_bytes", "kv_cache_bytes", "prefix_cache_bytes")  # RankStats
 
 
 def _ratio(part: int, whole: int) -> Optional[float]:

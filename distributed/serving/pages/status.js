@@ -36,16 +36,18 @@ function drawRing(ranks) {
     if (r.head) tags.append(el("span", "", "head"));
     if (!r.alive) tags.append(el("span", "", "down"));
     box.append(tags);
-    const memory = el("div", "memory"), whole = Math.max(r.memory_bytes || 0, r.peak_memory_bytes || 0, 1);
+    // Used: MLX's active bytes now (the router knows only the peak at load); of them weights, caches, the rest.
+    const used = typeof r.active_memory_bytes === "number" ? r.active_memory_bytes : r.peak_memory_bytes;
+    const memory = el("div", "memory"), whole = Math.max(r.memory_bytes || 0, used || 0, 1);
     const weights = r.parameter_bytes || 0, kv = r.kv_cache_bytes || 0, prefix = r.prefix_cache_bytes || 0;
-    const other = Math.max(0, (r.peak_memory_bytes || 0) - weights - kv - prefix);
+    const other = Math.max(0, (used || 0) - weights - kv - prefix);
     for (const [cls, n] of [["weights", weights], ["kv", kv], ["prefix", prefix], ["other", other]]) {
       const part = el("span", cls);
       part.style.width = (100 * n / whole).toFixed(2) + "%";
       memory.append(part);
     }
     box.append(memory);
-    box.append(el("div", "muted", bytes(r.peak_memory_bytes) + " of " + bytes(r.memory_bytes)));
+    box.append(el("div", "muted", bytes(used) + " of " + bytes(r.memory_bytes) + " · peak " + bytes(r.peak_memory_bytes)));
     box.append(el("div", "muted", "KV " + bytes(r.kv_cache_bytes) + " · prefix " + bytes(r.prefix_cache_bytes)));
     box.append(el("div", "forward", "forward " + percent(r.forward_share)));
     ring.append(box);

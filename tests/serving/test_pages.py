@@ -112,7 +112,7 @@ def test_status_page_shows_every_rank_as_get_model_info_reports(ring, browser):
 
 def chart_top(browser) -> float:
     """The height of the tok/s line's highest point above the chart's axis (y 125)."""
-    return 125 - min(float(point.split(",")[1]) for point in browser.attribute("#chart polyline.tps", "points").split())
+    return 125 - min(float(point.split(",")[1]) for point in browser.attribute("#chart .tps polyline", "points").split())
 
 
 def test_counters_and_chart_change_after_requests(ring, browser, tmp_path):

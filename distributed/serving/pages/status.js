@@ -81,15 +81,22 @@ function drawCounters(doc) {
   }
 }
 
-// One line of the chart: a point per step (null: none that step, e.g. no first token: a gap).
-function polyline(values, scale, cls) {
-  const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
-  const step = 600 / (CHART_STEPS - 1), offset = CHART_STEPS - values.length;
-  const points = values.map((v, i) => v === null ? null
-    : ((offset + i) * step).toFixed(1) + "," + (AXIS_Y - 110 * v / scale).toFixed(1));
-  line.setAttribute("points", points.filter((p) => p !== null).join(" "));
-  line.setAttribute("class", cls);
-  return line;
+// One series of the chart: a line through a point per step, each point a dot too (a first step
+// alone shows); null (nothing that step, e.g. no first token) leaves a gap.
+function series(values, scale, cls) {
+  const svg = "http://www.w3.org/2000/svg", group = document.createElementNS(svg, "g");
+  const step = 580 / (CHART_STEPS - 1), offset = CHART_STEPS - values.length; // x from 10 to 590: dots show whole
+  const points = values.map((v, i) => v === null ? null : [10 + (offset + i) * step, AXIS_Y - 110 * v / scale]);
+  const line = document.createElementNS(svg, "polyline");
+  line.setAttribute("points", points.filter((p) => p !== null).map(([x, y]) => x.toFixed(1) + "," + y.toFixed(1)).join(" "));
+  group.setAttribute("class", cls);
+  group.append(line);
+  for (const p of points.filter((p) => p !== null)) {
+    const dot = document.createElementNS(svg, "circle");
+    Object.entries({ cx: p[0].toFixed(1), cy: p[1].toFixed(1), r: 3 }).forEach(([k, v]) => dot.setAttribute(k, v));
+    group.append(dot);
+  }
+  return group;
 }
 
 function label(x, y, text, anchor) {
@@ -108,7 +115,7 @@ function drawChart(history) {
   const tpsMax = Math.max(1, ...tps), ttftMax = Math.max(0.001, ...ttft.map((v) => v || 0));
   const axis = document.createElementNS("http://www.w3.org/2000/svg", "line");
   Object.entries({ x1: 0, y1: AXIS_Y, x2: 600, y2: AXIS_Y, class: "axis" }).forEach(([k, v]) => axis.setAttribute(k, v));
-  svg.replaceChildren(axis, polyline(tps, tpsMax, "tps"), polyline(ttft, ttftMax, "ttft"),
+  svg.replaceChildren(axis, series(tps, tpsMax, "tps"), series(ttft, ttftMax, "ttft"),
     label(2, 10, tpsMax.toFixed(1) + " tok/s", "start"), label(598, 10, (1000 * ttftMax).toFixed(0) + " ms", "end"),
     label(2, 137, (CHART_STEPS * history.step_s / 60).toFixed(0) + " min ago", "start"), label(598, 137, "now", "end"));
 }

@@ -21,7 +21,6 @@ In the launcher's router the per-rank live figures are rank 0's own (its --metri
 here they are null, and ranks are as GetModelInfo last reported them.
 """
 
-import re
 import time
 from typing import Optional
 
@@ -43,7 +42,7 @@ def status_document(health: Health, requests) -> dict:
     doc = {
         "status": state, "reason": reason, "model": info.model_id if info else None,
         "uptime_s": round(time.monotonic() - requests.started, 1),
-        "ranks": _ranks(info.ranks if info else [], scheduler, requests.recent, state, reason),
+        "ranks": _ranks(info.ranks if info else [], scheduler, requests.recent, state),
         "requests": {"running": scheduler.running if scheduler else 0, "waiting": scheduler.waiting if scheduler else 0,
                      "max_batch": info.max_batch if info else None, "served": sum(totals["outcomes"].values()),
                      "outcomes": totals["outcomes"]},
@@ -64,17 +63,16 @@ def status_document(health: Health, requests) -> dict:
     return doc
 
 
-def _ranks(rows, scheduler, recent, state: str, reason: Optional[str]) -> list:
+def _ranks(rows, scheduler, recent, state: str) -> list:
     """The rank map with each rank's live figures (rank 0's own now, the others' as last heard)."""
     reports = scheduler.rank_reports() if scheduler else {}
     shares = recent.forward_shares(reports) if reports else {}
-    failed = {int(r) for r in re.findall(r"\brank (\d+)\b", reason or "")} if state != "serving" else set()
     out = []
     for row in rows:
         rank, report = row["rank"], reports.get(row["rank"])
         live = {key: report.get(key, 0) if report else None for key in LIVE}
         if report:
             live["peak_memory_bytes"] = report.get("peak_memory_bytes", row["peak_memory_bytes"])
-        out.append({**row, **live, "forward_share": shares.get(rank),
-                    "alive": state == "serving" or (state in ("down", "recovering") and rank not in failed)})
+        # Alive: part of a ring that serves (a failure ends the whole ring; which rank failed is in `reason`).
+        out.append({**row, **live, "forward_share": shares.get(rank), "alive": state == "serving"})
     return out

@@ -113,7 +113,7 @@ def test_an_openai_http_stream_survives_a_kill(launcher, undisturbed):
     assert b'"serving"' in health
 
 
-def test_the_status_page_shows_the_ring_down_and_back(launcher):
+def test_the_status_page_shows_the_ring_down_and_back(launcher, tmp_path):
     # The router outlives the ring: its page stays readable, says why, and counts the restart.
     browser = Browser()
     try:
@@ -124,6 +124,7 @@ def test_the_status_page_shows_the_ring_down_and_back(launcher):
         browser.wait(lambda: page_state(browser) == "recovering", "the ring down", timeout=120)
         assert browser.text("#state").startswith("NOT_SERVING") and browser.text("#reason"), browser.text("#reason")
         assert len(ranks(browser)) == 3  # the last rank map stays, dimmed
+        browser.screenshot("status-page-down.png", tmp_path)
         browser.wait(lambda: page_state(browser) == "serving", "the ring back", timeout=120)
         assert int(counter(browser, "restarts")) == int(counter(browser, "ring failures")) == restarts + 1
         assert events(browser)[-3:] == ["serving", "recovering", "serving"]

@@ -64,7 +64,8 @@ class Server:
 
     def __init__(self, model, ranks=1, extra=(), manual=False, credentials=None, launcher="trinity-launch"):
         # Port 0: the server picks a free port and logs it, so nothing can take it meanwhile.
-        args = [sys.executable, RUN, "--model", str(model), "--serve", "127.0.0.1:0", *extra]
+        model_args = ["--model", str(model)] if model is not None else []  # None: the embedded default model
+        args = [sys.executable, RUN, *model_args, "--serve", "127.0.0.1:0", *extra]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="trinity-serve-", suffix=".log")
         self.procs = []
         # The processes append (O_APPEND) and output() reads the file by name. Handing them

@@ -68,6 +68,16 @@ def test_the_installed_copy_is_what_runs(installed):
     assert sorted(p.name for p in (target / "bin").iterdir()) == ["run-trinity", "trinity-launch"]
 
 
+def test_the_pages_are_installed(installed):
+    """The status and chat pages' files (package data) come with `pip install .`."""
+    proc = run(installed, [sys.executable, "-c", "from distributed.serving import pages; print(pages.FOLDER, "
+                           "*sorted(pages.FILES)); assert pages.find('/chat', auth=True, api=True)"])
+    assert proc.returncode == 0, proc.stderr
+    folder, *names = proc.stdout.split()
+    assert Path(folder).is_relative_to(installed[0])
+    assert names == sorted(p.name for p in (ROOT / "distributed/serving/pages").iterdir())
+
+
 def test_console_scripts_from_another_directory(installed, hf_checkpoint):
     proc = run(installed, ["run-trinity", "--model", str(hf_checkpoint), "--prompt", "Hello", "--max-tokens", "4",
                            "--json"])

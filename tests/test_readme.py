@@ -25,3 +25,8 @@ def test_ci_runs_exactly_the_readme_commands():
 def test_the_readme_installs_what_the_mpi_tests_need():
     apt = next(line for line in readme_commands() if line.startswith("apt-get install"))
     assert {"openmpi-bin", "libopenmpi-dev"} <= set(apt.split())
+
+
+def test_the_readme_installs_the_browser_the_pages_tests_drive():
+    apt = next(line for line in readme_commands() if line.startswith("apt-get install"))
+    assert {"chromium", "chromium-driver"} <= set(apt.split())  # tests/browser.py

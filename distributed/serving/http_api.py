@@ -10,9 +10,10 @@ token, 404 a model this server does not serve, 429 queue full, 503 loading or
 pipeline down, 507 a rank had no memory for the request (runtime/memory_guard.py). Defaults follow OpenAI: temperature 1; max_tokens 16 for
 completions, the rest of the context (up to the server's cap) for chat.
 
-Monitoring: GET /health (health.py; open without a token, as gRPC's health) and
-GET /metrics (metrics.py), which alone are served on --metrics HOST:PORT. Each
-generation request is logged and counted (request_log.py).
+Monitoring: GET /health (health.py; open without a token, as gRPC's health),
+GET /metrics (metrics.py) and GET /v1/status (status.py), which with the status
+page (GET /, pages.py) alone are served on --metrics HOST:PORT; GET /chat is the
+chat page. Each generation request is logged and counted (request_log.py).
 """
 
 import hmac
@@ -21,12 +22,14 @@ import select
 import socket
 import ssl
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler
 from typing import Optional
 
 from ..runtime.memory_guard import is_out_of_memory
 from ..runtime.request import RequestError
 from ..runtime.scheduler import QueueFull, RingUnavailable
+from . import pages
 from .adapters import ADAPTERS, ERROR_BODIES, ROUTES
 from .health import Health
 from .http_server import serve_http
@@ -34,6 +37,7 @@ from .openai_fields import ApiError, param_of, plan
 from .openai_replies import Reply
 from .options import ServeOptions
 from .request_log import RequestLog
+from .status import status_document
 
 MAX_BODY = 16 * 2**20
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -81,8 +85,11 @@ class _Handler(BaseHTTPRequestHandler):
         front = self.server.front_end
         self._body_read, self._started, self._status, error = self.command == "GET", False, None, None
         path = self.path.split("?")[0].rstrip("/")
-        if self.command == "GET" and path in ("/health", "/metrics"):
+        if self.command == "GET" and path in ("/health", "/metrics", "/v1/status"):
             return self._monitor(path)
+        page = pages.find(path, front.auth_token is not None, front.api) if self.command == "GET" else None
+        if page is not None:  # open: a page holds no secret, and asks for the token itself
+            return self._send(200, *page, headers=pages.HEADERS)
         routes = {("GET", "/v1/models"): self._models,
                   ("POST", "/v1/completions"): lambda body, *state: self._generate(body, False, *state),
                   ("POST", "/v1/chat/completions"): lambda body, *state: self._generate(body, True, *state)}
@@ -116,12 +123,18 @@ class _Handler(BaseHTTPRequestHandler):
                 self._trace.end(self._status, error)
 
     def _monitor(self, path: str):
-        """GET /health (open to probes, like gRPC's health) or /metrics."""
+        """GET /health (open to probes, like gRPC's health), /metrics or /v1/status."""
         front = self.server.front_end
         try:
             if path == "/health":
                 return self._send_json(*front.health.answer())
             front.check_auth(self.headers)
+            if path == "/v1/status":
+                query = urllib.parse.parse_qs(self.path.partition("?")[2], keep_blank_values=True)
+                if query:  # none is implemented: refused by name, never ignored
+                    raise ApiError(400, f"/v1/status takes no query parameters: got {', '.join(sorted(query))}",
+                                   param=sorted(query)[0])
+                return self._send_json(200, status_document(front.health, front.requests))
             self._send(200, *front.requests.metrics.exposition())
         except ApiError as e:
             self._send_json(e.status, e.body())
@@ -145,10 +158,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_json(self, status: int, obj: dict):
         self._send(status, json.dumps(obj).encode(), "application/json")
 
-    def _send(self, status: int, data: bytes, content_type: str):
+    def _send(self, status: int, data: bytes, content_type: str, headers=()):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        for name in headers:
+            self.send_header(name, headers[name])
         if not self._body_read:
             self.send_header("Connection", "close")  # an unread body would be taken for the next request
         self.end_headers()

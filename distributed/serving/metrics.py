@@ -60,6 +60,19 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+def prefix_cache_of(scheduler):
+    """The scheduler's prefix cache (its counters), or None: off, not attached yet, or the
+    launcher's router (rank 0's own metrics have it)."""
+    return getattr(scheduler, "prefix_cache", None)
+
+
+def speculation_of(scheduler):
+    """The batcher's speculation counters (runtime/speculation.py), or None: not speculating,
+    or no batcher here (the router)."""
+    batcher = getattr(scheduler, "batcher", None)
+    return batcher.spec_stats if batcher is not None and batcher.drafter is not None else None
+
+
 def _counter(name: str, doc: str, value: Optional[float] = None, labels=None) -> CounterMetricFamily:
     return CounterMetricFamily(f"trinity_{name}", doc, value=value, labels=labels)
 
@@ -89,7 +102,7 @@ class _RingCollector:
         yield _gauge("requests_waiting", "Requests queued for admission (at most --max-queue)", s.waiting)
         yield _gauge("sequences_running", "Requests admitted and decoding (or prefilling)", s.running)
         yield _gauge("max_batch", "Sequences that may decode together (--max-batch)", info.max_batch)
-        prefix = s.prefix_cache  # None in the launcher's router: rank 0's own metrics have it
+        prefix = prefix_cache_of(s)
         if prefix is not None:
             yield _gauge("prefix_cache_entries", "Prefix-cache entries", len(prefix.index.entries))
             yield _gauge("prefix_cache_budget_bytes", "Prefix-cache bytes allowed on any rank (--prefix-cache-bytes)",
@@ -97,9 +110,8 @@ class _RingCollector:
             yield _counter("prefix_cache_hits", "Prompts that restored a cached prefix", prefix.hits)
             yield _counter("prefix_cache_misses", "Prompts looked up in the prefix cache without a usable entry",
                            prefix.lookups - prefix.hits)
-        batcher = getattr(s, "batcher", None)  # None in the router
-        if batcher is not None and batcher.drafter is not None:
-            spec = batcher.spec_stats
+        spec = speculation_of(s)
+        if spec is not None:
             yield _counter("speculative_passes", "Verification frames: a row's last token and its drafts", spec.passes)
             yield _counter("speculative_drafted", "Draft tokens verified", spec.drafted)
             yield _counter("speculative_accepted", "Draft tokens equal to the target's draw (streamed unless a "

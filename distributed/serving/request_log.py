@@ -21,6 +21,7 @@ from typing import Iterator, List, Optional, Tuple
 from ..runtime.memory_guard import is_out_of_memory
 from ..runtime.request import FinishEvent, TokenEvent
 from .metrics import Metrics
+from .recent import Recent
 
 # A request that never ran: its outcome from the status it got (HTTP status or gRPC code name).
 REFUSED = {400: "invalid", 411: "invalid", 413: "invalid", 401: "unauthenticated", 404: "not_found",
@@ -48,6 +49,7 @@ class RequestLog:
         self.metrics = metrics or Metrics()
         self.write = write
         self.started = time.monotonic()
+        self.recent = Recent()  # the last minute's tok/s and TTFT, for /v1/status
         self.outcomes: "collections.Counter[str]" = collections.Counter()
         self.prompt_tokens = self.cached_tokens = self.generated_tokens = 0
         self._lock = threading.Lock()
@@ -60,6 +62,12 @@ class RequestLog:
         with self._lock:
             self._open += 1
         return Trace(self, front_end, route, client)
+
+    def totals(self) -> dict:
+        """What was served so far (a copy: safe from any thread)."""
+        with self._lock:
+            return {"outcomes": dict(self.outcomes), "prompt_tokens": self.prompt_tokens,
+                    "cached_tokens": self.cached_tokens, "generated_tokens": self.generated_tokens}
 
     def ring_failed(self, reason: str) -> None:
         """Called as the ring fails, before the requests it ends are told (health must be
@@ -136,14 +144,17 @@ class Trace:
     def events(self, handle) -> Iterator:
         """handle.events(), timed as they come."""
         itl, ttft = self.log.metrics.itl.labels(self.front_end), self.log.metrics.ttft.labels(self.front_end)
+        recent = self.log.recent
         self.handles += 1
         last = None
         for event in handle.events():
             now = time.perf_counter()
             if isinstance(event, TokenEvent):
+                recent.token()
                 if self.first is None:
                     self.first = now
                     ttft.observe(now - self.start)
+                    recent.first_token(now - self.start)
                 elif last is not None:
                     itl.observe(now - last)
                 last = now

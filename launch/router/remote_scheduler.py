@@ -132,5 +132,6 @@ class RemoteScheduler:
 def rank_rows(info) -> List[dict]:
     """pb.ModelInfo's ranks as the runtime's rank_info() rows."""
     return [{"rank": r.rank, "host": r.host, "layers": [r.layer_start, r.layer_end], "embed": r.embed,
-             "head": r.head, "peak_memory_bytes": r.peak_memory_bytes, "parameter_bytes": r.parameter_bytes}
+             "head": r.head, "peak_memory_bytes": r.peak_memory_bytes, "parameter_bytes": r.parameter_bytes,
+             "memory_bytes": r.memory_bytes, "memory_limited": r.memory_limited}
             for r in info.ranks]

@@ -70,7 +70,8 @@ class Router:
     def _on_up(self, epoch: int, down_for: Optional[float]) -> None:
         if epoch == 1:
             return threading.Thread(target=self._attach, name="router-attach", daemon=True).start()
-        self.requests.metrics.ring_failed = False
+        m = self.requests.metrics
+        m.restarts, m.ring_failed = self.outages, False  # every outage so far ended in a restart
         if self._attached.is_set():
             self._refresh(epoch)
             self._serving()

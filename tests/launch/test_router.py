@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from browser import Browser, counter, events, page_state, ranks
 from grpc_stream import Stream
 from reference import PROMPT
 from router_launcher import NOT_SERVING, SERVING, Launcher, assert_same, serving
@@ -110,6 +111,26 @@ def test_an_openai_http_stream_survives_a_kill(launcher, undisturbed):
     assert text == undisturbed.result()[1]
     health = urllib.request.urlopen(f"http://{launcher.http}/health", timeout=10).read()
     assert b'"serving"' in health
+
+
+def test_the_status_page_shows_the_ring_down_and_back(launcher, tmp_path):
+    # The router outlives the ring: its page stays readable, says why, and counts the restart.
+    browser = Browser()
+    try:
+        browser.open(f"http://{launcher.http}/")
+        browser.wait(lambda: page_state(browser) == "serving" and len(ranks(browser)) == 3, "the ring drawn")
+        restarts = int(counter(browser, "restarts"))
+        os.kill(launcher.ranks()[1], signal.SIGKILL)
+        browser.wait(lambda: page_state(browser) == "recovering", "the ring down", timeout=120)
+        assert browser.text("#state").startswith("NOT_SERVING") and browser.text("#reason"), browser.text("#reason")
+        assert len(ranks(browser)) == 3  # the last rank map stays, dimmed
+        browser.screenshot("status-page-down.png", tmp_path)
+        browser.wait(lambda: page_state(browser) == "serving", "the ring back", timeout=120)
+        assert int(counter(browser, "restarts")) == int(counter(browser, "ring failures")) == restarts + 1
+        assert events(browser)[-3:] == ["serving", "recovering", "serving"]
+        assert browser.console_errors() == []
+    finally:
+        browser.close()
 
 
 def test_the_launcher_gives_up_requests_fail_naming_the_failure(hf_checkpoint, tmp_path):

@@ -15,6 +15,7 @@ import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from browser import Browser, chat as page_chat
 from conftest import wait_until
 from distributed.runtime.scheduler import Scheduler
 from distributed.serving.client import generate as client_generate
@@ -241,3 +242,18 @@ def test_metrics_count_reasoning_tokens(served):
     expected = (before[0] + 3 + 1, before[1] + 3)
     wait_until(lambda: (counted("http"), counted("grpc")) == expected)  # counted once each answer is out
 
+
+
+def test_the_chat_page_shows_the_reasoning_apart(served):
+    browser = Browser()
+    try:
+        browser.open(served.base + "/chat")
+        reply = page_chat(browser, ASK[0]["content"], 16)
+        browser.wait(lambda: reply.get_attribute("data-finish"), "the reply ends")
+        reasoning = reply.find_element("css selector", "details")
+        assert reply.get_attribute("data-finish") == "stop" and reasoning.is_displayed()
+        assert reasoning.get_attribute("textContent") == "reasoning" + THOUGHT  # its summary, then the text
+        assert reply.find_element("css selector", ".content").get_attribute("textContent") == SAID
+        assert browser.console_errors() == []
+    finally:
+        browser.close()

@@ -1,0 +1,78 @@
+"""`GET /v1/status` (on the HTTP API's port and on --metrics'): one JSON document of
+what the status page (pages/) shows, for scripts too.
+
+    status, reason       health's state (serving, loading, down, recovering, stopping) and why
+    model, uptime_s      the served id; seconds since this server started
+    ranks                rows as run_trinity.py --json's and GetModelInfo's (rank, host, layers
+                         [start, end), embed, head, peak_memory_bytes, parameter_bytes,
+                         memory_bytes) plus active_memory_bytes, cache_memory_bytes (MLX's now),
+                         kv_cache_bytes, prefix_cache_bytes, forward_share (forward seconds
+                         per second over the last minute) and alive
+    requests             running, waiting, max_batch, served (ended so far) and their outcomes
+    tokens               prompt, cached, generated (as the clients' usage counts them)
+    last_minute          tokens_per_s, ttft_p50_s, ttft_p99_s (recent.py)
+    history              step_s, points: tokens_per_s and ttft_p50_s per step, last five minutes
+    prefix_cache         entries, hits, lookups, hit_rate (null where the server has none)
+    speculative          passes, drafted, accepted, acceptance (null unless it speculates)
+    ring                 failures, restarts (under `launch run --serve`, the router's count)
+
+It reads the plain numbers the metrics read (metrics.py): it never waits for the ring.
+In the launcher's router the per-rank live figures are rank 0's own (its --metrics):
+here they are null, and ranks are as GetModelInfo last reported them.
+"""
+
+import time
+from typing import Optional
+
+from .health import Health
+from .metrics import prefix_cache_of, speculation_of
+
+LIVE = ("active_memory_bytes", "cache_memory_bytes", "kv_cache_bytes", "prefix_cache_bytes")  # RankStats
+
+
+def _ratio(part: int, whole: int) -> Optional[float]:
+    return round(part / whole, 4) if whole else None
+
+
+def status_document(health: Health, requests) -> dict:
+    """The document, from a front end's health and its RequestLog."""
+    state, reason = health.state
+    metrics, totals = requests.metrics, requests.totals()
+    scheduler, info = metrics.scheduler, metrics.info
+    doc = {
+        "status": state, "reason": reason, "model": info.model_id if info else None,
+        "uptime_s": round(time.monotonic() - requests.started, 1),
+        "ranks": _ranks(info.ranks if info else [], scheduler, requests.recent, state),
+        "requests": {"running": scheduler.running if scheduler else 0, "waiting": scheduler.waiting if scheduler else 0,
+                     "max_batch": info.max_batch if info else None, "served": sum(totals["outcomes"].values()),
+                     "outcomes": totals["outcomes"]},
+        "tokens": {"prompt": totals["prompt_tokens"], "cached": totals["cached_tokens"],
+                   "generated": totals["generated_tokens"]},
+        "last_minute": requests.recent.figures(), "history": requests.recent.history(),
+        "prefix_cache": None, "speculative": None,
+        "ring": {"failures": metrics.restarts + metrics.ring_failed, "restarts": metrics.restarts},
+    }
+    prefix = prefix_cache_of(scheduler)
+    if prefix is not None:
+        doc["prefix_cache"] = {"entries": len(prefix.index.entries), "hits": prefix.hits, "lookups": prefix.lookups,
+                               "hit_rate": _ratio(prefix.hits, prefix.lookups)}
+    spec = speculation_of(scheduler)
+    if spec is not None:
+        doc["speculative"] = {"passes": spec.passes, "drafted": spec.drafted, "accepted": spec.accepted,
+                              "acceptance": _ratio(spec.accepted, spec.drafted)}
+    return doc
+
+
+def _ranks(rows, scheduler, recent, state: str) -> list:
+    """The rank map with each rank's live figures (rank 0's own now, the others' as last heard)."""
+    reports = scheduler.rank_reports() if scheduler else {}
+    shares = recent.forward_shares(reports) if reports else {}
+    out = []
+    for row in rows:
+        rank, report = row["rank"], reports.get(row["rank"])
+        live = {key: report.get(key, 0) if report else None for key in LIVE}
+        if report:
+            live["peak_memory_bytes"] = report.get("peak_memory_bytes", row["peak_memory_bytes"])
+        # Alive: part of a ring that serves (a failure ends the whole ring; which rank failed is in `reason`).
+        out.append({**row, **live, "forward_share": shares.get(rank), "alive": state == "serving"})
+    return out

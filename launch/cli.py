@@ -20,6 +20,7 @@ import argparse
 import json
 import shlex
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from distributed import TrinityError
@@ -194,8 +195,8 @@ def cmd_plan(args) -> int:
 
 def plan_draft(args):
     """--draft-model for `plan`: a preset's config (quantized as --quantize says), else as given."""
-    if not args.draft_model:
-        return None
+    if not args.draft_model or Path(args.draft_model).exists():
+        return args.draft_model
     try:
         preset = load_preset(args.draft_model)
     except TrinityError:

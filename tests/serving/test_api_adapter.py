@@ -28,6 +28,10 @@ HI = [{"role": "user", "content": "hi"}]
 def served(hf_checkpoint):
     pipeline, _ = in_process_pipeline(hf_checkpoint, (4, 4))
     tokenizer = load_tokenizer(hf_checkpoint, eos_token_ids=read_config(hf_checkpoint)["eos_token_id"])
+    # No end of sequence: a stream then ends at its max tokens or when cancelled, never by
+    # itself first (greedy, this checkpoint answers "hi" with 110 tokens and EOS, which a
+    # loaded machine could finish before it saw the client hang up).
+    tokenizer.eos_token_ids = set()
     scheduler = Scheduler(pipeline, tokenizer, max_queue=2).start()
     front = start_http_server(ServeOptions(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0"))
     front.attach(scheduler, tokenizer, ModelInfo("tiny", 259, 1024, 1000))

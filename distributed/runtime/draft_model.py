@@ -32,7 +32,7 @@ class ModelDrafter:
     def __init__(self, stage, capacity: int = 1):
         self.stage = stage  # every layer of the draft, with its embedding and head
         self.capacity = max(1, capacity)
-        self.states: "OrderedDict[int, tuple]" = OrderedDict()  # id(seq) -> (seq, DraftCaches)
+        self.states: "OrderedDict[object, DraftCaches]" = OrderedDict()  # by sequence, least recent first
 
     def propose(self, seq, k: int) -> List[int]:
         history = list(seq.request.prompt_ids) + seq.generated
@@ -63,15 +63,12 @@ class ModelDrafter:
         return self.stage.head(h[:, -1, :])
 
     def _state(self, seq) -> DraftCaches:
-        key = id(seq)
-        if key in self.states and self.states[key][0] is seq:
-            self.states.move_to_end(key)
-            return self.states[key][1]
-        self.states.pop(key, None)
+        if seq in self.states:
+            self.states.move_to_end(seq)
+            return self.states[seq]
         while len(self.states) >= self.capacity:
             self.states.popitem(last=False)
-        state = DraftCaches(len(self.stage.layers))
-        self.states[key] = (seq, state)
+        state = self.states[seq] = DraftCaches(len(self.stage.layers))
         return state
 
 

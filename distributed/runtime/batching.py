@@ -25,7 +25,7 @@ from ..transport import Op, Reply
 from .logits import shaped_logprobs, top_candidates, top_logprobs
 from .caches import is_batch
 from .grammar import prepare_masks
-from .memory_failure import fail_frame
+from .memory_failure import fail_frame, reply_failed
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .sequence import Sequence
@@ -70,6 +70,7 @@ class Outstanding:
     first: bool = False  # a step giving some rows their first token
     chunk: list = field(default_factory=list)  # a step's frame carrying a prefill chunk: that batch's rows
     drafts: List[int] = field(default_factory=list)  # a verification frame's draft tokens
+    rows: int = 0  # a step's rows in its frame
 
 
 class Batcher:
@@ -238,7 +239,8 @@ class Batcher:
         if not carried:
             self.pipeline.send(tokens[:, None], Reply.LAST, group.slot)
         group.busy = True
-        self._expect(Outstanding("step", list(group.members), group.slot, group, first=first, chunk=carried))
+        self._expect(Outstanding("step", list(group.members), group.slot, group, first=first, chunk=carried,
+                                 rows=tokens.shape[0]))
         if batch is not None and batch.done:
             self._prefilled(batch)
 
@@ -315,7 +317,11 @@ class Batcher:
         frame = self.outstanding.popleft()
         if frame.kind == "verify":
             return self._receive_verify(frame)
-        if frame.picked is None:
+        # A step's reply taken ahead: the next step is built on it before it comes (Pipeline.recv_ahead).
+        ahead = self.pipeline.recv_ahead(frame.rows) if frame.kind == "step" and not frame.picked else None
+        if ahead is not None:
+            frame.picked = self._pick(frame.sequences, ahead.payload)
+        elif frame.picked is None:
             header, h = self.pipeline.recv()
             if header.op == Op.NO_MEMORY:  # a rank could not run it (memory_guard.py)
                 return fail_frame(self, frame, h)
@@ -350,6 +356,8 @@ class Batcher:
             self._send_step(group, tokens if len(rows) == len(frame.sequences) else tokens[mx.array(rows)])
         else:
             group = None
+        if ahead is not None and reply_failed(self, frame, ahead, sent_next=group is not None):
+            return
         with self.pipeline.stats.computing():  # rank 0 waits for its own computation (RankStats)
             mx.eval(tokens, chosen, *(top or ()))
         tops = top_logprobs(frame.sequences, top)

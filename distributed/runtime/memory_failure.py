@@ -12,6 +12,7 @@ from typing import List
 
 import mlx.core as mx
 
+from ..transport import Op
 from .memory_guard import describe
 
 
@@ -36,6 +37,21 @@ def fail_frame(batcher, frame, payload: mx.array) -> None:
     for seq in doomed:
         seq.finish("error", error=message)
         batcher.sequences -= 1
+
+
+def reply_failed(batcher, frame, ahead, sent_next: bool) -> bool:
+    """Check a step's reply received ahead (Pipeline.recv_ahead) once it has come: whether
+    it is NO_MEMORY in place of hidden states, the frame then failed as fail_frame does.
+    The step built on it meanwhile (`sent_next`) is in the ring: its rows have finished by
+    then, so its reply is read and dropped, and the group stays busy until it comes."""
+    header = batcher.pipeline.reply_header(ahead)
+    if header.op != Op.NO_MEMORY:
+        assert header.op == Op.FORWARD and header.payload_shape() == ahead.payload.shape, header
+        return False
+    fail_frame(batcher, frame, ahead.payload_as(header))
+    if sent_next:
+        frame.group.busy = True
+    return True
 
 
 def _without(pipeline, slot: int, members: List, ids: set) -> List:

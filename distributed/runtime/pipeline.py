@@ -16,6 +16,7 @@ import mlx.core as mx
 from ..shard.loader import parameter_bytes
 from ..shard.stage import Stage, flatten
 from ..transport import Header, Op, Reply, Transport
+from ..transport.base import PendingFrame
 from . import rank_info
 from .caches import SlotCaches
 from .memory_guard import MemoryGuard
@@ -41,6 +42,7 @@ class Pipeline:
         self.peer_reports: Callable[[], Dict[int, dict]] = dict
         # The last hidden state sent, whose computation may still run (timed before the next reply).
         self._computing: Optional[mx.array] = None
+        self._hidden: Optional[tuple] = None  # (width, dtype) of the hidden states last sent
         self.time_sends = True  # False in-process (--stages): the stages' layers are one lazy graph
 
     @property
@@ -137,6 +139,7 @@ class Pipeline:
             return self._send(*self.guard.failed(Header(Op.FORWARD, reply, slot), refused))
         h = self.stage(self.stage.embed(tokens), self.caches.get(slot))
         self.stats.forward_frames += 1
+        self._hidden = (h.shape[-1], h.dtype)  # what the last rank's replies hold
         if self.transport is not None:
             self._send(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot), h)
             if self.time_sends:
@@ -165,6 +168,7 @@ class Pipeline:
             return self._send(*self.guard.failed(header, refused))
         h, c = self.stage.mixed([(self.stage.embed(tokens), self.caches.get(slot)),
                                  (self.stage.embed(chunk), self.caches.get(chunk_slot))])
+        self._hidden = (h.shape[-1], h.dtype)
         self.stats.forward_frames += 1
         self.stats.mixed_frames += 1
         payload = flatten([h, c])
@@ -192,6 +196,22 @@ class Pipeline:
                 mx.eval(self._computing)
             self._computing = None
         return self.transport.recv()
+
+    def recv_ahead(self, rows: int) -> Optional[PendingFrame]:
+        """The reply to the oldest frame, a decode step of `rows` rows (Reply.LAST), as a lazy
+        input before it has come, where the transport can (Transport.recv_ahead): the next
+        step is then built on it while the other ranks compute, not after. Check it with
+        reply_header(). None: take it with recv()."""
+        if self.transport is None or self._hidden is None:
+            return None
+        pending = self.transport.recv_ahead((rows, 1, self._hidden[0]), self._hidden[1])
+        if pending is not None:
+            self._computing = None  # rank 0's own computation now runs on behind the reply
+        return pending
+
+    def reply_header(self, pending: PendingFrame) -> Header:
+        """Waits for a reply received ahead; its header."""
+        return self.transport.header_of(pending)
 
     def take_local_reply(self) -> mx.array:
         """One rank: the (lazy) reply to the frame just sent, taken now instead of by

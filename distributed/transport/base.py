@@ -108,9 +108,33 @@ class Transport(ABC):
     def recv(self) -> Tuple[Header, Optional[mx.array]]:
         """Receive the next frame from the previous rank."""
 
+    def recv_ahead(self, shape: Tuple[int, int, int], dtype: mx.Dtype) -> Optional["PendingFrame"]:
+        """The next frame as a lazy graph input, before it arrives, when its payload is known
+        to be `shape` and `dtype` (the reply to a decode step): rank 0 then builds the next
+        step on it while the ring computes. None: this transport receives only at once."""
+        return None
+
+    def header_of(self, pending: "PendingFrame") -> Header:
+        """A frame received ahead: its header, once it has come."""
+        return pending.header()
+
     def settle(self) -> None:
         """After passing on a frame of ROUND_TRIP_OPS: return once no rank needs
         this one any more for that frame to reach rank 0."""
 
     def close(self) -> None:
         """Called by every rank once it has passed STOP on."""
+
+
+class PendingFrame(ABC):
+    """A frame received lazily (Transport.recv_ahead)."""
+
+    payload: mx.array  # lazy: as the caller expected it
+
+    @abstractmethod
+    def header(self) -> Header:
+        """The frame's header: waits for the frame. The caller checks it is what it expected."""
+
+    @abstractmethod
+    def payload_as(self, header: Header) -> Optional[mx.array]:
+        """The payload as `header` announces it (a frame other than the one expected)."""

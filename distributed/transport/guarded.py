@@ -29,5 +29,9 @@ class GuardedTransport:
     def recv(self):
         return self._guard(self._inner.recv)
 
+    def header_of(self, pending):
+        """A PendingFrame's header (recv_ahead): the wait for the frame, guarded as recv is."""
+        return self._guard(pending.header)
+
     def close(self):
         return self._guard(self._inner.close)

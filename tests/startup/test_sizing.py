@@ -130,6 +130,26 @@ def test_a_prefill_that_outgrows_the_limit_fails_alone(overcommitted_ring):
     assert sum(v for (name, _), v in refused.items() if name == "trinity_rank_memory_refused_frames_total") >= 2
 
 
+LONE_LIMIT = 10_000_000  # one rank holds every layer, the embedding and the head: ~8.3 MiB in use
+
+
+def test_a_lone_rank_checks_its_own_frames():
+    """One rank, no ring: its own check refuses the frame that would outgrow its limit (MLX's
+    CPU allocator would not raise: a failed malloc there is a SIGSEGV), and it goes on exactly."""
+    s = Server(DEFAULT_MODEL, 1, ["--memory-limit", str(LONE_LIMIT), "--max-context", "2048", "--max-batch",
+                                  str(BATCH), "--prefix-cache-bytes", "0"])
+    try:
+        s.wait_serving()
+        fresh = greedy(s.stub, PROMPT)
+        with pytest.raises(grpc.RpcError) as e:
+            generate(s.stub, token_ids=LONG_PROMPT, max_tokens=4)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert e.value.details().startswith("out of memory on rank 0: the request's next frame needs"), e.value.details()
+        assert s.health_status() == SERVING and greedy(s.stub, PROMPT) == fresh
+    finally:
+        s.stop()
+
+
 def test_two_servers_on_one_host_stay_within_their_limits(limited_ring, overcommitted_ring):
     """A mixed load on both at once (prompts short and long, concurrent, beyond --max-batch):
     a request is served or fails naming memory (on the planned ring too: two long prompts

@@ -3,11 +3,12 @@
 --max-context auto: the context it reports is the longest at which --max-batch sequences'
 caches fit beside the tightest rank's weights; a request longer than that is refused up
 front naming the numbers, one that fits is served, and every rank reports the memory it
-plans with. A fixed --max-context beyond what fits: a prompt whose prefill outgrows the
-limit fails alone with an error naming memory (gRPC RESOURCE_EXHAUSTED, HTTP 507) while
-the ring goes on serving, exactly. Both servers (two rings of 2 ranks on this host) under
-a mixed load stay within their limits, and their buffer caches within their bounds, as
-their metrics show."""
+plans with. A fixed --max-context beyond what fits: a prompt too big for the limit even
+alone is refused before prefill with an error naming memory (gRPC RESOURCE_EXHAUSTED,
+HTTP 507) while the ring goes on serving, exactly; a lone rank is held to its limit alike.
+Both servers (two rings of 2 ranks on this host) under a mixed load serve every prompt that
+fits alone (it waits for memory) and stay within their limits, and their buffer caches
+within their bounds, as their metrics show."""
 
 import http.client
 import json
@@ -163,7 +164,7 @@ def test_two_servers_on_one_host_stay_within_their_limits(limited_ring, overcomm
     on the overcommitted ring one too big for its limit alone): every prompt that fits alone
     is served, exactly (a prompt waits in the queue until it fits beside those running), the
     too-big one alone fails, before prefill; no rank's peak passes its limit, no buffer
-    cache its bound, and no frame was refused."""
+    cache its bound (as /metrics and GetModelInfo's live figures show), and no frame was refused."""
     context = limited_ring.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).max_context
     lengths = [12, context - 40, 100, context // 2, 40, context - 10]
     prompts = [[3 + (i + j) % 90 for j in range(n)] for i, n in enumerate(lengths)]
@@ -193,6 +194,9 @@ def test_two_servers_on_one_host_stay_within_their_limits(limited_ring, overcomm
     for server in (limited_ring, overcommitted_ring):
         assert server.health_status() == SERVING
         server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)  # after it, every rank has reported
+        for r in server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).ranks:  # live: MLX's now
+            assert 0 < r.parameter_bytes <= r.active_memory_bytes <= LIMIT, r
+            assert r.cache_memory_bytes <= cache_bound(LIMIT), r
         m = metrics(server.http)
         for rank in ("0", "1"):
             figures = {name: v for (name, r), v in m.items() if r == rank and "memory" in name}

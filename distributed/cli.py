@@ -345,12 +345,14 @@ def run(args, stop: RankStop) -> None:
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     speculation = speculation_flags.loaded(args, tokenizer)
     ranks = pipeline.rank_info()
-    sizes = serving_sizes(args, config, ranks, beside_draft(args, config, built.memory_bytes, len(ranks)), batch=1)
+    memory = beside_draft(args, config, built.memory_bytes, len(ranks))
+    sizes = serving_sizes(args, config, ranks, memory, batch=1)
     for line in sizes.lines[1:]:  # the context, with --max-context auto
         print(line, file=sys.stderr, flush=True)
     cache_bytes = sizes.prefix_cache_bytes if args.chat else 0
     scheduler = Scheduler(pipeline, tokenizer, prefill_step_size=sizes.prefill_step_size,
-                          prefix_cache_bytes=cache_bytes, speculation=speculation)
+                          prefix_cache_bytes=cache_bytes, speculation=speculation,
+                          memory=memory_admission(args, config, ranks, memory, sizes))
     if _watchdog is not None:
         _watchdog.on_failure = scheduler.abort
     try:

@@ -28,7 +28,7 @@ from .shard.config import model_args
 from .shard.kv_budget import DEFAULT_CONTEXT, MAX_BATCH
 from .shard.memory_limit import parse_memory_limit
 from .startup.join import build_pipeline, join_ranks
-from .startup.sizing import beside_draft, context_arg, context_limit, serving_sizes
+from .startup.sizing import beside_draft, context_arg, context_limit, memory_admission, serving_sizes
 from .startup.lifecycle import Lifecycle, RankStop, launched_by_launcher, launcher_restarts
 from .startup.preflight import check_launch
 from .startup.watchdog import Watchdog
@@ -271,14 +271,16 @@ def serve(args, options: ServeOptions, front_ends, requests: RequestLog, group, 
     ranks = pipeline.rank_info()
     for row, memory in zip(ranks, built.memory_bytes):
         row.update(memory_bytes=memory, memory_limited=args.memory_limit is not None)
-    sizes = serving_sizes(args, config, ranks, beside_draft(args, config, built.memory_bytes, len(ranks)))
+    memory = beside_draft(args, config, built.memory_bytes, len(ranks))
+    sizes = serving_sizes(args, config, ranks, memory)
     max_context, max_batch, prefix_cache_bytes = sizes.max_context, sizes.max_batch, sizes.prefix_cache_bytes
 
     # The scheduler runs on this main thread (see Scheduler.start); front ends' threads only queue.
     scheduler = Scheduler(pipeline, tokenizer, max_queue=options.max_queue,
                           prefill_step_size=sizes.prefill_step_size, max_batch=max_batch,
                           on_failure=on_failure, prefill_batch_tokens=args.prefill_batch_tokens,
-                          prefix_cache_bytes=prefix_cache_bytes, speculation=speculation)
+                          prefix_cache_bytes=prefix_cache_bytes, speculation=speculation,
+                          memory=memory_admission(args, config, ranks, memory, sizes))
     print(f"prefix cache: up to {prefix_cache_bytes / 2**20:.1f} MiB on any rank" if prefix_cache_bytes
           else "prefix cache: off", file=sys.stderr, flush=True)
     if watchdog is not None:  # ends every stream with the failed rank's name, then NOT_SERVING
@@ -343,12 +345,14 @@ def run(args, stop: RankStop) -> None:
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     speculation = speculation_flags.loaded(args, tokenizer)
     ranks = pipeline.rank_info()
-    sizes = serving_sizes(args, config, ranks, beside_draft(args, config, built.memory_bytes, len(ranks)), batch=1)
+    memory = beside_draft(args, config, built.memory_bytes, len(ranks))
+    sizes = serving_sizes(args, config, ranks, memory, batch=1)
     for line in sizes.lines[1:]:  # the context, with --max-context auto
         print(line, file=sys.stderr, flush=True)
     cache_bytes = sizes.prefix_cache_bytes if args.chat else 0
     scheduler = Scheduler(pipeline, tokenizer, prefill_step_size=sizes.prefill_step_size,
-                          prefix_cache_bytes=cache_bytes, speculation=speculation)
+                          prefix_cache_bytes=cache_bytes, speculation=speculation,
+                          memory=memory_admission(args, config, ranks, memory, sizes))
     if _watchdog is not None:
         _watchdog.on_failure = scheduler.abort
     try:

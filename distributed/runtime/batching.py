@@ -294,8 +294,8 @@ class Batcher:
         already here, lazily: sample from it now and start the device on it, so the
         host builds the next frame while this one computes (as mlx-lm's generate
         overlaps its steps)."""
-        if frame.kind == "step" and self.pipeline.transport is None:
-            frame.picked = self._pick(frame.sequences, self.pipeline.take_local_reply())
+        if frame.kind == "step" and (h := self.pipeline.take_local_reply()) is not None:
+            frame.picked = self._pick(frame.sequences, h)
             mx.async_eval(*frame.picked)
         self.outstanding.append(frame)
 

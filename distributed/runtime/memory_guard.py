@@ -2,7 +2,9 @@
 
 MLX holds the limit only where its allocator does (on Apple GPUs an allocation past it
 waits for running work, then raises); its CPU allocator records the limit and never
-reads it (mlx/backend/no_gpu/allocator.cpp), so a rank past its limit there just grows.
+reads it (mlx/backend/no_gpu/allocator.cpp), so a rank past its limit there just grows,
+and where malloc itself fails (MLX 0.32.4, under RLIMIT_AS) MLX does not raise: its
+kernel writes through the null buffer and the process dies of SIGSEGV.
 So every rank checks each FORWARD frame before it builds it: what the frame's evaluation
 allocates (frame_bytes: attention scores, the layers' other activations, KV cache
 growth) beside the bytes in use now must fit the limit. A frame that does not fit is not
@@ -12,8 +14,10 @@ this rank's caches stay whole; it frees its buffer cache and treats the frame's 
 doomed: frames on them already in the ring are not run either (a prefill chunk riding in
 a decode step is dropped from it, the step runs) until rank 0's cache ops drop those
 slots. An allocation MLX itself refuses (a RuntimeError out of an evaluation) takes the
-same path. Without --memory-limit, or on one rank (no ring to reply through), nothing is
-checked.
+same path. Rank 0 checks its own frames alike; with one rank the NO_MEMORY frame is the
+frame's reply at once (Pipeline._refuse). Rank 0 admits a prompt only where its caches
+and frames fit (memory_admission.py); this check holds where that estimate falls short.
+Without --memory-limit nothing is checked.
 """
 
 from typing import Dict, List, Optional, Tuple

@@ -35,8 +35,9 @@ class Pipeline:
         self._parked = 0  # number of the PARK frame the ring is parked at; 0: awake
         self._parks = 0
         # --memory-limit, frame by frame (memory_guard.py); a refused frame's reply comes
-        # back as NO_MEMORY. One rank has no ring to send it round: it checks nothing.
-        self.guard = MemoryGuard(stage, self.caches, 0, enabled=transport is not None)
+        # back as NO_MEMORY (with one rank, from _local). Rank 0 must check its own frames:
+        # MLX's CPU allocator does not raise when malloc fails, the process dies (SIGSEGV).
+        self.guard = MemoryGuard(stage, self.caches, 0)
         self.stats = RankStats(self.caches, self.guard)
         # The other ranks' RankStats reports by rank, as last heard (the watchdog's, or in-process workers').
         self.peer_reports: Callable[[], Dict[int, dict]] = dict
@@ -54,6 +55,15 @@ class Pipeline:
             self.waker(self._parked)
             self._parked = 0
         self.transport.send(header, payload)
+
+    def _refuse(self, header: Header, payload: mx.array) -> None:
+        """The frame `header` is not run here (memory_guard.py): its NO_MEMORY frame goes
+        round the ring in its place, or with one rank becomes its reply at once."""
+        header, payload = self.guard.failed(header, payload)
+        if self.transport is not None:
+            self._send(header, payload)
+        elif header.reply != Reply.NONE:
+            self._local.append((header, payload))
 
     def _control(self, header: Header, payload: Optional[mx.array] = None) -> None:
         if self.transport is not None:
@@ -136,7 +146,7 @@ class Pipeline:
         NONE, recv() later returns the reply."""
         refused = self.guard.verdict([(tokens.shape[0], tokens.shape[1], slot)], self._itemsize)
         if refused is not None:
-            return self._send(*self.guard.failed(Header(Op.FORWARD, reply, slot), refused))
+            return self._refuse(Header(Op.FORWARD, reply, slot), refused)
         h = self.stage(self.stage.embed(tokens), self.caches.get(slot))
         self.stats.forward_frames += 1
         self._hidden = (h.shape[-1], h.dtype)  # what the last rank's replies hold
@@ -165,7 +175,7 @@ class Pipeline:
         refused = self.guard.verdict(parts, self._itemsize)
         if refused is not None:
             header = Header(Op.FORWARD, Reply.LAST, slot, chunk_slot=chunk_slot, chunk_rows=chunk.shape[0])
-            return self._send(*self.guard.failed(header, refused))
+            return self._refuse(header, refused)
         h, c = self.stage.mixed([(self.stage.embed(tokens), self.caches.get(slot)),
                                  (self.stage.embed(chunk), self.caches.get(chunk_slot))])
         self._hidden = (h.shape[-1], h.dtype)
@@ -213,9 +223,12 @@ class Pipeline:
         """Waits for a reply received ahead; its header."""
         return self.transport.header_of(pending)
 
-    def take_local_reply(self) -> mx.array:
+    def take_local_reply(self) -> Optional[mx.array]:
         """One rank: the (lazy) reply to the frame just sent, taken now instead of by
-        recv(); frames sent earlier keep their place."""
+        recv(); frames sent earlier keep their place. None with a ring, or when the frame
+        was refused (its NO_MEMORY reply stays for recv())."""
+        if self.transport is not None or self._local[-1][0].op == Op.NO_MEMORY:
+            return None
         return self._local.pop()[1]
 
     def forward(self, tokens: mx.array, reply: Reply, slot: int = 0) -> Optional[mx.array]:

@@ -66,6 +66,7 @@ class Admission:
         self.prefill_step_size, self.batch_tokens = prefill_step_size, batch_tokens
         self.waiting: deque = deque()  # admitted, in arrival order, not yet in a batch
         self.current: Optional[PrefillBatch] = None  # the batch whose frames are being sent
+        self.memory = None  # --memory-limit: a MemoryAdmission a prompt waits for (memory_admission.py)
 
     def held(self) -> List[Sequence]:
         """Sequences waiting or in the batch being sent."""
@@ -113,7 +114,7 @@ class Admission:
 
     def _form(self) -> Optional[PrefillBatch]:
         """The next batch: waiting sequences in arrival order while its padded tokens
-        fit the budget (one at least)."""
+        fit the budget (one at least) and each fits the memory beside those running."""
         taken: List[Sequence] = []
         longest = 0
         while self.waiting:
@@ -121,7 +122,11 @@ class Admission:
             alone = self.waiting[0].request.scores_prompt  # scored: a batch of its own, plain caches
             if taken and (alone or (len(taken) + 1) * max(longest, n) > self.batch_tokens):
                 break
+            if self.memory is not None and not self.memory.admits(self.waiting[0]):
+                break  # it waits for running sequences to finish (it fits alone: Scheduler._admit)
             taken.append(self.waiting.popleft())
+            if self.memory is not None:
+                self.memory.admit(taken[-1])
             longest = max(longest, n)
             if alone:
                 break

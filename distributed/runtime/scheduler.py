@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Optional, Union
 
 from .batching import Batcher
 from .grammar import Grammars
+from .memory_admission import MemoryAdmission
 from .prefill import PREFILL_STEP_SIZE
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
@@ -67,13 +68,14 @@ class Scheduler:
     def __init__(self, pipeline: Pipeline, tokenizer, max_queue: int = 64, prefill_step_size: int = PREFILL_STEP_SIZE,
                  max_batch: int = 16, on_failure: Optional[Callable[[str], None]] = None,
                  prefill_batch_tokens: int = 2048, prefix_cache_bytes: int = 0,
-                 speculation: Optional[SpeculationOptions] = None):
+                 speculation: Optional[SpeculationOptions] = None, memory: Optional[MemoryAdmission] = None):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.on_failure = on_failure  # e.g. turn health to NOT_SERVING
         self.grammars = Grammars(tokenizer, pipeline.stage.args.vocab_size)  # constrained decoding's tokenizer
         self.prefix_cache = PrefixCache(pipeline, prefix_cache_bytes)  # 0: off
         self.batcher = Batcher(pipeline, tokenizer, max_batch, prefill_step_size, prefill_batch_tokens,
                                self.prefix_cache, speculation)
+        self.memory = self.batcher.admission.memory = memory  # --memory-limit: admission waits for memory
         # Bound: max_batch running + max_queue waiting. A burst within the batch's room is
         # taken even before the loop moves it from this queue into the batch.
         self.max_queue, self.capacity = max_queue, max_batch + max_queue
@@ -225,6 +227,10 @@ class Scheduler:
             block = False
             if handle.cancelled:  # never admitted, so not kept in _active (pruned only after a step)
                 handle.emit(FinishEvent("cancelled", len(handle.request.prompt_ids), 0))
+                continue
+            refused = self.memory.refusal(handle.request) if self.memory is not None else None
+            if refused is not None:  # too big for the limit even alone: before prefill
+                handle.emit(FinishEvent("error", len(handle.request.prompt_ids), 0, error=refused))
                 continue
             with self._lock:
                 self._active.add(handle)

@@ -216,12 +216,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RingUnavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the pipeline is down: {e}")
         planned = {r["rank"]: r for r in info.ranks}  # the memory each rank plans with, from the start
+        live = scheduler.rank_reports()  # MLX's memory now: rank 0's, the others' as last heard
         ranks = [
             pb.RankInfo(rank=r["rank"], host=r["host"], layer_start=r["layers"][0], layer_end=r["layers"][1],
                         embed=r["embed"], head=r["head"], peak_memory_bytes=r["peak_memory_bytes"],
                         parameter_bytes=r.get("parameter_bytes", 0),
                         memory_bytes=planned.get(r["rank"], {}).get("memory_bytes", 0),
-                        memory_limited=planned.get(r["rank"], {}).get("memory_limited", False))
+                        memory_limited=planned.get(r["rank"], {}).get("memory_limited", False),
+                        active_memory_bytes=live.get(r["rank"], {}).get("active_memory_bytes", 0),
+                        cache_memory_bytes=live.get(r["rank"], {}).get("cache_memory_bytes", 0))
             for r in rows
         ]
         return pb.ModelInfo(model_id=info.model_id, vocab_size=info.vocab_size, max_context=info.max_context,

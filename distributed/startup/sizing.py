@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Union
 
 from .. import TrinityError
+from ..runtime.memory_admission import MemoryAdmission
 from ..runtime.memory_guard import activation_bytes
 from ..runtime.prefix_cache import default_budget
 from ..shard.draft import draft_reserve
@@ -105,6 +106,14 @@ def serving_sizes(args, config: dict, ranks, memory_bytes: List[int], batch: Opt
         lines.append(f"prefill chunk: {step} tokens (their activations at {max_context} tokens fit "
                      f"--memory-limit's margin)")
     return Sizes(max_context, max_batch, prefix_cache_bytes, step, lines)
+
+
+def memory_admission(args, config: dict, ranks, memory_bytes: List[int], sizes: Sizes) -> Optional[MemoryAdmission]:
+    """Under --memory-limit: what a prompt waits for, or is refused for (memory_admission.py)."""
+    if getattr(args, "memory_limit", None) is None:
+        return None
+    return MemoryAdmission(config, ranks, memory_bytes, sizes.prefill_step_size, sizes.max_context,
+                           set_aside_bytes=sizes.prefix_cache_bytes)
 
 
 def prefill_chunk(config: dict, memory_bytes: int, context: int, most: int) -> int:

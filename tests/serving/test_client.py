@@ -16,7 +16,8 @@ def test_64_bit_fields_are_json_numbers_at_every_depth():
     assert [r["parameter_bytes"] for r in out["ranks"]] == [9, 0]
     assert out["ranks"][1] == {"rank": 1, "host": "", "layer_start": 0, "layer_end": 0, "embed": False,
                                "head": False, "peak_memory_bytes": 0, "parameter_bytes": 0,
-                               "memory_bytes": 0, "memory_limited": False}
+                               "memory_bytes": 0, "memory_limited": False, "active_memory_bytes": 0,
+                               "cache_memory_bytes": 0}
 
 
 def test_an_optional_64_bit_field_only_when_set():

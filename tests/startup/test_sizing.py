@@ -3,11 +3,12 @@
 --max-context auto: the context it reports is the longest at which --max-batch sequences'
 caches fit beside the tightest rank's weights; a request longer than that is refused up
 front naming the numbers, one that fits is served, and every rank reports the memory it
-plans with. A fixed --max-context beyond what fits: a prompt whose prefill outgrows the
-limit fails alone with an error naming memory (gRPC RESOURCE_EXHAUSTED, HTTP 507) while
-the ring goes on serving, exactly. Both servers (two rings of 2 ranks on this host) under
-a mixed load stay within their limits, and their buffer caches within their bounds, as
-their metrics show."""
+plans with. A fixed --max-context beyond what fits: a prompt too big for the limit even
+alone is refused before prefill with an error naming memory (gRPC RESOURCE_EXHAUSTED,
+HTTP 507) while the ring goes on serving, exactly; a lone rank is held to its limit alike.
+Both servers (two rings of 2 ranks on this host) under a mixed load serve every prompt that
+fits alone (it waits for memory) and stay within their limits, and their buffer caches
+within their bounds, as their metrics show."""
 
 import http.client
 import json
@@ -110,57 +111,92 @@ def test_a_request_that_could_not_fit_is_refused_and_one_that_fits_is_served(lim
 LONG_PROMPT = [5 + i % 50 for i in range(1800)]  # fits the context (2048), not LIMIT
 
 
-def test_a_prefill_that_outgrows_the_limit_fails_alone(overcommitted_ring):
+TOO_BIG = (r"out of memory on rank [01]: the request \(\d+ tokens with max_tokens\) needs [\d.]+ MiB for its caches "
+           r"and frames, above the [\d.]+ MiB its --memory-limit of {} MiB leaves beside the weights; refused before prefill")
+
+
+def refused_frames(address) -> float:
+    return sum(v for (name, _), v in metrics(address).items() if name == "trinity_rank_memory_refused_frames_total")
+
+
+def test_a_request_too_big_for_the_limit_alone_is_refused_before_prefill(overcommitted_ring):
+    """The context (2048) admits it, the limit does not: refused up front, naming memory
+    (gRPC RESOURCE_EXHAUSTED, HTTP 507), no frame of it ever sent; the ring goes on exactly."""
     s = overcommitted_ring
     fresh = greedy(s.stub, PROMPT)  # the ring's first request
     with pytest.raises(grpc.RpcError) as e:
         generate(s.stub, token_ids=LONG_PROMPT, max_tokens=4)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    details = e.value.details()
-    assert re.fullmatch(r"out of memory on rank [01]: the request's next frame needs [\d.]+ MiB beside [\d.]+ MiB "
-                        r"in use, above its --memory-limit of 6\.7 MiB; it was dropped, the server goes on", details)
+    assert re.fullmatch(TOO_BIG.format(r"6\.7"), e.value.details()), e.value.details()
     assert s.health_status() == SERVING
     assert greedy(s.stub, PROMPT) == fresh  # served exactly, as on the fresh ring
     status, body = post(s.http, "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 4})
-    assert status == 507 and body["error"]["message"].startswith("out of memory on rank"), (status, body)
+    assert status == 507 and re.fullmatch(TOO_BIG.format(r"6\.7"), body["error"]["message"]), (status, body)
     assert greedy(s.stub, PROMPT) == fresh and s.health_status() == SERVING
     line = [x for x in s.output(10**7).splitlines() if "prompt_tokens=1800" in x][0]
     assert "status=RESOURCE_EXHAUSTED outcome=out_of_memory" in line and "memory_peak_mib=" in line
-    refused = metrics(s.http)
-    assert sum(v for (name, _), v in refused.items() if name == "trinity_rank_memory_refused_frames_total") >= 2
+    assert refused_frames(s.http) == 0  # refused before prefill: no rank was asked to run it
+
+
+LONE_LIMIT = 12_000_000  # one rank holds every layer, the embedding and the head: ~8.3 MiB in use
+
+
+def test_a_lone_rank_is_held_to_its_limit():
+    """One rank, no ring (MLX's CPU allocator would not raise past the limit, and a failed
+    malloc there is a SIGSEGV): a request too big for it is refused before prefill, and it
+    goes on exactly."""
+    s = Server(DEFAULT_MODEL, 1, ["--memory-limit", str(LONE_LIMIT), "--max-context", "2048", "--max-batch",
+                                  str(BATCH), "--prefix-cache-bytes", "0"])
+    try:
+        s.wait_serving()
+        fresh = greedy(s.stub, PROMPT)
+        with pytest.raises(grpc.RpcError) as e:
+            generate(s.stub, token_ids=LONG_PROMPT, max_tokens=4)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert re.fullmatch(TOO_BIG.format(r"11\.4").replace("[01]", "0"), e.value.details()), e.value.details()
+        assert s.health_status() == SERVING and greedy(s.stub, PROMPT) == fresh
+    finally:
+        s.stop()
 
 
 def test_two_servers_on_one_host_stay_within_their_limits(limited_ring, overcommitted_ring):
-    """A mixed load on both at once (prompts short and long, concurrent, beyond --max-batch):
-    a request is served or fails naming memory (on the planned ring too: two long prompts
-    admitted together may not fit beside each other, which admission does not yet wait
-    for); no rank's peak passes its limit, no buffer cache its bound; then on the planned
-    ring (--max-context auto) every one of those prompts alone is served."""
+    """A mixed load on both at once (prompts short and long, concurrent, beyond --max-batch;
+    on the overcommitted ring one too big for its limit alone): every prompt that fits alone
+    is served, exactly (a prompt waits in the queue until it fits beside those running), the
+    too-big one alone fails, before prefill; no rank's peak passes its limit, no buffer
+    cache its bound (as /metrics and GetModelInfo's live figures show), and no frame was refused."""
     context = limited_ring.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).max_context
     lengths = [12, context - 40, 100, context // 2, 40, context - 10]
+    prompts = [[3 + (i + j) % 90 for j in range(n)] for i, n in enumerate(lengths)]
+    alone = [greedy(limited_ring.stub, p, 8) for p in prompts]  # each served alone first
     outcomes = {}
 
-    def load(server, key, lengths):
-        for i, n in enumerate(lengths):
+    def load(server, key, order):
+        for i in order:
             try:
-                generate(server.stub, token_ids=[3 + (i + j) % 90 for j in range(n)], max_tokens=8)
-                outcomes[key, i] = "OK"
+                outcomes[key, i] = greedy(server.stub, LONG_PROMPT if i == len(prompts) else prompts[i], 8)
             except grpc.RpcError as e:
-                outcomes[key, i] = (e.code(), e.details().split(":")[0])
+                outcomes[key, i] = (e.code(), e.details())
 
-    threads = [threading.Thread(target=load, args=(server, (name, t), lengths[t:] + lengths[:t]))
-               for name, server in (("planned", limited_ring), ("overcommitted", overcommitted_ring))
+    order = list(range(len(prompts)))
+    threads = [threading.Thread(target=load, args=(server, (name, t), order[t:] + order[:t] + extra))
+               for name, server, extra in (("planned", limited_ring, []), ("overcommitted", overcommitted_ring, [6]))
                for t in range(3)]  # 3 clients a server: one more than --max-batch
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert all(v in ("OK", (grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory on rank 0"),
-                     (grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory on rank 1"))
-               for v in outcomes.values()), outcomes
+    for (key, i), outcome in outcomes.items():
+        if i == len(prompts):
+            assert outcome[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and re.fullmatch(TOO_BIG.format(r"6\.7"), outcome[1])
+        else:
+            assert outcome == alone[i], (key, lengths[i], outcome)
     for server in (limited_ring, overcommitted_ring):
         assert server.health_status() == SERVING
         server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)  # after it, every rank has reported
+        for r in server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).ranks:  # live: MLX's now
+            assert 0 < r.parameter_bytes <= r.active_memory_bytes <= LIMIT, r
+            assert r.cache_memory_bytes <= cache_bound(LIMIT), r
         m = metrics(server.http)
         for rank in ("0", "1"):
             figures = {name: v for (name, r), v in m.items() if r == rank and "memory" in name}
@@ -168,8 +204,7 @@ def test_two_servers_on_one_host_stay_within_their_limits(limited_ring, overcomm
             assert 0 < figures["trinity_rank_memory_active_bytes"] <= figures["trinity_rank_memory_peak_bytes"] <= LIMIT, (
                 server.http, rank, figures)
             assert figures["trinity_rank_memory_cache_bytes"] <= cache_bound(LIMIT), figures
-    for i, n in enumerate(lengths):  # what --max-context auto admits fits when it runs alone
-        generate(limited_ring.stub, token_ids=[3 + (i + j) % 90 for j in range(n)], max_tokens=8)
+            assert figures["trinity_rank_memory_refused_frames_total"] == 0, figures
 
 
 @pytest.mark.parametrize("text, value", [("auto", "auto"), ("AUTO", "auto"), ("4096", 4096)])

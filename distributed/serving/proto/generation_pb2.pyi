@@ -132,7 +132,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankInfo(_message.Message):
-    __slots__ = ("rank", "host", "layer_start", "layer_end", "embed", "head", "peak_memory_bytes", "parameter_bytes", "memory_bytes", "memory_limited")
+    __slots__ = ("rank", "host", "layer_start", "layer_end", "embed", "head", "peak_memory_bytes", "parameter_bytes", "memory_bytes", "memory_limited", "active_memory_bytes", "cache_memory_bytes")
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,8 @@ class RankInfo(_message.Message):
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMITED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     host: str
     layer_start: int
@@ -153,7 +155,9 @@ class RankInfo(_message.Message):
     parameter_bytes: int
     memory_bytes: int
     memory_limited: bool
-    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., embed: _Optional[bool] = ..., head: _Optional[bool] = ..., peak_memory_bytes: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_limited: _Optional[bool] = ...) -> None: ...
+    active_memory_bytes: int
+    cache_memory_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., embed: _Optional[bool] = ..., head: _Optional[bool] = ..., peak_memory_bytes: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_limited: _Optional[bool] = ..., active_memory_bytes: _Optional[int] = ..., cache_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "vocab_size", "max_context", "max_tokens_cap", "ranks", "max_batch")

@@ -20,13 +20,24 @@ REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "hf_reference_large
 LARGE_PRESET = json.loads((ROOT / "launch" / "configs" / "presets" / "trinity-large.json").read_text())["config"]
 CONFIG = large_structure_config()
 TOL = 1e-4
+# Greedy decoding is prefix-stable: the first 14 of HF's 24 tokens cycle the window of 12
+# once more while decoding, at 60% of the cost (decode dominates these tests).
+GREEDY = len(REFERENCE["greedy_token_ids"][:14])
 
 
-@pytest.fixture(scope="module", params=["hf", "mlx"])
-def large_checkpoint(request, tmp_path_factory):
-    """HF layout (per-expert keys) or mlx-community's (stacked experts), both float32."""
-    path = tmp_path_factory.mktemp(f"large_{request.param}")
-    return make_checkpoint(path, layout=request.param, seed=0, layers_per_file=10, config=CONFIG, quantize=False)
+@pytest.fixture(scope="module")
+def checkpoint_of(tmp_path_factory):
+    """layout -> checkpoint, each made once: HF layout (per-expert keys) or mlx-community's
+    (stacked experts), both float32."""
+    made = {}
+
+    def make(layout):
+        if layout not in made:
+            path = tmp_path_factory.mktemp(f"large_{layout}")
+            made[layout] = make_checkpoint(path, layout, seed=0, layers_per_file=10, config=CONFIG, quantize=False)
+        return made[layout]
+
+    return make
 
 
 def test_the_toy_has_large_layer_structure_and_wraps_its_window():
@@ -37,7 +48,7 @@ def test_the_toy_has_large_layer_structure_and_wraps_its_window():
     ratio = LARGE_PRESET["num_attention_heads"] // LARGE_PRESET["num_key_value_heads"]
     assert CONFIG["num_attention_heads"] == ratio * CONFIG["num_key_value_heads"]
     # The rotating caches wrap in the prompt and cycle again while decoding.
-    assert CONFIG["sliding_window"] < min(len(REFERENCE["prompt_token_ids"]), len(REFERENCE["greedy_token_ids"]))
+    assert CONFIG["sliding_window"] < min(len(REFERENCE["prompt_token_ids"]), GREEDY)
 
 
 def test_fixture_matches_the_weights_the_maker_makes_now():
@@ -49,14 +60,16 @@ def test_fixture_matches_the_weights_the_maker_makes_now():
 
 def assert_greedy_matches_hf(token_logprobs, where):
     tokens = [t for t, _ in token_logprobs]
-    assert tokens == REFERENCE["greedy_token_ids"], where
-    diff = np.abs(np.array([lp for _, lp in token_logprobs]) - np.array(REFERENCE["greedy_logprobs"])).max()
+    assert tokens == REFERENCE["greedy_token_ids"][:GREEDY], where
+    diff = np.abs(np.array([lp for _, lp in token_logprobs]) - np.array(REFERENCE["greedy_logprobs"][:GREEDY])).max()
     assert diff < TOL, f"{where}: max |logprob - HF| over greedy tokens = {diff:.3g}"
 
 
+@pytest.mark.parametrize("layout", ["hf", "mlx"])
 @pytest.mark.parametrize("stages", [1, 2, 4])
-def test_in_process_stages_match_hf(large_checkpoint, stages):
-    pipeline, _ = in_process_pipeline(large_checkpoint, even_split(CONFIG["num_hidden_layers"], stages))
+def test_in_process_stages_match_hf(checkpoint_of, layout, stages):
+    checkpoint = checkpoint_of(layout)
+    pipeline, _ = in_process_pipeline(checkpoint, even_split(CONFIG["num_hidden_layers"], stages))
     tokens = mx.array([REFERENCE["prompt_token_ids"]], dtype=mx.uint32)
     logits = pipeline.logits(tokens, Reply.ALL)[0].astype(mx.float32)
     pipeline.release()
@@ -64,21 +77,22 @@ def test_in_process_stages_match_hf(large_checkpoint, stages):
     expected = np.array(REFERENCE["prompt_logprobs"])
     assert logprobs.shape == expected.shape
     diff = np.abs(logprobs - expected).max()
-    where = f"{large_checkpoint.name}, {stages} stage(s)"
+    where = f"{layout} layout, {stages} stage(s)"
     assert diff < TOL, f"{where}: max |prompt log p - HF| = {diff:.3g}"
-    if stages == 1:  # the other counts decode through real rings below
-        greedy = generate(pipeline, large_checkpoint, REFERENCE["prompt_token_ids"], len(REFERENCE["greedy_token_ids"]))
+    if stages < 4:  # 4 decodes through a real ring below
+        greedy = generate(pipeline, checkpoint, REFERENCE["prompt_token_ids"], GREEDY)
         assert_greedy_matches_hf(greedy, where)
 
 
-def test_ring_greedy_matches_hf(large_checkpoint):
-    """4 ranks on the HF layout, 2 on the mlx-community one: each layout and count once."""
-    ranks = 4 if large_checkpoint.name.startswith("large_hf") else 2
+def test_four_rank_ring_greedy_matches_hf(checkpoint_of):
+    """One ring (they cost seconds to start; test_hf_reference's tiny ring has 2 ranks): each
+    rank loads only its 15 layers' files of per-expert keys."""
+    ranks = 4
     result = run_json(
         [
-            "--model", str(large_checkpoint),
+            "--model", str(checkpoint_of("hf")),
             "--prompt-ids", ",".join(map(str, REFERENCE["prompt_token_ids"])),
-            "--max-tokens", str(len(REFERENCE["greedy_token_ids"])),
+            "--max-tokens", str(GREEDY),
         ],
         ranks=ranks,
     )
@@ -86,4 +100,4 @@ def test_ring_greedy_matches_hf(large_checkpoint):
     layers = [r["layers"] for r in result["ranks"]]
     assert len(layers) == ranks and layers[0][0] == 0 and layers[-1][1] == CONFIG["num_hidden_layers"]
     assert all(a[1] == b[0] for a, b in zip(layers, layers[1:])), layers
-    assert_greedy_matches_hf(list(zip(result["token_ids"], result["logprobs"])), f"{large_checkpoint.name}, {ranks} ranks")
+    assert_greedy_matches_hf(list(zip(result["token_ids"], result["logprobs"])), f"HF layout, {ranks} ranks")

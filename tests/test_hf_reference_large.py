@@ -79,14 +79,16 @@ def test_in_process_stages_match_hf(checkpoint_of, layout, stages):
     diff = np.abs(logprobs - expected).max()
     where = f"{layout} layout, {stages} stage(s)"
     assert diff < TOL, f"{where}: max |prompt log p - HF| = {diff:.3g}"
-    if stages < 4:  # 4 decodes through a real ring below
+    # Both layouts load into the same stacked arrays, which the prompt logprobs above hold at
+    # every count; decoding is checked once per count: here 1 and 2, the ring below 4 (HF layout).
+    if layout == "mlx" and stages < 4:
         greedy = generate(pipeline, checkpoint, REFERENCE["prompt_token_ids"], GREEDY)
         assert_greedy_matches_hf(greedy, where)
 
 
 def test_four_rank_ring_greedy_matches_hf(checkpoint_of):
     """One ring (they cost seconds to start; test_hf_reference's tiny ring has 2 ranks): each
-    rank loads only its 15 layers' files of per-expert keys."""
+    rank loads only the files of its own layers' per-expert keys."""
     ranks = 4
     result = run_json(
         [

@@ -75,6 +75,23 @@ def tiny_config(**overrides) -> dict:
     return config
 
 
+def large_structure_config(**overrides) -> dict:
+    """Trinity-Large's layer structure (launch/configs/presets/trinity-large.json) at toy
+    width: 60 layers, the first 6 dense, 256 routed experts top-4 plus 1 shared, 6:1
+    query:KV heads, every 4th layer full attention, Large's router settings. Hidden 32
+    and experts 4 wide keep it about 21 MB in float32; the window of 12 wraps within a
+    40-token prompt and again while decoding."""
+    config = tiny_config(
+        num_hidden_layers=60, num_dense_layers=6, num_experts=256, num_experts_per_tok=4, num_shared_experts=1,
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=4,
+        num_attention_heads=6, num_key_value_heads=1, head_dim=8, sliding_window=12,
+        route_scale=2.826, route_norm=True, n_group=1, topk_group=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    config.update(overrides)
+    return config
+
+
 def _hf_weights(config: dict, seed: int) -> Dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     H, V = config["hidden_size"], config["vocab_size"]
@@ -196,24 +213,28 @@ def _byte_of(char: str) -> int:
     return others[code - 256]
 
 
-def make_checkpoint(path, layout: str = "hf", seed: int = 0, layers_per_file: int = 3, **overrides) -> Path:
-    """Write a tiny AFMoE checkpoint (config, weights, tokenizer) to `path`."""
+def make_checkpoint(path, layout: str = "hf", seed: int = 0, layers_per_file: int = 3, config: dict = None,
+                    quantize: bool = True, **overrides) -> Path:
+    """Write a tiny AFMoE checkpoint (config, weights, tokenizer) to `path`: `config` (else
+    tiny_config()) with `overrides`. `quantize=False` keeps the mlx layout's stacked
+    experts in float32, so it can be held to HF's outputs."""
     if layout not in ("hf", "mlx"):
         raise ValueError(f"unknown layout {layout!r} (expected 'hf' or 'mlx')")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(**overrides)
+    config = dict(config, **overrides) if config is not None else tiny_config(**overrides)
     weights = _hf_weights(config, seed)
     if layout == "mlx":
-        weights, config = _to_mlx_layout(weights, config)
+        weights, config = _to_mlx_layout(weights, config, quantize)
     _save_sharded(path, weights, config["num_hidden_layers"], layers_per_file, "pt" if layout == "hf" else "mlx")
     (path / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(path, config["vocab_size"])
     return path
 
 
-def _to_mlx_layout(weights: dict, config: dict):
-    """Stack experts and quantize as mlx-lm's converter does: 4-bit, router 8-bit."""
+def _to_mlx_layout(weights: dict, config: dict, quantize: bool = True):
+    """Stack experts and (unless told not to) quantize as mlx-lm's converter does:
+    4-bit, router 8-bit."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import afmoe
@@ -226,6 +247,8 @@ def _to_mlx_layout(weights: dict, config: dict):
     model = afmoe.Model(model_args(mlx_config))
     stacked = model.sanitize({k: mx.array(v) for k, v in weights.items()})
     model.load_weights(list(stacked.items()), strict=True)
+    if not quantize:
+        return {k: np.array(v) for k, v in tree_flatten(model.parameters())}, mlx_config
     with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints a summary
         model, mlx_config = quantize_model(model, mlx_config, group_size=64, bits=4)
     out = {k: np.array(v) for k, v in tree_flatten(model.parameters())}

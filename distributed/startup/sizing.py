@@ -5,7 +5,7 @@ and the prefix cache, all from each rank's memory figure (its host share, or
 `--max-context N` is a limit as given; `--max-context auto` is the longest context at
 which --max-batch sequences' caches fit on the tightest rank (kv_budget.longest_context),
 so a request that could not fit is refused up front, naming the numbers, instead of
-running out of memory mid-prefill. Under --memory-limit the prefill chunk is also cut
+running out of memory mid-prefill. Under --memory-limit or --max-context auto the prefill chunk is also cut
 to what fits: the longest (up to --prefill-step-size) whose activations at that context
 fit in the margin the plans leave on each rank (what every rank's guard checks each frame
 against: runtime/memory_guard.py), so a request the context admits is not refused mid-prefill.
@@ -101,10 +101,12 @@ def serving_sizes(args, config: dict, ranks, memory_bytes: List[int], batch: Opt
         max_context = fit.context
         lines.append(f"max context: {fit.describe()} (--max-context auto)")
     step = args.prefill_step_size
-    if getattr(args, "memory_limit", None) is not None:
+    # The auto context leaves the margin to activations: a chunk bounded to half of it makes
+    # a long prompt's peak (weights + caches + one chunk) known before it runs.
+    if getattr(args, "memory_limit", None) is not None or args.max_context == AUTO:
         step = prefill_chunk(config, min(memory_bytes), max_context, step)
-        lines.append(f"prefill chunk: {step} tokens (their activations at {max_context} tokens fit "
-                     f"--memory-limit's margin)")
+        why = "--memory-limit's" if getattr(args, "memory_limit", None) is not None else "the memory's"
+        lines.append(f"prefill chunk: {step} tokens (their activations at {max_context} tokens fit {why} margin)")
     return Sizes(max_context, max_batch, prefix_cache_bytes, step, lines)
 
 

@@ -218,3 +218,30 @@ def test_max_context_refuses_anything_else(text):
 
     with pytest.raises(ArgumentTypeError):
         context_arg(text)
+
+
+@pytest.mark.parametrize("max_context", ["auto", "65536"])
+def test_auto_context_bounds_the_prefill_chunk_to_the_margin(max_context):
+    """--max-context auto leaves the margin to activations, so a long prompt's chunk must fit in
+    it (half: the rest holds replies and logits); a fixed context without --memory-limit keeps
+    the chunk asked for."""
+    from distributed.cli import parse_args
+    from distributed.runtime.memory_guard import activation_bytes
+    from distributed.shard.config import model_args
+    from distributed.startup.sizing import serving_sizes
+    from trinity_configs import mini
+
+    gib, asked = 1 << 30, 8192
+    args = parse_args(["--max-context", max_context, "--max-batch", "1", "--prefix-cache-bytes", "0",
+                       "--prefill-step-size", str(asked), "--prompt", "x"])
+    rows = [{"layers": [0, 16], "parameter_bytes": 8 * gib}, {"layers": [16, 32], "parameter_bytes": 6 * gib}]
+    memory = [24 * gib, 12 * gib]
+    sizes = serving_sizes(args, mini(), rows, memory)
+    if max_context != "auto":
+        assert sizes.prefill_step_size == asked
+        return
+    half_margin = int(min(memory) * DEFAULT_MARGIN) // 2
+    fits = [activation_bytes(model_args(mini()), n, sizes.max_context, 2) <= half_margin
+            for n in (sizes.prefill_step_size, sizes.prefill_step_size + 1)]
+    assert sizes.prefill_step_size < asked and fits == [True, False], (sizes.prefill_step_size, sizes.max_context)
+    assert any(line.startswith(f"prefill chunk: {sizes.prefill_step_size} tokens") for line in sizes.lines)

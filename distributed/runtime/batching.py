@@ -22,7 +22,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ..transport import Op, Reply
-from .logits import shaped_logprobs, top_candidates, top_logprobs
+from .logits import draw, shaped_logprobs, top_candidates, top_logprobs
 from .caches import is_batch
 from .grammar import prepare_masks
 from .memory_failure import fail_frame, reply_failed
@@ -385,20 +385,11 @@ class Batcher:
         make of the logits; the logprobs reported are the model's."""
         logits = self.pipeline.stage.head(h)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = self._sample(sequences, shaped_logprobs(sequences, logits, logprobs))
+        tokens = draw(sequences, shaped_logprobs(sequences, logits, logprobs))
         # Everything read after the eval is shaped here: an op on it made after the
         # eval would queue behind the lookahead step sent meanwhile, and wait for it.
         chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
         return tokens, chosen, top_candidates(sequences, logprobs)
-
-    @staticmethod
-    def _sample(sequences: List[Sequence], logprobs: mx.array) -> mx.array:
-        greedy = mx.argmax(logprobs, axis=-1)
-        if all(s.greedy for s in sequences):
-            return greedy
-        return mx.concatenate(
-            [greedy[i : i + 1] if s.greedy else s.sample(logprobs[i : i + 1]) for i, s in enumerate(sequences)]
-        )
 
     def _finish(self, seq: Sequence, reason: str, slot: Optional[int] = None, row: int = 0) -> None:
         """End `seq`; `slot` and `row`: where its caches still are (None: nowhere whole)."""

@@ -106,6 +106,16 @@ class SequenceLogits:
         return logits
 
 
+def draw(sequences, logprobs: mx.array) -> mx.array:
+    """Each row's next token: the argmax for greedy rows, the row's own sampler otherwise."""
+    greedy = mx.argmax(logprobs, axis=-1)
+    if all(s.greedy for s in sequences):
+        return greedy
+    return mx.concatenate(
+        [greedy[i : i + 1] if s.greedy else s.sample(logprobs[i : i + 1]) for i, s in enumerate(sequences)]
+    )
+
+
 def shaped_logprobs(sequences, logits: mx.array, logprobs: mx.array) -> mx.array:
     """What each row samples from: its logprobs, or (a batch where some sequence has
     processors or a grammar) the processed, masked logits of every row, normalised (for a

@@ -45,10 +45,12 @@ class MxPointToPoint(Transport):
         self._last_send: Optional[mx.array] = None
         self._incoming = IncomingWait.for_ring()  # None: a backend whose receive may block
         # A receive queued ahead (recv_ahead) waits inside MLX, where the ring backend spins
-        # a core until the frame comes: only with a core per rank of the ring (on this host
-        # or its own), or the spin takes the computing rank's core. Measured on 2 cores with
-        # 2 ranks it still pays (bench_decode.py: ring P=2 0.93x P=1, against 0.70x).
-        self.receives_ahead = self.rank == 0 and (os.cpu_count() or 1) >= self.size
+        # a core until the frame comes: only where every rank of the ring can have a core for
+        # its computation and one more (a Mac per rank, or a host of many cores). On 2 cores
+        # with 2 ranks and nothing else running it still paid (bench_decode.py --quick: ring
+        # P=2 0.93x P=1, against 0.70x), but beside other work (this test suite's concurrent
+        # rings) each spinning rank 0 took a core from them: the suite ran 885 s, not 650.
+        self.receives_ahead = self.rank == 0 and (os.cpu_count() or 1) >= 2 * self.size
 
     def send(self, header: Header, payload: Optional[mx.array] = None) -> None:
         s = self._send_stream

@@ -28,7 +28,7 @@ CHILD = textwrap.dedent("""
                 t.send(Header.for_payload(Op.NO_MEMORY, no, reply=Reply.LAST), no)
         t.close()
         sys.exit(0)
-    assert t.receives_ahead
+    t.receives_ahead = True  # whatever this machine's cores (a 2-core one turns it off)
     h = mx.arange(6, dtype=mx.bfloat16).reshape(1, 1, 6)
     out = []
     for arg in (0, 1):

@@ -25,30 +25,12 @@ from ..transport import Op, Reply
 from .logits import draw, shaped_logprobs, top_candidates, top_logprobs
 from .caches import is_batch
 from .grammar import prepare_masks
-from .memory_failure import fail_frame, reply_failed
+from .memory_failure import evaluated, fail_frame, failed_here, reply_failed
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
+from .prefix_hooks import PrefixHooks
 from .sequence import Sequence
 from .speculation import SpeculationOptions, SpeculationStats, judge, make_drafter, propose
-
-
-class PrefixHooks:
-    """Where a prefix cache plugs in; these defaults do nothing."""
-
-    def restore(self, seq: Sequence) -> None:
-        """At admission, before `seq` is batched: may fill `seq.slot` on every rank
-        with the caches of a cached prefix of its prompt and drop those tokens from
-        `seq.unsent` (leaving one at least: the last prompt token gives the first
-        token). The batch's prefill then starts from that history."""
-
-    def snapshot(self, seq: Sequence, slot: int, row: int) -> None:
-        """`seq` has finished; row `row` of `slot` still holds its caches (its prompt
-        and the tokens drawn since, `seq.sampled`: all, or all but the last, as the
-        lookahead may have fed it) until right after this call."""
-
-    def prefilled(self, seq: Sequence, slot: int, row: int) -> None:
-        """`seq` has its first token and goes on decoding; row `row` of `slot` holds
-        its whole prompt."""
 
 
 @dataclass
@@ -272,8 +254,11 @@ class Batcher:
         if header.op == Op.NO_MEMORY:  # a rank could not run it (memory_guard.py)
             return fail_frame(self, frame, h)
         seq, drafts = frame.sequences[0], frame.drafts
-        with self.pipeline.stats.computing():
-            tokens, chosen, tops = judge(self.pipeline.stage.head, seq, drafts, h, self.speculation.num_draft_tokens)
+        try:
+            with self.pipeline.stats.computing():
+                tokens, chosen, tops = judge(self.pipeline.stage.head, seq, drafts, h, self.speculation.num_draft_tokens)
+        except Exception as e:  # MLX could not allocate it (memory_failure.py)
+            return failed_here(self, frame, e)
         self.spec_stats.accepted += len(tokens) - 1
         reason, last = None, 0
         for last, token in enumerate(tokens):
@@ -296,7 +281,11 @@ class Batcher:
         overlaps its steps)."""
         if frame.kind == "step" and (h := self.pipeline.take_local_reply()) is not None:
             frame.picked = self._pick(frame.sequences, h)
-            mx.async_eval(*frame.picked)
+            try:
+                mx.async_eval(*frame.picked)
+            except Exception as e:  # its reply is NO_MEMORY where MLX could not allocate
+                self.pipeline.refuse_reply(frame.slot, e)
+                frame.picked = None
         self.outstanding.append(frame)
 
     def _drop_cancelled(self) -> None:
@@ -358,8 +347,8 @@ class Batcher:
             group = None
         if ahead is not None and reply_failed(self, frame, ahead, sent_next=group is not None):
             return
-        with self.pipeline.stats.computing():  # rank 0 waits for its own computation (RankStats)
-            mx.eval(tokens, chosen, *(top or ()))
+        if not evaluated(self, frame, (tokens, chosen, *(top or ())), sent_next=group is not None):
+            return
         tops = top_logprobs(frame.sequences, top)
         tokens, chosen = tokens.tolist(), chosen.tolist()
         keep = []

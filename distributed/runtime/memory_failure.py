@@ -13,7 +13,7 @@ from typing import List
 import mlx.core as mx
 
 from ..transport import Op
-from .memory_guard import describe
+from .memory_guard import allocation_failed, describe
 
 
 def fail_frame(batcher, frame, payload: mx.array) -> None:
@@ -52,6 +52,54 @@ def reply_failed(batcher, frame, ahead, sent_next: bool) -> bool:
     if sent_next:
         frame.group.busy = True
     return True
+
+
+def evaluated(batcher, frame, arrays, sent_next: bool = False) -> bool:
+    """Evaluate rank 0's part of `frame`'s reply (the head and the sampler; with one rank
+    the whole frame). Where MLX cannot allocate it (Apple GPUs and CUDA raise; this CPU's
+    allocator cannot), the frame fails as a NO_MEMORY reply's does, and the step built on
+    it meanwhile (`sent_next`) keeps its group busy until its reply is read and dropped.
+    Whether it was evaluated."""
+    try:
+        with batcher.pipeline.stats.computing():  # rank 0 waits for its own computation (RankStats)
+            mx.eval(*arrays)
+        return True
+    except Exception as e:
+        failed_here(batcher, frame, e, sent_next)
+        return False
+
+
+def failed_here(batcher, frame, e: Exception, sent_next: bool = False) -> None:
+    """Rank 0's evaluation of `frame`'s reply raised `e`: the frame fails where MLX could
+    not allocate (see evaluated); anything else is raised again."""
+    if not allocation_failed(e):
+        raise e
+    fail_frame(batcher, frame, batcher.pipeline.guard.own_failure())
+    if sent_next:
+        frame.group.busy = True
+
+
+def fail_everything(batcher, error: Exception) -> None:
+    """MLX could not allocate where no one frame is to blame (rank 0's evaluation outside
+    the frames above): every admitted request ends with an error naming memory, every
+    rank drops their caches, the replies still owed are read and dropped, and the ring
+    and the queue go on."""
+    pipeline = batcher.pipeline
+    message = describe(pipeline.guard.own_failure()) + f" ({error})"
+    pipeline.drop_replies(len(batcher.outstanding))
+    batcher.outstanding.clear()
+    for seq in batcher.admission.held() + [s for b in batcher.ready for s in b.members] + \
+            [s for g in batcher.groups for s in g.members]:
+        if not seq.finished:
+            seq.finish("error", error=message)
+    batcher.admission.waiting.clear()
+    batcher.admission.current = None
+    batcher.ready.clear()
+    for group in batcher.groups:
+        group.members, group.busy = [], False
+    batcher.sequences = 0
+    for slot in list(pipeline.caches.slots):
+        pipeline.release(slot)
 
 
 def _without(pipeline, slot: int, members: List, ids: set) -> List:

@@ -121,7 +121,18 @@ class MemoryGuard:
 
     def mlx_failed(self, header: Header) -> Tuple[Header, mx.array]:
         """MLX refused an allocation while evaluating `header`'s frame."""
-        return self.failed(header, figures(self.rank, 0, mx.get_active_memory(), applied_limit() or 0))
+        return self.failed(header, self.mlx_figures())
+
+    def mlx_figures(self) -> mx.array:
+        """The NO_MEMORY payload of an allocation MLX refused here (needed 0)."""
+        return figures(self.rank, 0, mx.get_active_memory(), applied_limit() or 0)
+
+    def own_failure(self) -> mx.array:
+        """Rank 0 could not evaluate its own part of a reply (the head, the sampler): the
+        frame fails (memory_failure.py); the buffer cache is freed. Its NO_MEMORY payload."""
+        self.refused += 1
+        mx.clear_cache()
+        return self.mlx_figures()
 
     def settle(self) -> None:
         """After a cache op: slots rank 0 has dropped are no longer doomed."""

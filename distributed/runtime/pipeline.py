@@ -19,7 +19,7 @@ from ..transport import Header, Op, Reply, Transport
 from ..transport.base import PendingFrame
 from . import rank_info
 from .caches import SlotCaches
-from .memory_guard import MemoryGuard
+from .memory_guard import MemoryGuard, allocation_failed
 from .rank_stats import RankStats
 
 
@@ -64,6 +64,29 @@ class Pipeline:
             self._send(header, payload)
         elif header.reply != Reply.NONE:
             self._local.append((header, payload))
+
+    def _sent(self, header: Header, payload: mx.array) -> bool:
+        """Send a FORWARD frame built here. Where MLX cannot allocate its computation (Apple
+        GPUs and CUDA raise as the graph is encoded, before the send runs: the transport
+        sends nothing before its payload exists), its NO_MEMORY frame goes in its place."""
+        try:
+            self._send(header, payload)
+            return True
+        except Exception as e:
+            self._refuse_failed(header, e)
+            return False
+
+    def _refuse_failed(self, header: Header, e: Exception) -> None:
+        """MLX raised `e` evaluating the frame `header` here: refused, if it could not allocate."""
+        if not allocation_failed(e):
+            raise e
+        self._refuse(Header(Op.FORWARD, header.reply, header.slot, chunk_slot=header.chunk_slot,
+                            chunk_rows=header.chunk_rows), self.guard.mlx_figures())
+
+    def refuse_reply(self, slot: int, e: Exception) -> None:
+        """One rank: evaluating the reply just taken (take_local_reply) raised `e`; where MLX
+        could not allocate, the frame's reply is NO_MEMORY (for recv())."""
+        self._refuse_failed(Header(Op.FORWARD, Reply.LAST, slot), e)
 
     def _control(self, header: Header, payload: Optional[mx.array] = None) -> None:
         if self.transport is not None:
@@ -151,13 +174,17 @@ class Pipeline:
         self.stats.forward_frames += 1
         self._hidden = (h.shape[-1], h.dtype)  # what the last rank's replies hold
         if self.transport is not None:
-            self._send(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot), h)
+            if not self._sent(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot), h):
+                return
             if self.time_sends:
                 self._computing = h
                 self.stats.dispatched()
         elif reply in (Reply.NONE, Reply.ACK):
-            with self.stats.computing():
-                self.caches.evaluate(slot)
+            try:
+                with self.stats.computing():
+                    self.caches.evaluate(slot)
+            except Exception as e:
+                return self._refuse_failed(Header(Op.FORWARD, reply, slot), e)
             if reply == Reply.ACK:
                 self._local.append((Header(Op.FORWARD, Reply.ACK, slot), None))
         else:
@@ -183,8 +210,9 @@ class Pipeline:
         self.stats.mixed_frames += 1
         payload = flatten([h, c])
         rows, length = chunk.shape
-        self._send(Header.for_payload(Op.FORWARD, payload, reply=Reply.LAST, slot=slot, chunk_slot=chunk_slot,
-                                      chunk_rows=rows, chunk_length=length), payload)
+        if not self._sent(Header.for_payload(Op.FORWARD, payload, reply=Reply.LAST, slot=slot, chunk_slot=chunk_slot,
+                                             chunk_rows=rows, chunk_length=length), payload):
+            return
         if self.time_sends:
             self._computing = payload
             self.stats.dispatched()
@@ -222,6 +250,14 @@ class Pipeline:
     def reply_header(self, pending: PendingFrame) -> Header:
         """Waits for a reply received ahead; its header."""
         return self.transport.header_of(pending)
+
+    def drop_replies(self, frames: int) -> None:
+        """Read and drop the replies to the last `frames` frames sent (rank 0 could not
+        evaluate its part of them: memory_failure.fail_everything)."""
+        self._computing = None  # it may be what failed
+        self._local.clear()
+        for _ in range(frames if self.transport is not None else 0):
+            self.transport.recv()
 
     def take_local_reply(self) -> Optional[mx.array]:
         """One rank: the (lazy) reply to the frame just sent, taken now instead of by

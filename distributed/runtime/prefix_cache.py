@@ -35,7 +35,7 @@ def default_budget(free_bytes: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    """The batcher's prefix hooks (batching.PrefixHooks; budget 0: nothing, the cache
+    """The batcher's prefix hooks (prefix_hooks.PrefixHooks; budget 0: nothing, the cache
     is off): restore() at admission (look up, restore into the sequence's slot),
     prefilled() once a row holds its whole prompt and snapshot() when it finishes
     (store what it was fed)."""

@@ -14,6 +14,8 @@ from typing import Callable, Iterator, Optional, Union
 from .batching import Batcher
 from .grammar import Grammars
 from .memory_admission import MemoryAdmission
+from .memory_failure import fail_everything
+from .memory_guard import allocation_failed
 from .prefill import PREFILL_STEP_SIZE
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
@@ -199,13 +201,23 @@ class Scheduler:
                     if until_idle and self._waiting.empty() and self._calls.empty():
                         return
                     continue
-                self.batcher.step()
+                self._step()
             except Exception as e:  # the ring is broken: fail this and every later request
                 self.abort(f"{type(e).__name__}: {e}")
             with self._lock:
                 self._active = {h for h in self._active if not h.done}
         if self.failure is None and not self.batcher.idle:
             self.batcher.shutdown("the server is shutting down")
+
+    def _step(self) -> None:
+        """One batcher step. Where MLX could not allocate on rank 0 outside a frame it can
+        fail alone (memory_failure.py), the running requests end, not the ring."""
+        try:
+            self.batcher.step()
+        except Exception as e:
+            if not allocation_failed(e):
+                raise
+            fail_everything(self.batcher, e)
 
     def _run_calls(self) -> None:
         while not self._calls.empty():

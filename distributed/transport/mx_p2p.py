@@ -54,9 +54,12 @@ class MxPointToPoint(Transport):
 
     def send(self, header: Header, payload: Optional[mx.array] = None) -> None:
         s = self._send_stream
-        sent = mx.distributed.send(pack(header, payload), self.next, group=self.group, stream=s)
-        if payload is not None and payload.nbytes > INLINE_BYTES:
-            # The dependency keeps the frame first.
+        frame, large = pack(header, payload), payload is not None and payload.nbytes > INLINE_BYTES
+        # A large payload goes second, and the frame waits for it: a computation that fails
+        # (MLX could not allocate) sends nothing, and the next rank never waits for half a frame.
+        sent = mx.distributed.send(mx.depends(frame, payload) if large else frame, self.next, group=self.group,
+                                   stream=s)
+        if large:  # the dependency keeps the frame first
             sent = mx.distributed.send(mx.depends(payload, sent), self.next, group=self.group, stream=s)
         if s is None:
             mx.eval(sent)

@@ -15,9 +15,11 @@ doomed: frames on them already in the ring are not run either (a prefill chunk r
 a decode step is dropped from it, the step runs) until rank 0's cache ops drop those
 slots. An allocation MLX itself refuses (a RuntimeError out of an evaluation) takes the
 same path. Rank 0 checks its own frames alike; with one rank the NO_MEMORY frame is the
-frame's reply at once (Pipeline._refuse). Rank 0 admits a prompt only where its caches
-and frames fit (memory_admission.py); this check holds where that estimate falls short.
-Without --memory-limit nothing is checked.
+frame's reply at once (Pipeline._refuse). An allocation MLX refuses in rank 0's own
+evaluation fails the frame it was evaluating (Pipeline._sent, memory_failure.evaluated),
+or, outside any one frame, the requests running (memory_failure.fail_everything). Rank 0
+admits a prompt only where its caches and frames fit (memory_admission.py); this check
+holds where that estimate falls short. Without --memory-limit nothing is checked.
 """
 
 from typing import Dict, List, Optional, Tuple

@@ -280,7 +280,8 @@ def serve(args, options: ServeOptions, front_ends, requests: RequestLog, group, 
                           prefill_step_size=sizes.prefill_step_size, max_batch=max_batch,
                           on_failure=on_failure, prefill_batch_tokens=args.prefill_batch_tokens,
                           prefix_cache_bytes=prefix_cache_bytes, speculation=speculation,
-                          memory=memory_admission(args, config, ranks, memory, sizes))
+                          memory=memory_admission(args, config, ranks, memory, sizes),
+                          chunk_budget=sizes.chunk_budget)
     print(f"prefix cache: up to {prefix_cache_bytes / 2**20:.1f} MiB on any rank" if prefix_cache_bytes
           else "prefix cache: off", file=sys.stderr, flush=True)
     if watchdog is not None:  # ends every stream with the failed rank's name, then NOT_SERVING
@@ -352,7 +353,8 @@ def run(args, stop: RankStop) -> None:
     cache_bytes = sizes.prefix_cache_bytes if args.chat else 0
     scheduler = Scheduler(pipeline, tokenizer, prefill_step_size=sizes.prefill_step_size,
                           prefix_cache_bytes=cache_bytes, speculation=speculation,
-                          memory=memory_admission(args, config, ranks, memory, sizes))
+                          memory=memory_admission(args, config, ranks, memory, sizes),
+                          chunk_budget=sizes.chunk_budget)
     if _watchdog is not None:
         _watchdog.on_failure = scheduler.abort
     try:

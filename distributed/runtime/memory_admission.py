@@ -10,7 +10,7 @@ a full layer's grow by a copy: memory_guard.frame_bytes), with one prefill chunk
 activations. Batches and decode groups pad their rows to the longest (mlx-lm's batch
 caches), so n sequences reserve n times the longest's. A rank's room is its limit less its
 weights, what was set aside (the prefix cache) and half the margin (what else it keeps
-meanwhile, as sizing.prefill_chunk leaves it).
+meanwhile, as sizing.py leaves it to prefill chunks: prefill_chunks.py).
 """
 
 from typing import List, Optional, Sequence
@@ -23,13 +23,14 @@ from .memory_guard import OUT_OF_MEMORY, activation_bytes
 
 class MemoryAdmission:
     def __init__(self, config: dict, ranks: Sequence[dict], limits: Sequence[int], chunk: int, max_context: int,
-                 set_aside_bytes: int = 0):
+                 set_aside_bytes: int = 0, chunk_budget=None):
         self.sizes, self.args, self.itemsize = model_sizes(config), model_args(config), dtype_bytes(config)
         self.layers = [tuple(r["layers"]) for r in ranks]
         self.limits = list(limits)
         self.room = [max(0, limit - r["parameter_bytes"] - set_aside_bytes - int(limit * DEFAULT_MARGIN) // 2)
                      for r, limit in zip(ranks, limits)]
         self.chunk, self.max_context = chunk, max_context
+        self.chunk_budget = chunk_budget  # a ChunkBudget every prefill chunk's activations fit
         self.running: List = []  # admitted sequences (pruned once finished)
 
     def tokens(self, request) -> int:
@@ -40,6 +41,8 @@ class MemoryAdmission:
         """Each rank's reservation for sequences of these whole lengths running together."""
         longest = -(-max(lengths) // CACHE_STEP) * CACHE_STEP
         activations = activation_bytes(self.args, min(self.chunk, longest), longest, self.itemsize)
+        if self.chunk_budget is not None:  # each chunk is cut to fit it (prefill_chunks.py)
+            activations = min(activations, self.chunk_budget.bytes)
         return [2 * len(lengths) * self.sizes.cache_bytes(start, end, longest) + activations
                 for start, end in self.layers]
 

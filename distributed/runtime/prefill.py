@@ -44,7 +44,8 @@ class PrefillBatch:
     rows: List[List[int]] = field(default_factory=list)  # each row's prompt tokens to prefill
     width: int = 0  # the longest row: columns to send (every prompt token but the last)
     sent: int = 0  # columns sent so far
-    step: int = 1  # columns per frame
+    step: int = 1  # columns per frame (at most: a ChunkBudget may cut a frame shorter)
+    past: int = 0  # positions the rows' caches held before their first chunk (a restored prefix)
     padded: bool = False  # caches prepared for right padding: finalize before decoding
 
     @property
@@ -67,6 +68,7 @@ class Admission:
         self.waiting: deque = deque()  # admitted, in arrival order, not yet in a batch
         self.current: Optional[PrefillBatch] = None  # the batch whose frames are being sent
         self.memory = None  # --memory-limit: a MemoryAdmission a prompt waits for (memory_admission.py)
+        self.chunk_budget = None  # --memory-limit, --max-context auto: a ChunkBudget (prefill_chunks.py)
 
     def held(self) -> List[Sequence]:
         """Sequences waiting or in the batch being sent."""
@@ -94,7 +96,7 @@ class Admission:
         if batch is None:
             return None
         if batch.sent < batch.width:
-            n = min(batch.step, batch.width - batch.sent)
+            n = self._columns(batch)
             chunk = [(row[batch.sent:batch.sent + n] + [0] * n)[:n] for row in batch.rows]  # right-padded
             batch.sent += n
             # A scored prompt needs every position's output (logits.PromptScores).
@@ -111,6 +113,19 @@ class Admission:
                 seq.next_token, seq.unsent = seq.unsent[-1], []
             self.current = None
         return batch
+
+    def _columns(self, batch: PrefillBatch) -> int:
+        """The next chunk's columns: `step`, the rest, or fewer where its activations at its
+        context would not fit the chunk budget."""
+        left = batch.width - batch.sent
+        n = min(batch.step, left)
+        if self.chunk_budget is None:
+            return n
+        n = min(n, self.chunk_budget.columns(len(batch.rows), batch.past + batch.sent, n))
+        if batch.padded:  # never a chunk of one column, nor one left over (see _form)
+            n = max(2, n)
+            n += (left - n == 1) * (1 if n == 2 else -1)
+        return n
 
     def _form(self) -> Optional[PrefillBatch]:
         """The next batch: waiting sequences in arrival order while its padded tokens
@@ -135,10 +150,11 @@ class Admission:
         rows = [s.unsent[:-1] for s in taken]  # the last token gives the first token
         width = max(len(r) for r in rows)
         step = max(1, self.prefill_step_size // len(taken))
+        past = max(len(s.fed_prompt) - len(s.unsent) for s in taken)
         if len(taken) == 1:
-            batch = PrefillBatch(taken[0].slot, taken, rows, width, step=step)
+            batch = PrefillBatch(taken[0].slot, taken, rows, width, step=step, past=past)
         else:
-            batch = PrefillBatch(self.new_slot(), taken, rows, width, step=step)
+            batch = PrefillBatch(self.new_slot(), taken, rows, width, step=step, past=past)
             self.pipeline.merge(batch.slot, [s.slot for s in taken])
             if any(len(r) < width for r in rows):
                 # Padded rows: no chunk of one column, which mlx-lm's rotating batch

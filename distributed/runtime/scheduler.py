@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Optional, Union
 from .batching import Batcher
 from .grammar import Grammars
 from .memory_admission import MemoryAdmission
+from .prefill_chunks import ChunkBudget
 from .memory_failure import fail_everything
 from .memory_guard import allocation_failed
 from .prefill import PREFILL_STEP_SIZE
@@ -70,7 +71,8 @@ class Scheduler:
     def __init__(self, pipeline: Pipeline, tokenizer, max_queue: int = 64, prefill_step_size: int = PREFILL_STEP_SIZE,
                  max_batch: int = 16, on_failure: Optional[Callable[[str], None]] = None,
                  prefill_batch_tokens: int = 2048, prefix_cache_bytes: int = 0,
-                 speculation: Optional[SpeculationOptions] = None, memory: Optional[MemoryAdmission] = None):
+                 speculation: Optional[SpeculationOptions] = None, memory: Optional[MemoryAdmission] = None,
+                 chunk_budget: Optional[ChunkBudget] = None):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.on_failure = on_failure  # e.g. turn health to NOT_SERVING
         self.grammars = Grammars(tokenizer, pipeline.stage.args.vocab_size)  # constrained decoding's tokenizer
@@ -78,6 +80,7 @@ class Scheduler:
         self.batcher = Batcher(pipeline, tokenizer, max_batch, prefill_step_size, prefill_batch_tokens,
                                self.prefix_cache, speculation)
         self.memory = self.batcher.admission.memory = memory  # --memory-limit: admission waits for memory
+        self.batcher.admission.chunk_budget = chunk_budget  # prefill chunks cut to fit the margin
         # Bound: max_batch running + max_queue waiting. A burst within the batch's room is
         # taken even before the loop moves it from this queue into the batch.
         self.max_queue, self.capacity = max_queue, max_batch + max_queue

@@ -5,10 +5,11 @@ and the prefix cache, all from each rank's memory figure (its host share, or
 `--max-context N` is a limit as given; `--max-context auto` is the longest context at
 which --max-batch sequences' caches fit on the tightest rank (kv_budget.longest_context),
 so a request that could not fit is refused up front, naming the numbers, instead of
-running out of memory mid-prefill. Under --memory-limit or --max-context auto the prefill chunk is also cut
-to what fits: the longest (up to --prefill-step-size) whose activations at that context
-fit in the margin the plans leave on each rank (what every rank's guard checks each frame
-against: runtime/memory_guard.py), so a request the context admits is not refused mid-prefill.
+running out of memory mid-prefill. Under --memory-limit or --max-context auto each prefill chunk is also cut
+to what fits: the longest (up to --prefill-step-size) whose activations at its own context
+fit half the margin the plans leave on each rank (what every rank's guard checks each frame
+against: runtime/memory_guard.py; runtime/prefill_chunks.py), so a request the context admits
+is not refused mid-prefill.
 """
 
 from argparse import ArgumentTypeError
@@ -17,12 +18,11 @@ from typing import List, Optional, Union
 
 from .. import TrinityError
 from ..runtime.memory_admission import MemoryAdmission
-from ..runtime.memory_guard import activation_bytes
+from ..runtime.prefill_chunks import ChunkBudget
 from ..runtime.prefix_cache import default_budget
 from ..shard.draft import draft_reserve
 from ..shard.kv_budget import DEFAULT_CONTEXT, kv_budget, longest_context
 from ..shard.memory_plan import DEFAULT_MARGIN
-from ..shard.sizes import dtype_bytes, model_args
 
 AUTO = "auto"
 
@@ -81,6 +81,7 @@ class Sizes:
     prefix_cache_bytes: int
     prefill_step_size: int
     lines: List[str]  # what was chosen and why, printed at start
+    chunk_budget: Optional[ChunkBudget] = None  # each prefill chunk's activations fit it
 
 
 def serving_sizes(args, config: dict, ranks, memory_bytes: List[int], batch: Optional[int] = None) -> Sizes:
@@ -100,14 +101,17 @@ def serving_sizes(args, config: dict, ranks, memory_bytes: List[int], batch: Opt
                                f"--prefix-cache-bytes, or give the ring more memory)")
         max_context = fit.context
         lines.append(f"max context: {fit.describe()} (--max-context auto)")
-    step = args.prefill_step_size
-    # The auto context leaves the margin to activations: a chunk bounded to half of it makes
+    step, budget = args.prefill_step_size, None
+    # The auto context leaves the margin to activations: chunks bounded to half of it make
     # a long prompt's peak (weights + caches + one chunk) known before it runs.
     if getattr(args, "memory_limit", None) is not None or args.max_context == AUTO:
-        step = prefill_chunk(config, min(memory_bytes), max_context, step)
+        # Half the margin: the other half holds what else the rank keeps meanwhile (replies, logits, inputs).
+        budget = ChunkBudget(config, int(min(memory_bytes) * DEFAULT_MARGIN) // 2)
         why = "--memory-limit's" if getattr(args, "memory_limit", None) is not None else "the memory's"
-        lines.append(f"prefill chunk: {step} tokens (their activations at {max_context} tokens fit {why} margin)")
-    return Sizes(max_context, max_batch, prefix_cache_bytes, step, lines)
+        last = budget.ending_at(max_context, step)
+        lines.append(f"prefill chunk: up to {step} tokens, {last} where a prompt nears {max_context} "
+                     f"(each chunk's activations at its context fit {why} margin)")
+    return Sizes(max_context, max_batch, prefix_cache_bytes, step, lines, budget)
 
 
 def memory_admission(args, config: dict, ranks, memory_bytes: List[int], sizes: Sizes) -> Optional[MemoryAdmission]:
@@ -115,16 +119,4 @@ def memory_admission(args, config: dict, ranks, memory_bytes: List[int], sizes: 
     if getattr(args, "memory_limit", None) is None:
         return None
     return MemoryAdmission(config, ranks, memory_bytes, sizes.prefill_step_size, sizes.max_context,
-                           set_aside_bytes=sizes.prefix_cache_bytes)
-
-
-def prefill_chunk(config: dict, memory_bytes: int, context: int, most: int) -> int:
-    """The longest prefill chunk, up to `most` tokens, whose activations attending to
-    `context` positions fit half the margin of a rank planning with `memory_bytes` (1 at least)."""
-    # Half the margin: the other half holds what else the rank keeps meanwhile (replies, logits, inputs).
-    args, itemsize, margin = model_args(config), dtype_bytes(config), int(memory_bytes * DEFAULT_MARGIN) // 2
-    lo, hi = 1, most
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if activation_bytes(args, mid, context, itemsize) <= margin else (lo, mid - 1)
-    return lo
+                           set_aside_bytes=sizes.prefix_cache_bytes, chunk_budget=sizes.chunk_budget)

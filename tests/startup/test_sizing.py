@@ -222,9 +222,10 @@ def test_max_context_refuses_anything_else(text):
 
 @pytest.mark.parametrize("max_context", ["auto", "65536"])
 def test_auto_context_bounds_the_prefill_chunk_to_the_margin(max_context):
-    """--max-context auto leaves the margin to activations, so a long prompt's chunk must fit in
-    it (half: the rest holds replies and logits); a fixed context without --memory-limit keeps
-    the chunk asked for."""
+    """--max-context auto leaves the margin to activations, so each prefill chunk must fit in it
+    (half: the rest holds replies and logits) at its own context: a prompt's first chunk longer
+    than its last, near the auto context; a fixed context without --memory-limit keeps the
+    chunk asked for."""
     from distributed.cli import parse_args
     from distributed.runtime.memory_guard import activation_bytes
     from distributed.shard.config import model_args
@@ -237,11 +238,13 @@ def test_auto_context_bounds_the_prefill_chunk_to_the_margin(max_context):
     rows = [{"layers": [0, 16], "parameter_bytes": 8 * gib}, {"layers": [16, 32], "parameter_bytes": 6 * gib}]
     memory = [24 * gib, 12 * gib]
     sizes = serving_sizes(args, mini(), rows, memory)
+    assert sizes.prefill_step_size == asked
     if max_context != "auto":
-        assert sizes.prefill_step_size == asked
+        assert sizes.chunk_budget is None
         return
-    half_margin = int(min(memory) * DEFAULT_MARGIN) // 2
-    fits = [activation_bytes(model_args(mini()), n, sizes.max_context, 2) <= half_margin
-            for n in (sizes.prefill_step_size, sizes.prefill_step_size + 1)]
-    assert sizes.prefill_step_size < asked and fits == [True, False], (sizes.prefill_step_size, sizes.max_context)
-    assert any(line.startswith(f"prefill chunk: {sizes.prefill_step_size} tokens") for line in sizes.lines)
+    budget, half_margin = sizes.chunk_budget, int(min(memory) * DEFAULT_MARGIN) // 2
+    assert budget.bytes == half_margin
+    last, first = budget.ending_at(sizes.max_context, asked), budget.columns(1, 0, asked)
+    fits = [activation_bytes(model_args(mini()), n, sizes.max_context, 2) <= half_margin for n in (last, last + 1)]
+    assert last < first <= asked and fits == [True, False], (first, last, sizes.max_context)
+    assert any(line.startswith(f"prefill chunk: up to {asked} tokens, {last} where a prompt nears") for line in sizes.lines)

@@ -3,12 +3,15 @@
     python bench/bench_speculation.py [--max-ranks 4] [--reps 3] [--max-tokens 200] [--k 4]
                                       [--modes lookup,draft,both] [--out PATH]
 
-The embedded default model (distributed/shard/tiny_model), greedy, one request per fresh
-process, ranks of the ring backend started directly (as bench_decode's "direct"). Prompts:
-  held-out   the start of a paragraph of pydoc's topics that training held out (every tenth),
-             continued by the model: it loops on its own phrases more than it copies
-  grounded   a passage, then its first words again: the model's continuation repeats the
-             passage where it copies it (the input-grounded case: edits, summaries, QA)
+Greedy, one request per fresh process, ranks of the ring backend started directly (as
+bench_decode's "direct"). Prompts:
+  held-out   the embedded default model (distributed/shard/tiny_model) on the start of a
+             paragraph of pydoc's topics that training held out (every tenth): it continues
+             with text of its own (it seldom repeats its prompt, now and then its own phrases)
+  grounded   bench/models/tiny_copy (the embedded model fine-tuned to copy passages with
+             edits: scripts/train_tiny_model.py --copy, same tokenizer) on a held-out passage,
+             then its first words again: its continuation repeats the passage (the
+             input-grounded case: edits, summaries, QA)
 For each P, prompt and mode (lookup: --prompt-lookup; draft: --draft-model with the bundled
 draft, distributed/shard/tiny_draft; both): decode tok/s without and with it (median of
 --reps, interleaved rounds), their ratio, and how much of the output the drafts covered (accepted
@@ -32,8 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PY, ROOT, bench_env, kill_groups, start_ranks  # noqa: E402
 
 
+MODELS = {"held-out": ROOT / "distributed" / "shard" / "tiny_model", "grounded": ROOT / "bench" / "models" / "tiny_copy"}
+
+
 def prompts(every: bool = False):
-    """{name: prompt} as above; every: the start of every held-out paragraph instead (a list)."""
+    """{name: prompt} as above (MODELS: each one's checkpoint); every: the start of every
+    held-out paragraph instead (a list)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from train_tiny_model import corpus  # the paragraphs training held out (every tenth)
 
@@ -44,8 +51,8 @@ def prompts(every: bool = False):
     return {"held-out": held_out[0][:200], "grounded": passage + "\n\n" + passage[:80]}
 
 
-def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: float) -> dict:
-    cmd = [PY, str(ROOT / "run_trinity.py"), "--prompt", prompt, "--no-chat-template",
+def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: float, model: Path = MODELS["held-out"]) -> dict:
+    cmd = [PY, str(ROOT / "run_trinity.py"), "--model", str(model), "--prompt", prompt, "--no-chat-template",
            "--max-tokens", str(max_tokens), "--json", *extra]
     procs, hostfile = start_ranks(cmd, ranks, bench_env(),
                                   rank0=dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
@@ -73,8 +80,8 @@ class Replay:
     def __init__(self, tokens, miss=0):
         self.tokens, self.miss, self.passes = tokens, miss, 0
 
-    def propose(self, seq, k):
-        at = len(seq.generated)
+    def propose(self, seq, k, after=()):
+        at = len(seq.generated) + len(after)
         drafts = list(self.tokens[at:at + k])
         self.passes += 1
         if self.miss and self.passes % self.miss == 0 and drafts:
@@ -137,7 +144,11 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculation.json"))
     p.add_argument("--modes", default="lookup,draft,both",
-                   help="against plain: lookup (--prompt-lookup), draft (--draft-model, the bundled draft), both")
+                   help="against plain: lookup (--prompt-lookup), draft (--draft-model, the bundled draft), both; "
+                   "a mode with -one after it: the same with --no-draft-ahead (one frame in the ring at a time)")
+    p.add_argument("--min-ranks", type=int, default=1)
+    p.add_argument("--prompts", default="held-out,grounded")
+    p.add_argument("--always", action="store_true", help="--speculate always (every pass the drafter proposes)")
     p.add_argument("--ceiling", action="store_true", help="in-process: drafts that are right (see above)")
     p.add_argument("--model", help="with --ceiling: this checkpoint (e.g. bench_gpu.py's Mini shape), 128 byte ids")
     args = p.parse_args()
@@ -156,21 +167,26 @@ def main() -> None:
     draft = str(ROOT / "distributed" / "shard" / "tiny_draft")
     flags = {"plain": [], "lookup": ["--prompt-lookup"], "draft": ["--draft-model", draft],
              "both": ["--prompt-lookup", "--draft-model", draft]}
+    for mode in list(flags)[1:]:
+        flags[mode + "-one"] = flags[mode] + ["--no-draft-ahead"]
     modes = ["plain"] + [m for m in args.modes.split(",") if m != "plain"]
-    cases = [(name, ranks, mode) for name in texts for ranks in range(1, args.max_ranks + 1) for mode in modes]
+    texts = {name: texts[name] for name in args.prompts.split(",")}
+    ranks_range = range(args.min_ranks, args.max_ranks + 1)
+    cases = [(name, ranks, mode) for name in texts for ranks in ranks_range for mode in modes]
     runs = {case: [] for case in cases}
     start = time.perf_counter()
     for rep in range(args.reps):
         for case in cases:
             name, ranks, mode = case
             extra = flags[mode] + (["--num-draft-tokens", str(args.k)] if flags[mode] else [])
-            r = run_once(ranks, texts[name], args.max_tokens, extra, args.timeout)
+            extra += ["--speculate", "always"] if args.always and flags[mode] else []
+            r = run_once(ranks, texts[name], args.max_tokens, extra, args.timeout, MODELS[name])
             runs[case].append(r)
             print(f"[{rep + 1}/{args.reps}] {name} P={ranks} {mode}: "
                   f"{r.get('error') or '%.1f tok/s' % r['tps']}", file=sys.stderr, flush=True)
     rows = []
     for name in texts:
-        for ranks in range(1, args.max_ranks + 1):
+        for ranks in ranks_range:
             plain = [r for r in runs[(name, ranks, "plain")] if "error" not in r]
             for mode in modes[1:]:
                 spec_runs = [r for r in runs[(name, ranks, mode)] if "error" not in r]
@@ -183,18 +199,18 @@ def main() -> None:
                              "ratio": tps[1] / tps[0], "tokens": len(plain[0]["tokens"]),
                              "same_tokens": all(r["tokens"] == plain[0]["tokens"] for r in plain + spec_runs),
                              "drafted": s["drafted"], "accepted": s["accepted"], "passes": s["passes"],
-                             "covered": s["accepted"] / max(1, len(plain[0]["tokens"])),
+                             "cancelled": s.get("cancelled", 0), "covered": s["accepted"] / max(1, len(plain[0]["tokens"])),
                              "plain_runs": [r["tps"] for r in plain], "spec_runs": [r["tps"] for r in spec_runs]})
-    print(f"\nembedded model, greedy, {args.max_tokens} tokens max, K={args.k}, median of {args.reps}")
-    print(f"{'prompt':<10}{'P':>3}  {'mode':<7}{'plain tok/s':>12}{'spec tok/s':>12}{'ratio':>7}{'tokens':>8}"
-          f"{'covered':>9}{'accepted/drafted':>18}{'passes':>8}  same")
+    print(f"\nheld-out: embedded model; grounded: tiny_copy; greedy, {args.max_tokens} tokens max, K={args.k}, median of {args.reps}")
+    print(f"{'prompt':<10}{'P':>3}  {'mode':<11}{'plain tok/s':>12}{'spec tok/s':>12}{'ratio':>7}{'tokens':>8}"
+          f"{'covered':>9}{'accepted/drafted':>18}{'passes':>8}{'cancelled':>10}  same")
     for r in rows:
         if r.get("error"):
-            print(f"{r['prompt']:<10}{r['ranks']:>3}  {r['mode']:<7}  failed")
+            print(f"{r['prompt']:<10}{r['ranks']:>3}  {r['mode']:<11}  failed")
             continue
-        print(f"{r['prompt']:<10}{r['ranks']:>3}  {r['mode']:<7}{r['plain_tps']:>12.1f}{r['spec_tps']:>12.1f}"
+        print(f"{r['prompt']:<10}{r['ranks']:>3}  {r['mode']:<11}{r['plain_tps']:>12.1f}{r['spec_tps']:>12.1f}"
               f"{r['ratio']:>7.2f}{r['tokens']:>8}{r['covered']:>9.2f}{'%d/%d' % (r['accepted'], r['drafted']):>18}"
-              f"{r['passes']:>8}  {'yes' if r['same_tokens'] else 'NO'}")
+              f"{r['passes']:>8}{r['cancelled']:>10}  {'yes' if r['same_tokens'] else 'NO'}")
     print(f"wall time {time.perf_counter() - start:.0f} s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

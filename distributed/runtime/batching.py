@@ -23,14 +23,14 @@ import mlx.core as mx
 
 from ..transport import Op, Reply
 from .logits import draw, shaped_logprobs, top_candidates, top_logprobs
-from .caches import is_batch
 from .grammar import prepare_masks
-from .memory_failure import evaluated, fail_frame, failed_here, reply_failed
+from .memory_failure import evaluated, fail_frame, reply_failed
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .prefix_hooks import PrefixHooks
 from .sequence import Sequence
-from .speculation import SpeculationOptions, SpeculationStats, judge, make_drafter, propose
+from .speculation import SpeculationOptions, SpeculationStats, make_drafter
+from .verification import receive_verify, send_verify, speculates
 
 
 @dataclass
@@ -52,6 +52,8 @@ class Outstanding:
     first: bool = False  # a step giving some rows their first token
     chunk: list = field(default_factory=list)  # a step's frame carrying a prefill chunk: that batch's rows
     drafts: List[int] = field(default_factory=list)  # a verification frame's draft tokens
+    inputs: List[int] = field(default_factory=list)  # what it feeds: its first token, then the drafts
+    cancelled: bool = False  # sent ahead on drafts that did not hold: its reply is dropped
     rows: int = 0  # a step's rows in its frame
 
 
@@ -61,7 +63,7 @@ class Batcher:
                  speculation: Optional[SpeculationOptions] = None):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.speculation = speculation or SpeculationOptions()
-        # Drafts for one-row groups (anything with propose(seq, k)); None: no speculation.
+        # Drafts for one-row groups (anything with propose(seq, k, after): speculation.py); None: no speculation.
         ranks = pipeline.num_ranks
         self.drafter = make_drafter(self.speculation, sequences=ranks)
         self.spec_stats = SpeculationStats()
@@ -203,9 +205,8 @@ class Batcher:
         chunk's tokens share the step's pass over the expert weights, and the running rows
         go on decoding while prompts prefill, one chunk per step at most."""
         if tokens is None:
-            drafts = self._drafts(group)
-            if drafts:
-                return self._send_verify(group, drafts)
+            if send_verify(self, group):
+                return
             tokens = mx.array([s.next_token for s in group.members], dtype=mx.uint32)
         first = any(s.awaiting_first for s in group.members)
         carried = []
@@ -225,54 +226,6 @@ class Batcher:
                                  rows=tokens.shape[0]))
         if batch is not None and batch.done:
             self._prefilled(batch)
-
-    def _speculates(self, group: Group) -> bool:
-        """Whether `group`'s next step may verify drafts: one row (plain caches, which trim),
-        past its first token, speculation on for the server and the request, not backing off."""
-        seq = group.members[0] if self.drafter is not None and len(group.members) == 1 else None
-        return bool(seq and seq.request.speculative and not seq.awaiting_first and not seq.draft_pause
-                    and not is_batch(self.pipeline.caches.get(group.slot)))
-
-    def _drafts(self, group: Group) -> List[int]:
-        """Draft tokens for `group`'s next step; none: decode one token as usual."""
-        return propose(self.drafter, self.speculation, group.members[0]) if self._speculates(group) else []
-
-    def _send_verify(self, group: Group, drafts: List[int]) -> None:
-        """The row's last token and its drafts as one frame; its reply: every position's."""
-        seq = group.members[0]
-        self.pipeline.send(mx.array([[seq.next_token, *drafts]], dtype=mx.uint32), Reply.ALL, group.slot)
-        group.busy = True
-        self.spec_stats.passes += 1
-        self.spec_stats.drafted += len(drafts)
-        self._expect(Outstanding("verify", [seq], group.slot, group, drafts=drafts))
-
-    def _receive_verify(self, frame: Outstanding) -> None:
-        """Stream the target's draws up to the first that differs from its draft (that one
-        included: it is the step's own token), then drop the rejected drafts' positions
-        from every rank's caches: they hold the row's history up to its last token fed."""
-        header, h = self.pipeline.recv()
-        if header.op == Op.NO_MEMORY:  # a rank could not run it (memory_guard.py)
-            return fail_frame(self, frame, h)
-        seq, drafts = frame.sequences[0], frame.drafts
-        try:
-            with self.pipeline.stats.computing():
-                tokens, chosen, tops = judge(self.pipeline.stage.head, seq, drafts, h, self.speculation.num_draft_tokens)
-        except Exception as e:  # MLX could not allocate it (memory_failure.py)
-            return failed_here(self, frame, e)
-        self.spec_stats.accepted += len(tokens) - 1
-        reason, last = None, 0
-        for last, token in enumerate(tokens):
-            reason = seq.accept(token, chosen[last], tops[last])
-            if reason is not None:
-                break
-        # Kept: positions 0..last, the inputs before the last token accepted, which the next
-        # step feeds (a finished row's caches hold its tokens but the last, as the prefix cache expects).
-        self.pipeline.trim(frame.slot, len(drafts) - last)
-        if reason is not None:
-            self._finish(seq, reason, frame.slot, 0)
-            self.pipeline.filter(frame.slot, [])
-            frame.group.members = []
-        frame.group.busy = False
 
     def _expect(self, frame: Outstanding) -> None:
         """`frame` was sent; its reply comes in order. With one rank the reply is
@@ -305,7 +258,7 @@ class Batcher:
     def _receive(self, lookahead: bool = True) -> None:
         frame = self.outstanding.popleft()
         if frame.kind == "verify":
-            return self._receive_verify(frame)
+            return receive_verify(self, frame, more=lookahead)
         # A step's reply taken ahead: the next step is built on it before it comes (Pipeline.recv_ahead).
         ahead = self.pipeline.recv_ahead(frame.rows) if frame.kind == "step" and not frame.picked else None
         if ahead is not None:
@@ -330,7 +283,7 @@ class Batcher:
         if (lookahead and not self.ready and not fresh
                 and not all(s.ends_at_next_token for _, s in in_slot)
                 and not any(s.logits.processors or (s.logits.constraint and local) for _, s in in_slot)
-                and not self._speculates(group)):
+                and not speculates(self, group)):
             # Lookahead (as mlx-lm's generate): the group's next step goes now, on the
             # tokens just sampled, still on the device; they are looked at while it runs.
             # A row that finishes here costs one wasted row-step. Not when every row

@@ -14,6 +14,7 @@ restored later into a new sequence's slot.
 """
 
 import copy
+from contextlib import contextmanager
 from typing import Dict, List, Sequence, Tuple
 
 import mlx.core as mx
@@ -196,6 +197,22 @@ def trim_newest(cache, n: int) -> None:
     else:
         assert isinstance(cache, KVCache) and cache.offset >= n, type(cache).__name__
         cache.trim(n)
+
+
+@contextmanager
+def keeping(caches, n: int):
+    """While a verification frame's graph is built (its masks and its cache updates): each
+    RotatingKVCache keeps the `n` positions before the window too (verification.py: those
+    of frames before it in the ring, which a rejection may still take back; trim_newest
+    then leaves the window whole). The next update trims the buffer back as usual."""
+    rotating = [c for c in caches or () if isinstance(c, RotatingKVCache)] if n > 0 else []
+    for c in rotating:
+        c.max_size += n
+    try:
+        yield
+    finally:
+        for c in rotating:
+            c.max_size -= n
 
 
 def compact(cache):

@@ -14,7 +14,7 @@ rank), least recently used first out, so the draft's memory is bounded by that c
 """
 
 from collections import OrderedDict
-from typing import List
+from typing import List, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -34,8 +34,9 @@ class ModelDrafter:
         self.capacity = max(1, capacity)
         self.states: "OrderedDict[object, DraftCaches]" = OrderedDict()  # by sequence, least recent first
 
-    def propose(self, seq, k: int) -> List[int]:
-        history = list(seq.request.prompt_ids) + seq.generated
+    def propose(self, seq, k: int, after: Sequence[int] = ()) -> List[int]:
+        """The draft's greedy continuation (k tokens) of the sequence's history and `after`."""
+        history = list(seq.request.prompt_ids) + seq.generated + list(after)
         state = self._state(seq)
         keep = min(common_prefix(state.tokens, history), len(history) - 1)  # one token fed at least
         drop = len(state.tokens) - keep

@@ -18,7 +18,7 @@ from ..shard.stage import Stage, flatten
 from ..transport import Header, Op, Reply, Transport
 from ..transport.base import PendingFrame
 from . import rank_info
-from .caches import SlotCaches
+from .caches import SlotCaches, keeping
 from .memory_guard import MemoryGuard, allocation_failed
 from .rank_stats import RankStats
 
@@ -164,17 +164,20 @@ class Pipeline:
         if entries:
             self._cache_op(Op.EVICT, 0, values=entries)
 
-    def send(self, tokens: mx.array, reply: Reply, slot: int = 0) -> None:
+    def send(self, tokens: mx.array, reply: Reply, slot: int = 0, keep: int = 0) -> None:
         """Start tokens (batch, length) through all stages; unless `reply` is
-        NONE, recv() later returns the reply."""
+        NONE, recv() later returns the reply. `keep`: the positions before it that a
+        trim may still take back (a verification frame drafted ahead: caches.keeping)."""
         refused = self.guard.verdict([(tokens.shape[0], tokens.shape[1], slot)], self._itemsize)
         if refused is not None:
             return self._refuse(Header(Op.FORWARD, reply, slot), refused)
-        h = self.stage(self.stage.embed(tokens), self.caches.get(slot))
+        caches = self.caches.get(slot)
+        with keeping(caches, keep):
+            h = self.stage(self.stage.embed(tokens), caches)
         self.stats.forward_frames += 1
         self._hidden = (h.shape[-1], h.dtype)  # what the last rank's replies hold
         if self.transport is not None:
-            if not self._sent(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot), h):
+            if not self._sent(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot, arg=keep), h):
                 return
             if self.time_sends:
                 self._computing = h

@@ -102,6 +102,8 @@ class Sequence:
         self.draft_misses = 0
         self.draft_k = 0  # drafts its next pass may carry (speculation.adapt; 0: not yet set)
         self.pass_clock = PassClock()  # what its passes and plain steps cost (speculation.back_off)
+        self.in_flight: list = []  # its verification frames in the ring, oldest first (verification.py)
+        self.all_held = False  # its last pass's drafts all held: frames may be drafted ahead
 
     def _resume(self, tokens: List[int]) -> None:
         """Bring the streaming state to where the original run was after `tokens`:

@@ -16,7 +16,7 @@ between 1 and --num-draft-tokens.
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -36,6 +36,7 @@ class SpeculationOptions:
     min_ngram: int = 2  # shortest: one token alone predicts too little
     draft: Any = None  # the draft model's Stage (every layer), loaded on rank 0
     measured: bool = True  # pause where passes cost more than plain steps (PassClock); False: never
+    ahead: bool = True  # draft frames ahead of those in the ring (verification.py); False: one at a time
 
     @property
     def enabled(self) -> bool:
@@ -61,9 +62,9 @@ class FirstProposal:
     def __init__(self, drafters):
         self.drafters = drafters
 
-    def propose(self, seq, k: int) -> List[int]:
+    def propose(self, seq, k: int, after: Sequence[int] = ()) -> List[int]:
         for drafter in self.drafters:
-            drafts = drafter.propose(seq, k)
+            drafts = drafter.propose(seq, k, after)
             if drafts:
                 return drafts
         return []
@@ -90,8 +91,9 @@ class PromptLookupDrafter:
         options = options or SpeculationOptions()
         self.max_ngram, self.min_ngram = options.max_ngram, options.min_ngram
 
-    def propose(self, seq, k: int) -> List[int]:
-        return prompt_lookup(list(seq.request.prompt_ids) + seq.generated, k, self.max_ngram, self.min_ngram)
+    def propose(self, seq, k: int, after: Sequence[int] = ()) -> List[int]:
+        history = list(seq.request.prompt_ids) + seq.generated + list(after)
+        return prompt_lookup(history, k, self.max_ngram, self.min_ngram)
 
 
 MAX_PAUSE = 32  # tokens
@@ -168,12 +170,13 @@ def adapt(seq, drafted: int, accepted: int, most: int) -> None:
 
 @dataclass
 class SpeculationStats:
-    drafted: int = 0  # draft tokens sent for verification
+    drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of those, streamed
-    passes: int = 0  # verification frames
+    passes: int = 0  # verification frames judged
+    cancelled: int = 0  # frames drafted ahead on drafts that did not hold, dropped unjudged (verification.py)
 
     def as_dict(self) -> dict:
-        return {"drafted": self.drafted, "accepted": self.accepted, "passes": self.passes}
+        return {"drafted": self.drafted, "accepted": self.accepted, "passes": self.passes, "cancelled": self.cancelled}
 
 
 def propose(drafter, options: SpeculationOptions, seq) -> List[int]:
@@ -190,6 +193,14 @@ def propose(drafter, options: SpeculationOptions, seq) -> List[int]:
     if drafts:
         seq.pass_clock.drafting()
     return drafts
+
+
+def propose_ahead(drafter, options: SpeculationOptions, seq, assumed: List[int], room: int) -> List[int]:
+    """A frame to send behind those in the ring (verification.py): the token that follows
+    `assumed` (what they verify, if all of it holds), then its drafts, `room` tokens at
+    most; nothing to propose is no frame (no back-off: the frames in the ring decide)."""
+    k = min(seq.draft_k + 1, room)
+    return drafter.propose(seq, k, assumed) if k > 0 else []
 
 
 def judge(head, seq, drafts: List[int], h: mx.array, most: int = DEFAULT_DRAFT_TOKENS):

@@ -8,7 +8,7 @@ from ..shard.loader import parameter_bytes
 from ..shard.stage import Stage, flatten, unflatten
 from ..transport import Header, Op, Reply, Transport
 from . import rank_info
-from .caches import CACHE_OPS, SlotCaches
+from .caches import CACHE_OPS, SlotCaches, keeping
 from .memory_guard import MemoryGuard, allocation_failed, step_alone
 from .rank_stats import RankStats
 
@@ -55,14 +55,16 @@ class StageWorker:
         refused = self.guard.verdict([(header.batch, header.length, header.slot)], h.dtype.size)
         if refused is not None:
             return self.guard.failed(header, refused)
-        h = self.stage(h, self.caches.get(header.slot))
+        caches = self.caches.get(header.slot)
+        with keeping(caches, header.arg):  # a verification frame drafted ahead (verification.py)
+            h = self.stage(h, caches)
         if self.is_last:
             if header.reply in (Reply.NONE, Reply.ACK):
                 self.caches.evaluate(header.slot)
                 return None if header.reply == Reply.NONE else (Header(Op.FORWARD, Reply.ACK, header.slot), None)
             if header.reply == Reply.LAST:
                 h = h[:, -1:, :]
-        return Header.for_payload(Op.FORWARD, h, reply=header.reply, slot=header.slot), h
+        return Header.for_payload(Op.FORWARD, h, reply=header.reply, slot=header.slot, arg=header.arg), h
 
     def _forward_mixed(self, header: Header, h: mx.array) -> Optional[Frame]:
         """A decode step and a prefill chunk in one frame (Pipeline.send_mixed)."""

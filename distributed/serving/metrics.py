@@ -114,6 +114,8 @@ class _RingCollector:
         if spec is not None:
             yield _counter("speculative_passes", "Verification frames: a row's last token and its drafts", spec.passes)
             yield _counter("speculative_drafted", "Draft tokens verified", spec.drafted)
+            yield _counter("speculative_cancelled", "Verification frames drafted ahead on drafts that did not hold, "
+                           "dropped", spec.cancelled)
             yield _counter("speculative_accepted", "Draft tokens equal to the target's draw (streamed unless a "
                            "stop came first)", spec.accepted)
         reports = s.rank_reports()  # {} in the router

@@ -20,13 +20,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, metavar="K",
                    help="most drafts per verification pass (each sequence adapts: two more after a pass whose drafts "
                    "all held, one fewer otherwise)")
+    g.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
+                   help="one verification frame of a sequence in the ring at a time; by default, with several "
+                   "ranks, a greedy sequence whose drafts held drafts its next frames while one is in the ring, as "
+                   "if its drafts hold (up to one frame per rank; those behind a rejection are dropped)")
 
 
 def options(args: argparse.Namespace) -> SpeculationOptions:
     if args.num_draft_tokens < 1:
         raise TrinityError(f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}")
     return SpeculationOptions(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
-                              measured=args.speculate == "measured")
+                              measured=args.speculate == "measured", ahead=args.draft_ahead)
 
 
 def loaded(args: argparse.Namespace, tokenizer) -> SpeculationOptions:

@@ -13,7 +13,7 @@ what the status page (pages/) shows, for scripts too.
     last_minute          tokens_per_s, ttft_p50_s, ttft_p99_s (recent.py)
     history              step_s, points: tokens_per_s and ttft_p50_s per step, last five minutes
     prefix_cache         entries, hits, lookups, hit_rate (null where the server has none)
-    speculative          passes, drafted, accepted, acceptance (null unless it speculates)
+    speculative          passes, drafted, accepted, acceptance, cancelled (null unless it speculates)
     ring                 failures, restarts (under `launch run --serve`, the router's count)
 
 It reads the plain numbers the metrics read (metrics.py): it never waits for the ring.
@@ -59,7 +59,7 @@ def status_document(health: Health, requests) -> dict:
     spec = speculation_of(scheduler)
     if spec is not None:
         doc["speculative"] = {"passes": spec.passes, "drafted": spec.drafted, "accepted": spec.accepted,
-                              "acceptance": _ratio(spec.accepted, spec.drafted)}
+                              "acceptance": _ratio(spec.accepted, spec.drafted), "cancelled": spec.cancelled}
     return doc
 
 

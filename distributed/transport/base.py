@@ -57,7 +57,7 @@ class Header:
     length: int = 0
     width: int = 0
     dtype: int = 0
-    arg: int = 0  # op-specific: JOIN's source slot, PARK's number
+    arg: int = 0  # op-specific: JOIN's source slot, PARK's number, a FORWARD's positions to keep (caches.keeping)
     # A FORWARD that also carries a prefill chunk (Pipeline.send_mixed): the chunk's
     # slot, rows and columns. Its tokens follow the decode rows' in the payload.
     chunk_slot: int = 0

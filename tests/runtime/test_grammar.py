@@ -79,8 +79,8 @@ class Drafter:
     def __init__(self, reference, forbidden):
         self.reference, self.forbidden, self.passes = reference, forbidden, 0
 
-    def propose(self, seq, k):
-        at = len(seq.generated)
+    def propose(self, seq, k, after=()):
+        at = len(seq.generated) + len(after)
         drafts = list(self.reference[at:at + k])
         self.passes += 1
         if self.passes % 2 and drafts:

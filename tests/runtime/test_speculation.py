@@ -65,8 +65,8 @@ class Oracle:
         self.reference, self.k, self.passes = reference, k, 0
         self.rejected_at = set()  # (offset of the wrong draft, k: none) of passes past the window
 
-    def propose(self, seq, k):
-        at = len(seq.generated)
+    def propose(self, seq, k, after=()):
+        at = len(seq.generated) + len(after)
         drafts = list(self.reference[at:at + k])
         wrong = self.passes % (self.k + 1)
         self.passes += 1
@@ -102,7 +102,22 @@ def test_rejections_at_every_offset_far_past_the_window_change_nothing(pipeline,
     assert [e.token_id for e in tokens] == ref_tokens[:LONG]
     assert max(abs(e.logprob - r) for e, r in zip(tokens, ref_logprobs)) < TOL
     assert oracle.rejected_at == set(range(k + 1))  # every offset, and all accepted
-    assert 0 < stats.accepted < stats.drafted and stats.passes == oracle.passes
+    assert 0 < stats.accepted < stats.drafted and stats.passes + stats.cancelled == oracle.passes
+    assert stats.cancelled > 0  # frames drafted ahead (two stages), some on drafts that did not hold
+
+
+def test_frames_drafted_ahead_through_three_stages_change_nothing(hf_checkpoint):
+    """Up to three frames of one sequence in the ring at once (verification.py), each
+    assuming the drafts before it hold: those behind a rejection, at every offset, are
+    cancelled and their positions taken back on every stage, far past the window."""
+    ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, LONG, 16)
+    oracle = Oracle(ref_tokens, 3)
+    three = in_process_pipeline(hf_checkpoint, (3, 1, 4))[0]
+    tokens, finish, stats = run(three, hf_checkpoint, oracle, 3, max_tokens=LONG)
+    assert [e.token_id for e in tokens] == ref_tokens[:LONG]
+    assert max(abs(e.logprob - r) for e, r in zip(tokens, ref_logprobs)) < TOL
+    assert oracle.rejected_at == set(range(4))
+    assert stats.cancelled > 0 and stats.passes + stats.cancelled <= oracle.passes  # a one-token proposal: no frame
 
 
 def test_processors_stops_limits_and_top_logprobs_as_without_speculation(pipeline, hf_checkpoint):

@@ -100,6 +100,7 @@ class Sequence:
         # drafts, and the passes in a row whose drafts missed.
         self.draft_pause = 0
         self.draft_misses = 0
+        self.draft_empty = 0  # proposals in a row that found nothing to draft
         self.draft_k = 0  # drafts its next pass may carry (speculation.adapt; 0: not yet set)
         self.pass_clock = PassClock()  # what its passes and plain steps cost (speculation.back_off)
         self.in_flight: list = []  # its verification frames in the ring, oldest first (verification.py)

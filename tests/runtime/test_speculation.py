@@ -13,7 +13,8 @@ from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
 from types import SimpleNamespace
 
-from distributed.runtime.speculation import COSTLY_PAUSE, PROBE, PassClock, SpeculationOptions, back_off, prompt_lookup
+from distributed.runtime.speculation import (COSTLY_PAUSE, PROBE, PassClock, PromptLookupDrafter, SpeculationOptions,
+                                             back_off, prompt_lookup, propose)
 from reference import PROMPT, mlx_lm_greedy
 from stages import in_process_pipeline
 
@@ -152,7 +153,7 @@ def test_seeded_sampling_stays_seeded(pipeline, hf_checkpoint):
 def test_measured_cost_pauses_passes_while_they_cost_more_than_plain_steps():
     """PassClock on given times: plain tokens 10 ms apart; a pass of 3 tokens taking 50 ms
     from the token before it (16.7 ms a token) pauses drafting; a fast one after it does not."""
-    seq = SimpleNamespace(pass_clock=PassClock(), draft_pause=0, draft_misses=0)
+    seq = SimpleNamespace(pass_clock=PassClock(), draft_pause=0, draft_misses=0, draft_empty=0)
     clock = seq.pass_clock
     clock.drafting()
     clock.judged(2)
@@ -178,3 +179,22 @@ def test_measured_cost_pauses_passes_while_they_cost_more_than_plain_steps():
     clock.measured, clock.spec = False, 1.0  # --speculate always: never paused for cost
     back_off(seq, 3)
     assert seq.draft_pause == 0
+
+
+def test_proposals_that_find_nothing_pause_drafting_longer_each_time():
+    """Nothing to propose skips 1, 2, 4, ... 32 tokens (each costs a step its lookahead);
+    a proposal resets it."""
+    class Nothing:
+        def propose(self, seq, k, after=()):
+            return []
+
+    seq = SimpleNamespace(pass_clock=PassClock(), draft_pause=0, draft_misses=0, draft_empty=0, draft_k=0, count=0,
+                          request=SimpleNamespace(max_tokens=1000), logits=SimpleNamespace(constraint=None))
+    pauses = []
+    for _ in range(8):
+        assert propose(Nothing(), SpeculationOptions(prompt_lookup=True), seq) == []
+        pauses.append(seq.draft_pause)
+    assert pauses == [1, 2, 4, 8, 16, 32, 32, 32]
+    seq.generated, seq.request.prompt_ids = [1, 2, 3, 1, 2], [9]
+    assert propose(PromptLookupDrafter(), SpeculationOptions(prompt_lookup=True), seq) == [3, 1, 2]
+    assert seq.draft_empty == 0

@@ -3,15 +3,13 @@
     python bench/bench_speculation.py [--max-ranks 4] [--reps 3] [--max-tokens 200] [--k 4]
                                       [--modes lookup,draft,both] [--out PATH]
 
-Greedy, one request per fresh process, ranks of the ring backend started directly (as
-bench_decode's "direct"). Prompts:
-  held-out   the embedded default model (distributed/shard/tiny_model) on the start of a
-             paragraph of pydoc's topics that training held out (every tenth): it continues
-             with text of its own (it seldom repeats its prompt, now and then its own phrases)
-  grounded   bench/models/tiny_copy (the embedded model fine-tuned to copy passages with
-             edits: scripts/train_tiny_model.py --copy, same tokenizer) on a held-out passage,
-             then its first words again: its continuation repeats the passage (the
-             input-grounded case: edits, summaries, QA)
+The embedded default model (distributed/shard/tiny_model), greedy, one request per fresh
+process, ranks of the ring backend started directly (as bench_decode's "direct"). Prompts:
+  held-out   the start of a paragraph of pydoc's topics that training held out (every tenth),
+             continued by the model: it loops on its own phrases more than it copies
+  grounded   a passage, then its first words again: the model's continuation repeats the
+             passage where it copies it (the input-grounded case: edits, summaries, QA; this
+             model seldom copies: lookup covers a few percent of its continuation)
 For each P, prompt and mode (lookup: --prompt-lookup; draft: --draft-model with the bundled
 draft, distributed/shard/tiny_draft; both): decode tok/s without and with it (median of
 --reps, interleaved rounds), their ratio, and how much of the output the drafts covered (accepted
@@ -35,12 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PY, ROOT, bench_env, kill_groups, start_ranks  # noqa: E402
 
 
-MODELS = {"held-out": ROOT / "distributed" / "shard" / "tiny_model", "grounded": ROOT / "bench" / "models" / "tiny_copy"}
+MODEL = ROOT / "distributed" / "shard" / "tiny_model"
 
 
 def prompts(every: bool = False):
-    """{name: prompt} as above (MODELS: each one's checkpoint); every: the start of every
-    held-out paragraph instead (a list)."""
+    """{name: prompt} as above; every: the start of every held-out paragraph instead (a list)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from train_tiny_model import corpus  # the paragraphs training held out (every tenth)
 
@@ -51,7 +48,7 @@ def prompts(every: bool = False):
     return {"held-out": held_out[0][:200], "grounded": passage + "\n\n" + passage[:80]}
 
 
-def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: float, model: Path = MODELS["held-out"]) -> dict:
+def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: float, model: Path = MODEL) -> dict:
     cmd = [PY, str(ROOT / "run_trinity.py"), "--model", str(model), "--prompt", prompt, "--no-chat-template",
            "--max-tokens", str(max_tokens), "--json", *extra]
     procs, hostfile = start_ranks(cmd, ranks, bench_env(),
@@ -180,7 +177,7 @@ def main() -> None:
             name, ranks, mode = case
             extra = flags[mode] + (["--num-draft-tokens", str(args.k)] if flags[mode] else [])
             extra += ["--speculate", "always"] if args.always and flags[mode] else []
-            r = run_once(ranks, texts[name], args.max_tokens, extra, args.timeout, MODELS[name])
+            r = run_once(ranks, texts[name], args.max_tokens, extra, args.timeout)
             runs[case].append(r)
             print(f"[{rep + 1}/{args.reps}] {name} P={ranks} {mode}: "
                   f"{r.get('error') or '%.1f tok/s' % r['tps']}", file=sys.stderr, flush=True)
@@ -201,7 +198,7 @@ def main() -> None:
                              "drafted": s["drafted"], "accepted": s["accepted"], "passes": s["passes"],
                              "cancelled": s.get("cancelled", 0), "covered": s["accepted"] / max(1, len(plain[0]["tokens"])),
                              "plain_runs": [r["tps"] for r in plain], "spec_runs": [r["tps"] for r in spec_runs]})
-    print(f"\nheld-out: embedded model; grounded: tiny_copy; greedy, {args.max_tokens} tokens max, K={args.k}, median of {args.reps}")
+    print(f"\nembedded model, greedy, {args.max_tokens} tokens max, K={args.k}, median of {args.reps}")
     print(f"{'prompt':<10}{'P':>3}  {'mode':<11}{'plain tok/s':>12}{'spec tok/s':>12}{'ratio':>7}{'tokens':>8}"
           f"{'covered':>9}{'accepted/drafted':>18}{'passes':>8}{'cancelled':>10}  same")
     for r in rows:

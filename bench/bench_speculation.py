@@ -15,13 +15,19 @@ draft, distributed/shard/tiny_draft; both): decode tok/s without and with it (me
 --reps, interleaved rounds), their ratio, and how much of the output the drafts covered (accepted
 drafts / tokens generated), with the verification passes. Tokens must be the same.
 
+--ring-ceiling: the same through real rings (P = --min-ranks..--max-ranks), drafts given by
+bench/replay_drafter inside rank 0: the plain run's own tokens, all right or the draft for one
+position in 4 / in 8 wrong, each with drafting ahead and without (--no-draft-ahead), --speculate
+always.
+
 --ceiling: what the verification path gives where drafts are right, in one process (P=1 and
 --stages 2, the scheduler's own loop): a drafter that proposes the plain run's own next tokens
-(every draft accepted), and one whose every second pass is wrong at its first draft; --model
+(every draft accepted), and one whose draft for one position in 4 is wrong; --model
 for another checkpoint (the GPU's Mini shape).
 """
 
 import argparse
+import os
 import json
 import statistics
 import subprocess
@@ -48,10 +54,11 @@ def prompts(every: bool = False):
     return {"held-out": held_out[0][:200], "grounded": passage + "\n\n" + passage[:80]}
 
 
-def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: float, model: Path = MODEL) -> dict:
+def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: float, model: Path = MODEL,
+             env: dict = None) -> dict:
     cmd = [PY, str(ROOT / "run_trinity.py"), "--model", str(model), "--prompt", prompt, "--no-chat-template",
            "--max-tokens", str(max_tokens), "--json", *extra]
-    procs, hostfile = start_ranks(cmd, ranks, bench_env(),
+    procs, hostfile = start_ranks(cmd, ranks, env or bench_env(),
                                   rank0=dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
                                   others=dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     try:
@@ -72,17 +79,19 @@ def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: flo
 
 
 class Replay:
-    """Drafts the plain run's continuation; every `miss`-th pass wrong at its first draft."""
+    """Drafts the plain run's continuation; with `miss`, the draft for every `miss`-th
+    position of the output wrong (by position, so the same drafts are wrong however the
+    proposals group them: one frame at a time or several ahead)."""
 
     def __init__(self, tokens, miss=0):
-        self.tokens, self.miss, self.passes = tokens, miss, 0
+        self.tokens, self.miss = tokens, miss
 
     def propose(self, seq, k, after=()):
         at = len(seq.generated) + len(after)
         drafts = list(self.tokens[at:at + k])
-        self.passes += 1
-        if self.miss and self.passes % self.miss == 0 and drafts:
-            drafts[0] = (drafts[0] + 1) % 256
+        for j in range(len(drafts)):
+            if self.miss and (at + j) % self.miss == self.miss - 1:
+                drafts[j] = (drafts[j] + 1) % 256
         return drafts
 
 
@@ -116,10 +125,10 @@ def ceiling(prompt: str, max_tokens: int, k: int, reps: int, model: str = None) 
                     scheduler.batcher.spec_stats.as_dict())
 
         tokens = timed(None)[0]
-        results = {name: [] for name in ("plain", "all accepted", "every 2nd pass missed")}
+        results = {name: [] for name in ("plain", "all accepted", "1 draft in 4 wrong")}
         for _ in range(reps + 1):  # the first round warms up
             for name, drafter in (("plain", None), ("all accepted", Replay(tokens)),
-                                  ("every 2nd pass missed", Replay(tokens, miss=2))):
+                                  ("1 draft in 4 wrong", Replay(tokens, miss=4))):
                 out, tps, stats = timed(drafter)
                 # float32 on a CPU: the same tokens; a GPU's bf16 / 4-bit greedy run may differ
                 # between repeats at near-ties (then the replayed drafts just miss there).
@@ -129,6 +138,49 @@ def ceiling(prompt: str, max_tokens: int, k: int, reps: int, model: str = None) 
         for name, rs in results.items():
             tps = statistics.median(t for t, _ in rs[1:])
             rows.append({"stages": stages, "drafter": name, "tps": tps, "ratio": tps / base, "speculative": rs[-1][1]})
+    return rows
+
+
+def ring_ceiling(prompt: str, args) -> list:
+    """Rows as in main's table, for drafts given by bench/replay_drafter (see above)."""
+    import tempfile
+
+    plain_args = ["--num-draft-tokens", str(args.k)]
+    drafters = {"all right": 0, "1 in 4 wrong": 4, "1 in 8 wrong": 8}
+    runs, tokens = {}, None
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            for ranks in range(args.min_ranks, args.max_ranks + 1):
+                r = run_once(ranks, prompt, args.max_tokens, [], args.timeout)
+                runs.setdefault((ranks, "plain"), []).append(r)
+                tokens = tokens or r.get("tokens")
+                for name, miss in drafters.items():
+                    replay = Path(tmp) / f"{miss}.json"
+                    replay.write_text(json.dumps({"tokens": tokens, "miss": miss}))
+                    env = bench_env()
+                    env.update(TRINITY_REPLAY=str(replay),
+                               PYTHONPATH=os.pathsep.join([str(ROOT / "bench" / "replay_drafter"), env["PYTHONPATH"]]))
+                    for ahead in (True, False):
+                        extra = ["--prompt-lookup", "--speculate", "always", *plain_args] + ([] if ahead else ["--no-draft-ahead"])
+                        mode = name + ("" if ahead else " -one")
+                        r = run_once(ranks, prompt, args.max_tokens, extra, args.timeout, env=env)
+                        runs.setdefault((ranks, mode), []).append(r)
+                        print(f"[{rep + 1}/{args.reps}] P={ranks} {mode}: {r.get('error') or '%.1f tok/s' % r['tps']}",
+                              file=sys.stderr, flush=True)
+    rows = []
+    for (ranks, mode), rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        plain = [r["tps"] for r in runs[(ranks, "plain")] if "error" not in r]
+        if mode == "plain" or not ok or not plain:
+            continue
+        s = ok[0]["speculative"]
+        rows.append({"prompt": "ring ceiling", "ranks": ranks, "mode": mode, "plain_tps": statistics.median(plain),
+                     "spec_tps": statistics.median(r["tps"] for r in ok), "tokens": len(ok[0]["tokens"]),
+                     "same_tokens": all(r["tokens"] == tokens for r in ok), "drafted": s["drafted"],
+                     "accepted": s["accepted"], "passes": s["passes"], "cancelled": s["cancelled"],
+                     "covered": s["accepted"] / max(1, len(ok[0]["tokens"])),
+                     "plain_runs": plain, "spec_runs": [r["tps"] for r in ok]})
+        rows[-1]["ratio"] = rows[-1]["spec_tps"] / rows[-1]["plain_tps"]
     return rows
 
 
@@ -147,6 +199,7 @@ def main() -> None:
     p.add_argument("--prompts", default="held-out,grounded")
     p.add_argument("--always", action="store_true", help="--speculate always (every pass the drafter proposes)")
     p.add_argument("--ceiling", action="store_true", help="in-process: drafts that are right (see above)")
+    p.add_argument("--ring-ceiling", action="store_true", help="through rings: drafts given inside rank 0 (see above)")
     p.add_argument("--model", help="with --ceiling: this checkpoint (e.g. bench_gpu.py's Mini shape), 128 byte ids")
     args = p.parse_args()
     texts = prompts()
@@ -161,6 +214,10 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"settings": vars(args), "ceiling": rows}, indent=1))
         return
+    start = time.perf_counter()
+    if args.ring_ceiling:
+        rows = ring_ceiling(texts["held-out"], args)
+        return report(rows, args, texts, start)
     draft = str(ROOT / "distributed" / "shard" / "tiny_draft")
     flags = {"plain": [], "lookup": ["--prompt-lookup"], "draft": ["--draft-model", draft],
              "both": ["--prompt-lookup", "--draft-model", draft]}
@@ -171,7 +228,6 @@ def main() -> None:
     ranks_range = range(args.min_ranks, args.max_ranks + 1)
     cases = [(name, ranks, mode) for name in texts for ranks in ranks_range for mode in modes]
     runs = {case: [] for case in cases}
-    start = time.perf_counter()
     for rep in range(args.reps):
         for case in cases:
             name, ranks, mode = case
@@ -198,14 +254,18 @@ def main() -> None:
                              "drafted": s["drafted"], "accepted": s["accepted"], "passes": s["passes"],
                              "cancelled": s.get("cancelled", 0), "covered": s["accepted"] / max(1, len(plain[0]["tokens"])),
                              "plain_runs": [r["tps"] for r in plain], "spec_runs": [r["tps"] for r in spec_runs]})
+    report(rows, args, texts, start)
+
+
+def report(rows: list, args, texts: dict, start: float) -> None:
     print(f"\nembedded model, greedy, {args.max_tokens} tokens max, K={args.k}, median of {args.reps}")
-    print(f"{'prompt':<10}{'P':>3}  {'mode':<11}{'plain tok/s':>12}{'spec tok/s':>12}{'ratio':>7}{'tokens':>8}"
+    print(f"{'prompt':<13}{'P':>3}  {'mode':<22}{'plain tok/s':>12}{'spec tok/s':>12}{'ratio':>7}{'tokens':>8}"
           f"{'covered':>9}{'accepted/drafted':>18}{'passes':>8}{'cancelled':>10}  same")
     for r in rows:
         if r.get("error"):
-            print(f"{r['prompt']:<10}{r['ranks']:>3}  {r['mode']:<11}  failed")
+            print(f"{r['prompt']:<13}{r['ranks']:>3}  {r['mode']:<22}  failed")
             continue
-        print(f"{r['prompt']:<10}{r['ranks']:>3}  {r['mode']:<11}{r['plain_tps']:>12.1f}{r['spec_tps']:>12.1f}"
+        print(f"{r['prompt']:<13}{r['ranks']:>3}  {r['mode']:<22}{r['plain_tps']:>12.1f}{r['spec_tps']:>12.1f}"
               f"{r['ratio']:>7.2f}{r['tokens']:>8}{r['covered']:>9.2f}{'%d/%d' % (r['accepted'], r['drafted']):>18}"
               f"{r['passes']:>8}{r['cancelled']:>10}  {'yes' if r['same_tokens'] else 'NO'}")
     print(f"wall time {time.perf_counter() - start:.0f} s")

@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -86,13 +85,11 @@ def bench_env(blas: str = "reference") -> dict:
 
 
 def free_ports(n: int) -> list:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """n consecutive free ports, as the launcher picks them (launch.processes.free_ports: below
+    the ephemeral range, never one handed out before in this process)."""
+    from launch.processes import free_ports as consecutive
+
+    return consecutive(n)
 
 
 def load_mlx_lm(model: str):
@@ -128,7 +125,7 @@ def start_ranks(cmd: list, ranks: int, env: dict, rank0: Optional[dict] = None,
     try:
         if ranks > 1:
             fd, hostfile = tempfile.mkstemp(suffix=".json")
-            os.write(fd, json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(ranks)]).encode())
+            os.write(fd, json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(ranks + 1)[:ranks]]).encode())  # rank 0's control link: the one above
             os.close(fd)
             extra = others if isinstance(others, list) else [others or {}] * (ranks - 1)
             for r in range(1, ranks):

@@ -105,6 +105,7 @@ class Sequence:
         self.pass_clock = PassClock()  # what its passes and plain steps cost (speculation.back_off)
         self.in_flight: list = []  # its verification frames in the ring, oldest first (verification.py)
         self.all_held = False  # its last pass's drafts all held: frames may be drafted ahead
+        self.ahead_odds = 0.5  # that a frame drafted ahead holds (verification.py)
 
     def _resume(self, tokens: List[int]) -> None:
         """Bring the streaming state to where the original run was after `tokens`:

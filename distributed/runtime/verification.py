@@ -19,9 +19,12 @@ pass whose drafts all held. A frame that holds saves a round trip; a cancelled o
 costs every rank its positions and delays the frames behind it. So each sequence keeps the
 odds that a frame ahead holds (a moving average of what became of its frames ahead, and
 of its other passes' drafts all holding, an upper bound), and the n-th frame ahead goes
-only while odds ** n >= 1/2: bench_speculation.py --ring-ceiling on this 2-core CPU, with
-every 4th proposal wrong, four ranks went from 2.59x (one frame at a time) to 1.42x when
-frames went ahead after any pass that held (107 cancelled per 200 tokens).
+only while odds ** n >= AHEAD_ODDS. bench_speculation.py --ring-ceiling on this 2-core CPU
+(200 tokens, K = 4): where every draft holds, 4.33x / 3.77x / 4.75x plain decoding at P = 2
+/ 3 / 4 against 2.62x / 2.91x / 2.86x one frame at a time; where one draft in 4 is wrong,
+frames ahead at odds ** n >= 1/2 (24 of 74 cancelled) gave 1.75x / 1.82x / 2.19x against
+2.21x / 2.38x / 2.53x one at a time, and after any pass that held, four ranks fell from
+2.59x to 1.42x (107 cancelled).
 """
 
 from typing import List
@@ -34,6 +37,7 @@ from .memory_failure import fail_frame, failed_here
 from .speculation import judge, propose, propose_ahead
 
 ODDS_WEIGHT = 0.25  # of each pass in a sequence's odds that a frame ahead holds
+AHEAD_ODDS = 0.8  # the odds a frame ahead must have (see above)
 
 
 def speculates(batcher, group) -> bool:
@@ -62,7 +66,7 @@ def extend(batcher, group) -> None:
     """Send frames ahead of `group`'s frames in the ring, up to one per rank (see above)."""
     seq = group.members[0]
     while (batcher.speculation.ahead and len(seq.in_flight) < batcher.pipeline.num_ranks and seq.all_held
-           and seq.ahead_odds ** len(seq.in_flight) >= 0.5
+           and seq.ahead_odds ** len(seq.in_flight) >= AHEAD_ODDS
            and seq.greedy and not seq.logits.shapes and seq.logits.constraint is None and not seq.draft_pause):
         assumed = []  # every draft of the frames in the ring, and each one's guessed bonus token
         for frame in seq.in_flight:

@@ -8,6 +8,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_tokenizer
 
+from distributed.runtime import verification
 from distributed.runtime.caches import compact, trim_newest
 from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
@@ -96,7 +97,8 @@ def run(pipeline, path, drafter=None, k=4, **fields):
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_rejections_at_every_offset_far_past_the_window_change_nothing(pipeline, hf_checkpoint, k):
+def test_rejections_at_every_offset_far_past_the_window_change_nothing(pipeline, hf_checkpoint, k, monkeypatch):
+    monkeypatch.setattr(verification, "AHEAD_ODDS", 0.0)  # frames ahead after every pass that held
     ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, LONG, 16)
     oracle = Oracle(ref_tokens, k)
     tokens, finish, stats = run(pipeline, hf_checkpoint, oracle, k, max_tokens=LONG)
@@ -107,10 +109,11 @@ def test_rejections_at_every_offset_far_past_the_window_change_nothing(pipeline,
     assert stats.cancelled > 0  # frames drafted ahead (two stages), some on drafts that did not hold
 
 
-def test_frames_drafted_ahead_through_three_stages_change_nothing(hf_checkpoint):
+def test_frames_drafted_ahead_through_three_stages_change_nothing(hf_checkpoint, monkeypatch):
     """Up to three frames of one sequence in the ring at once (verification.py), each
     assuming the drafts before it hold: those behind a rejection, at every offset, are
     cancelled and their positions taken back on every stage, far past the window."""
+    monkeypatch.setattr(verification, "AHEAD_ODDS", 0.0)  # frames ahead after every pass that held
     ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, LONG, 16)
     oracle = Oracle(ref_tokens, 3)
     three = in_process_pipeline(hf_checkpoint, (3, 1, 4))[0]
@@ -119,6 +122,10 @@ def test_frames_drafted_ahead_through_three_stages_change_nothing(hf_checkpoint)
     assert max(abs(e.logprob - r) for e, r in zip(tokens, ref_logprobs)) < TOL
     assert oracle.rejected_at == set(range(4))
     assert stats.cancelled > 0 and stats.passes + stats.cancelled <= oracle.passes  # a one-token proposal: no frame
+    # At the default odds (AHEAD_ODDS), drafts that miss one pass in four send fewer frames ahead.
+    monkeypatch.undo()
+    tokens, _, gated = run(three, hf_checkpoint, Oracle(ref_tokens, 3), 3, max_tokens=LONG)
+    assert [e.token_id for e in tokens] == ref_tokens[:LONG] and gated.cancelled < stats.cancelled
 
 
 def test_processors_stops_limits_and_top_logprobs_as_without_speculation(pipeline, hf_checkpoint):

@@ -16,14 +16,14 @@ prompt token as its next input.
 """
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import List, Optional
 
 import mlx.core as mx
 
 from ..transport import Op, Reply
-from .logits import draw, shaped_logprobs, top_candidates, top_logprobs
+from .frames import Group, Outstanding
 from .grammar import prepare_masks
+from .logits import draw, shaped_logprobs, top_candidates, top_logprobs
 from .memory_failure import evaluated, fail_frame, reply_failed
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
@@ -31,30 +31,6 @@ from .prefix_hooks import PrefixHooks
 from .sequence import Sequence
 from .speculation import SpeculationOptions, SpeculationStats, make_drafter
 from .verification import receive_verify, send_verify, speculates
-
-
-@dataclass
-class Group:
-    slot: int
-    members: List[Sequence] = field(default_factory=list)
-    busy: bool = False  # its decode step is in the ring
-
-
-@dataclass
-class Outstanding:
-    """A frame in the ring whose reply rank 0 waits for."""
-
-    kind: str  # "chunk" (prompt rows but their last tokens), "step" (a decode step), "verify" (speculation.py)
-    sequences: List[Sequence]  # the frame's rows, in order
-    slot: int
-    group: Optional[Group] = None
-    picked: Optional[tuple] = None  # what _pick gives; one rank: as the frame was sent
-    first: bool = False  # a step giving some rows their first token
-    chunk: list = field(default_factory=list)  # a step's frame carrying a prefill chunk: that batch's rows
-    drafts: List[int] = field(default_factory=list)  # a verification frame's draft tokens
-    inputs: List[int] = field(default_factory=list)  # what it feeds: its first token, then the drafts
-    cancelled: bool = False  # sent ahead on drafts that did not hold: its reply is dropped
-    rows: int = 0  # a step's rows in its frame
 
 
 class Batcher:

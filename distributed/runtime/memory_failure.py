@@ -17,7 +17,7 @@ from .memory_guard import allocation_failed, describe
 
 
 def fail_frame(batcher, frame, payload: mx.array) -> None:
-    """`frame` (batching.Outstanding) came back NO_MEMORY with `payload`."""
+    """`frame` (frames.Outstanding) came back NO_MEMORY with `payload`."""
     message = describe(payload)
     doomed = [s for s in frame.sequences + list(frame.chunk) if not s.finished]
     ids = {id(s) for s in doomed}

@@ -33,6 +33,7 @@ import mlx.core as mx
 
 from ..transport import Op, Reply
 from .caches import is_batch
+from .frames import Outstanding
 from .memory_failure import fail_frame, failed_here
 from .speculation import judge, propose, propose_ahead
 
@@ -81,8 +82,6 @@ def extend(batcher, group) -> None:
 
 def _send(batcher, group, first: int, drafts: List[int]) -> None:
     """One frame: `first` (the last token, or a guessed one) and its drafts."""
-    from .batching import Outstanding
-
     seq = group.members[0]
     keep = sum(len(f.inputs) for f in seq.in_flight)  # positions a rejection may still take back
     batcher.pipeline.send(mx.array([[first, *drafts]], dtype=mx.uint32), Reply.ALL, group.slot, keep)

@@ -79,7 +79,8 @@ def test_status_json_on_both_ports_needs_the_token(ring):
         assert all(r["alive"] for r in doc["ranks"]) and doc["ring"] == {"failures": 0, "restarts": 0}
         assert doc["ranks"][0]["active_memory_bytes"] >= doc["ranks"][0]["parameter_bytes"] > 0  # rank 0's own, now
         assert doc["requests"]["max_batch"] == info.max_batch and doc["prefix_cache"]["hit_rate"] is None
-        assert doc["speculative"] == {"passes": 0, "drafted": 0, "accepted": 0, "acceptance": None}
+        assert doc["speculative"] == {"passes": 0, "drafted": 0, "accepted": 0, "acceptance": None,
+                                     "cancelled": 0}
         assert doc["history"]["step_s"] == 10 and 1 <= len(doc["history"]["points"]) <= 30
     status, error = call(f"{ring.base}/v1/status?ranks=0&x")
     assert status == 400 and error["error"]["message"] == "/v1/status takes no query parameters: got ranks, x"

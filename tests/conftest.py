@@ -83,11 +83,11 @@ def trinity_launch(ranks: int) -> list:
     return [sys.executable, "-m", "launch", "run", "--single-host", str(ranks), "--no-plan", "--no-router", "--"]
 
 
-def run_cli(args, ranks: int = 1, backend: str = "ring", timeout: int = 180) -> subprocess.CompletedProcess:
+def run_cli(args, ranks: int = 1, backend: str = "ring", timeout: int = 180, env: dict = None) -> subprocess.CompletedProcess:
     """Run run_trinity.py as `ranks` real processes: a ring of the ring backend started
     by our launcher ("ring") or by `mlx.launch` ("mlx.launch"), `mlx.launch` with the
     MPI backend ("mlx-mpi", Open MPI 5 from PyPI), or the system's `mpirun` directly
-    ("mpirun")."""
+    ("mpirun"). `env`: added to the environment of every process."""
     if ranks == 1:
         cmd = [sys.executable, RUN, *args]
     elif backend == "mpirun":
@@ -100,14 +100,15 @@ def run_cli(args, ranks: int = 1, backend: str = "ring", timeout: int = 180) -> 
     else:
         assert backend == "ring", backend
         cmd = [*trinity_launch(ranks), sys.executable, RUN, *args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           **(env or {})}
     # The environment's own bin first, so mlx.launch finds the mpirun that pip installed.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def run_json(args, ranks: int = 1, backend: str = "ring") -> dict:
-    proc = run_cli([*args, "--json"], ranks, backend)
+def run_json(args, ranks: int = 1, backend: str = "ring", env: dict = None) -> dict:
+    proc = run_cli([*args, "--json"], ranks, backend, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     try:
         return json.loads(proc.stdout)

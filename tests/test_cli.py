@@ -2,6 +2,7 @@
 our launcher and by mlx.launch), OpenMPI."""
 
 import json
+import os
 import re
 import shutil
 
@@ -191,6 +192,22 @@ def test_help_shows_defaults_and_names_readme_sections_that_exist(capsys):
     sections = re.findall(r'"([^"]+)"', flat[flat.index("more in README.md"):])
     headings = set(re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), re.M))
     assert len(sections) >= 4 and set(sections) <= headings, (sections, headings)
+
+
+def test_frames_drafted_ahead_through_a_real_ring_give_the_same_tokens(hf_checkpoint, tmp_path, miss=16):
+    """Drafting ahead through a real 3-rank ring: rank 0 drafts the reference continuation
+    (bench/replay_drafter), one position in `miss` wrong, so frames go ahead and some are
+    cancelled on every rank, far past the window: tokens and logprobs as mlx-lm's."""
+    ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, 200, 8)
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"tokens": ref_tokens, "miss": miss}))
+    env = {"TRINITY_REPLAY": str(replay), "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "replay_drafter"), str(ROOT)])}
+    out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "200", "--prompt-lookup",
+                    "--speculate", "always", "--num-draft-tokens", "4", "--split", "3,1,4"], 3, env=env)
+    assert out["token_ids"] == ref_tokens
+    assert max(abs(a - b) for a, b in zip(out["logprobs"], ref_logprobs)) < 1e-4
+    spec = out["speculative"]
+    assert spec["cancelled"] > 0 and spec["accepted"] > 100, spec
 
 
 @pytest.mark.parametrize("ranks, extra, draft", [(2, [], False), (3, ["--split", "3,1,4"], True)])

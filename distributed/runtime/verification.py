@@ -19,12 +19,8 @@ pass whose drafts all held. A frame that holds saves a round trip; a cancelled o
 costs every rank its positions and delays the frames behind it. So each sequence keeps the
 odds that a frame ahead holds (a moving average of what became of its frames ahead, and
 of its other passes' drafts all holding, an upper bound), and the n-th frame ahead goes
-only while odds ** n >= AHEAD_ODDS. bench_speculation.py --ring-ceiling on this 2-core CPU
-(200 tokens, K = 4): where every draft holds, 4.33x / 3.77x / 4.75x plain decoding at P = 2
-/ 3 / 4 against 2.62x / 2.91x / 2.86x one frame at a time; where one draft in 4 is wrong,
-frames ahead at odds ** n >= 1/2 (24 of 74 cancelled) gave 1.75x / 1.82x / 2.19x against
-2.21x / 2.38x / 2.53x one at a time, and after any pass that held, four ranks fell from
-2.59x to 1.42x (107 cancelled).
+only while odds ** n >= AHEAD_ODDS (bench_speculation.py --ring-ceiling: at 1/2, drafts
+with one wrong in 4 lost 15-25% against one frame at a time; README has the figures).
 """
 
 from typing import List
@@ -66,24 +62,33 @@ def send_verify(batcher, group) -> bool:
 def extend(batcher, group) -> None:
     """Send frames ahead of `group`'s frames in the ring, up to one per rank (see above)."""
     seq = group.members[0]
-    while (batcher.speculation.ahead and len(seq.in_flight) < batcher.pipeline.num_ranks and seq.all_held
-           and seq.ahead_odds ** len(seq.in_flight) >= AHEAD_ODDS
-           and seq.greedy and not seq.logits.shapes and seq.logits.constraint is None and not seq.draft_pause):
-        assumed = []  # every draft of the frames in the ring, and each one's guessed bonus token
-        for frame in seq.in_flight:
-            assumed += ([frame.inputs[0]] if frame is not seq.in_flight[0] else []) + frame.drafts
-        yields = sum(len(f.drafts) + 1 for f in seq.in_flight)  # tokens the frames give if all holds
-        room = seq.request.max_tokens - seq.count - yields  # tokens the next frame may still give
+    while _may_go_ahead(batcher, seq):
+        # What the frames in the ring verify, if all of it holds: the oldest one's drafts,
+        # then each later one's inputs (its guessed first token, its drafts).
+        assumed = seq.in_flight[0].drafts + [t for f in seq.in_flight[1:] for t in f.inputs]
+        room = seq.request.max_tokens - seq.count - _fed(seq)  # tokens the next frame may still give
         proposal = propose_ahead(batcher.drafter, batcher.speculation, seq, assumed, room)
         if len(proposal) < 2:  # a guess and a draft at least: a one-token update rotates a window in place,
             return  # where caches.keeping cannot keep what a rejection takes back
         _send(batcher, group, proposal[0], proposal[1:])
 
 
+def _may_go_ahead(batcher, seq) -> bool:
+    """Whether another frame of `seq` may go behind those in the ring (see above)."""
+    return (batcher.speculation.ahead and len(seq.in_flight) < batcher.pipeline.num_ranks and seq.all_held
+            and seq.ahead_odds ** len(seq.in_flight) >= AHEAD_ODDS and seq.greedy and not seq.logits.shapes
+            and seq.logits.constraint is None and not seq.draft_pause)
+
+
+def _fed(seq) -> int:
+    """Positions `seq`'s frames in the ring feed (as many tokens as they give where all holds)."""
+    return sum(len(f.inputs) for f in seq.in_flight)
+
+
 def _send(batcher, group, first: int, drafts: List[int]) -> None:
     """One frame: `first` (the last token, or a guessed one) and its drafts."""
     seq = group.members[0]
-    keep = sum(len(f.inputs) for f in seq.in_flight)  # positions a rejection may still take back
+    keep = _fed(seq)  # positions a rejection may still take back
     batcher.pipeline.send(mx.array([[first, *drafts]], dtype=mx.uint32), Reply.ALL, group.slot, keep)
     group.busy = True
     frame = Outstanding("verify", [seq], group.slot, group, drafts=drafts, inputs=[first, *drafts])
@@ -112,7 +117,9 @@ def receive_verify(batcher, frame, more: bool = True) -> None:
         _cancel_ahead(seq, batcher.spec_stats)
         return failed_here(batcher, frame, e)
     stats = batcher.spec_stats
-    stats.passes, stats.drafted, stats.accepted = stats.passes + 1, stats.drafted + len(drafts), stats.accepted + len(tokens) - 1
+    stats.passes += 1
+    stats.drafted += len(drafts)
+    stats.accepted += len(tokens) - 1
     seq.all_held = len(tokens) == len(drafts) + 1
     reason, last = None, 0
     for last, token in enumerate(tokens):
@@ -140,7 +147,7 @@ def receive_verify(batcher, frame, more: bool = True) -> None:
 
 def _cancel_ahead(seq, stats) -> int:
     """Cancel the sequence's frames still in the ring; the positions they fed."""
-    fed = sum(len(f.inputs) for f in seq.in_flight)
+    fed = _fed(seq)
     stats.cancelled += len(seq.in_flight)
     for f in seq.in_flight:
         f.cancelled = True

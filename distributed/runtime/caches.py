@@ -215,6 +215,21 @@ def keeping(caches, n: int):
             c.max_size -= n
 
 
+def hold(caches) -> List[dict]:
+    """The caches' state now, to put back (put_back) when a graph built on them is dropped
+    unevaluated (a step built before its frame came: worker.py). The cache updates assign in
+    place (`keys[..., i, :] = k` changes the array object itself), so each array is held as
+    a new reference to its current value: lazy, nothing is copied."""
+    return [{name: mx.array(v) if isinstance(v, mx.array) else copy.copy(v) for name, v in vars(c).items()}
+            for c in caches]
+
+
+def put_back(caches, held: List[dict]) -> None:
+    for cache, state in zip(caches, held):
+        vars(cache).clear()
+        vars(cache).update(state)
+
+
 def compact(cache):
     """A plain cache holding only what the next tokens need, in temporal order, in
     buffers of its own (not views of a larger, padded or batch buffer): a

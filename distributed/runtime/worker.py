@@ -1,18 +1,31 @@
 """What a rank other than 0 runs: receive a frame, run its stage, pass it on."""
 
-from typing import Callable, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
 from ..shard.loader import parameter_bytes
 from ..shard.stage import Stage, flatten, unflatten
 from ..transport import Header, Op, Reply, Transport
+from ..transport.base import PendingFrame
 from . import rank_info
-from .caches import CACHE_OPS, SlotCaches, keeping
+from .caches import CACHE_OPS, SlotCaches, hold, keeping, put_back
 from .memory_guard import MemoryGuard, allocation_failed, step_alone
 from .rank_stats import RankStats
 
 Frame = Tuple[Header, Optional[mx.array]]
+
+
+@dataclass
+class Ahead:
+    """A decode step built before its frame came (StageWorker.build_ahead): the frame as a
+    lazy input, the step it was built as, the caches as they were, and the frame to pass on."""
+
+    pending: PendingFrame
+    step: Header
+    held: List[dict]
+    out: Frame
 
 
 class StageWorker:
@@ -89,16 +102,55 @@ class StageWorker:
                                   chunk_slot=header.chunk_slot, chunk_rows=header.chunk_rows,
                                   chunk_length=header.chunk_length), payload
 
+    def build_ahead(self, transport: Transport, step: Header) -> Optional[Ahead]:
+        """After a decode step (one position per row), the next frame is most likely the same
+        slot's next step: receive it lazily and build its graph now, while the other ranks
+        compute, instead of after it has come. The caches' updates are undone if it is not."""
+        if not (step.op == Op.FORWARD and step.length == 1 and not step.mixed and step.arg == 0
+                and step.slot in self.caches.slots and (step.reply == Reply.LAST or not self.is_last)):
+            return None
+        shape = step.payload_shape()
+        if self.guard.verdict([(step.batch, 1, step.slot)], step.payload_dtype().size) is not None:
+            return None  # the frame is checked now: between frames this rank's memory stays as it is
+        pending = transport.recv_ahead(shape, step.payload_dtype())
+        if pending is None:
+            return None
+        caches = self.caches.get(step.slot)
+        held = hold(caches)
+        h = self.stage(pending.payload, caches)
+        return Ahead(pending, step, held, (Header.for_payload(Op.FORWARD, h, reply=step.reply, slot=step.slot), h))
+
+    def take_ahead(self, transport: Transport, ahead: Ahead) -> Tuple[Header, Optional[mx.array], Optional[Frame]]:
+        """The frame received ahead, and what to pass on if it was the step built for it (else
+        None: its caches are as they were, and it is handled as it comes)."""
+        # The step is evaluated with the header, in one wait: were the frame another, its
+        # result is dropped (one position's computation, on the frame's bytes read as a step).
+        with self.stats.computing():
+            header = transport.header_of(ahead.pending, ahead.out[1])
+        step = ahead.step
+        if (header.op, header.reply, header.slot, header.batch, header.length, header.width, header.dtype,
+                header.arg, header.mixed) == (Op.FORWARD, step.reply, step.slot, step.batch, 1, step.width,
+                                              step.dtype, 0, False):
+            self.stats.forward_frames += 1
+            return header, ahead.pending.payload, ahead.out
+        put_back(self.caches.get(step.slot), ahead.held)
+        return header, transport.payload_of(ahead.pending, header), None
+
     def serve(self, transport: Transport) -> None:
         """Loop until rank 0 sends STOP."""
+        ahead = None
         while True:
-            header, payload = transport.recv()
+            if ahead is None:
+                (header, payload), out = transport.recv(), None
+            else:
+                header, payload, out = self.take_ahead(transport, ahead)
             if header.op == Op.FORWARD:
                 # Evaluated here, not in the send (which may wait for the next rank): the time is
                 # this rank's computation alone.
                 with self.stats.computing():
                     try:
-                        out = self.handle(header, payload)
+                        if out is None:
+                            out = self.handle(header, payload)
                         if out is not None and out[1] is not None:
                             mx.eval(out[1])
                     except Exception as e:  # MLX refused an allocation: this frame fails, not the ring
@@ -109,6 +161,7 @@ class StageWorker:
                 out = self.handle(header, payload)
             if out is not None:
                 transport.send(*out)
+            ahead = self.build_ahead(transport, header)
             if header.op == Op.STOP:
                 transport.close()
                 return

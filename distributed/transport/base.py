@@ -111,12 +111,19 @@ class Transport(ABC):
     def recv_ahead(self, shape: Tuple[int, int, int], dtype: mx.Dtype) -> Optional["PendingFrame"]:
         """The next frame as a lazy graph input, before it arrives, when its payload is known
         to be `shape` and `dtype` (the reply to a decode step): rank 0 then builds the next
-        step on it while the ring computes. None: this transport receives only at once."""
+        step on it while the ring computes. Evaluate what is built on it only by sending it
+        (send) or after reading its header (header_of): the transport may hold the
+        evaluation until the frame is there. None: this transport receives only at once."""
         return None
 
-    def header_of(self, pending: "PendingFrame") -> Header:
-        """A frame received ahead: its header, once it has come."""
-        return pending.header()
+    def header_of(self, pending: "PendingFrame", *also: mx.array) -> Header:
+        """A frame received ahead: its header, once it has come; `also`: arrays to evaluate
+        with it (what was built on it, in one wait)."""
+        return pending.header(*also)
+
+    def payload_of(self, pending: "PendingFrame", header: Header) -> Optional[mx.array]:
+        """A frame received ahead that is not the one expected: its payload as `header` announces it."""
+        return pending.payload_as(header)
 
     def settle(self) -> None:
         """After passing on a frame of ROUND_TRIP_OPS: return once no rank needs
@@ -132,8 +139,9 @@ class PendingFrame(ABC):
     payload: mx.array  # lazy: as the caller expected it
 
     @abstractmethod
-    def header(self) -> Header:
-        """The frame's header: waits for the frame. The caller checks it is what it expected."""
+    def header(self, *also: mx.array) -> Header:
+        """The frame's header: waits for the frame (and evaluates `also` with it). The caller
+        checks it is what it expected."""
 
     @abstractmethod
     def payload_as(self, header: Header) -> Optional[mx.array]:

@@ -29,9 +29,13 @@ class GuardedTransport:
     def recv(self):
         return self._guard(self._inner.recv)
 
-    def header_of(self, pending):
+    def header_of(self, pending, *also):
         """A PendingFrame's header (recv_ahead): the wait for the frame, guarded as recv is."""
-        return self._guard(pending.header)
+        return self._guard(pending.header, *also)
+
+    def payload_of(self, pending, header):
+        """A PendingFrame's payload as `header` announces it (one that follows: a receive)."""
+        return self._guard(pending.payload_as, header)
 
     def close(self):
         return self._guard(self._inner.close)

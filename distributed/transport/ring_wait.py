@@ -69,5 +69,7 @@ class IncomingWait:
         fds = accepted_sockets(ports) if ports else []
         return cls(fds) if fds else None
 
-    def wait(self) -> None:
-        self._poll.poll()  # readable, closed or failed: the receive sees which
+    def wait(self, timeout_ms: int = -1) -> None:
+        """Returns once readable, closed or failed (the receive sees which), or after
+        `timeout_ms` (-1: never): then the receive waits as MLX does."""
+        self._poll.poll(timeout_ms)

@@ -1,5 +1,6 @@
 """The point-to-point transport over a real 2-rank ring backend: a reply received ahead
-(recv_ahead) is a lazy input that rank 0 computes on before the reply exists."""
+(recv_ahead) is a lazy input that rank 0 computes on before the reply exists, and waits
+for without spinning."""
 
 import json
 import os
@@ -18,31 +19,41 @@ CHILD = textwrap.dedent("""
 
     t = MxPointToPoint(mx.distributed.init(backend="ring", strict=True))
     if t.rank == 1:
-        for _ in range(2):
+        built = []
+        while len(built) < 3:
             header, h = t.recv()
-            time.sleep(0.3)  # rank 0 builds on the reply meanwhile
-            if header.arg == 0:
+            if header.reply == Reply.NONE:  # what rank 0 built on the reply before it came
+                built.append(h.astype(mx.float32).reshape(-1).tolist())
+                continue
+            time.sleep(1.0)  # rank 0 builds on the reply meanwhile, and waits for it
+            if header.arg != 1:
                 t.send(Header.for_payload(Op.FORWARD, h + 1, reply=Reply.LAST), h + 1)
             else:  # in place of the hidden states, as a rank that ran out of memory replies
                 no = mx.array([[[1], [64], [32], [48]]], dtype=mx.int32)
                 t.send(Header.for_payload(Op.NO_MEMORY, no, reply=Reply.LAST), no)
+            built.append(header.arg)
         t.close()
+        print(built)
         sys.exit(0)
-    t.receives_ahead = True  # whatever this machine's cores (a 2-core one turns it off)
+    t.receives_ahead = True  # whatever the backend (MPI receives ahead only with cores to spare)
     h = mx.arange(6, dtype=mx.bfloat16).reshape(1, 1, 6)
-    out = []
+    out, waits = [], []
     for arg in (0, 1):
         t.send(Header.for_payload(Op.FORWARD, h, reply=Reply.LAST, arg=arg), h)
         ahead = t.recv_ahead((1, 1, 6), mx.bfloat16)
         doubled = ahead.payload * 2  # built before the reply has come
-        mx.async_eval(doubled)
+        cpu = time.process_time()
+        if arg == 0:  # sent on: the send waits for the reply, then evaluates
+            t.send(Header.for_payload(Op.FORWARD, doubled, reply=Reply.NONE), doubled)
         header = t.header_of(ahead)
+        waits.append(time.process_time() - cpu)
         if header.op == Op.FORWARD:
             out.append(doubled.astype(mx.float32).reshape(-1).tolist())
         else:
             out.append([header.op] + ahead.payload_as(header).reshape(-1).tolist())
     t.close()
     print(out)
+    print(waits)
 """)
 
 
@@ -61,4 +72,10 @@ def test_a_reply_received_ahead_is_computed_on_before_it_comes(tmp_path):
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
-    assert outs[1][0].strip() == str([[2.0, 4.0, 6.0, 8.0, 10.0, 12.0], [24, 1, 64, 32, 48]])
+    replies, cpu = outs[1][0].split("\n")[:2]
+    assert replies == str([[2.0, 4.0, 6.0, 8.0, 10.0, 12.0], [24, 1, 64, 32, 48]])
+    # Rank 1 got the frame rank 0 built on the reply before it came, computed once it had.
+    assert outs[0][0].strip() == str([0, [2.0, 4.0, 6.0, 8.0, 10.0, 12.0], 1])
+    # Each reply came a second after its frame; rank 0 waited for it without spinning a core
+    # (the ring backend's own receive spins: a second of CPU time, or its share of one).
+    assert all(seconds < 0.25 for seconds in eval(cpu)), cpu

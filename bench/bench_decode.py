@@ -13,6 +13,10 @@ greedy generation from the same deterministic prompt ids (1024 tokens, then 64 d
   runner ring P direct  the same ranks started by this script (MLX_HOSTFILE, MLX_RANK):
                       the ring backend without mlx.launch, whose I/O loop keeps a core busy
   runner mpi P        mpirun --oversubscribe -np P python run_trinity.py --json  (MPI backend)
+With a ring of two in the table, each round also times the link alone (ring_round_trip.py:
+a step's frame there and back through this runner's transport, no computation), and the
+table ends with the ceiling it sets: one token per (runner P=1's time per token + a round
+trip), and how close ring P=2 comes to it.
 --baseline-root runs the runner's configurations of another checkout too (' @base'), in the
 same rounds; --extra=--prompt-lookup adds runner flags; --model times a given checkpoint.
 Prefill tok/s = prompt tokens / time to first token; decode tok/s = (tokens - 1) / time
@@ -40,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (FULL, PY, QUICK, ROOT, bench_env, checkpoint, kill_groups, load_mlx_lm,  # noqa: E402
                     prompt_ids, start_ranks)
+import ring_round_trip  # noqa: E402
 
 
 def mlx_lm_child(model: str, ids: str, max_tokens: int) -> None:
@@ -155,7 +160,13 @@ def main() -> None:
     extra = args.extra.split()
     table = {n: (prefix + extra if prefix else prefix, ranks) for n, (prefix, ranks) in table.items()}
     runs = {name: [] for name in table}
+    link = "runner ring P=2 direct" in table
+    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+    trips = []
     for rep in range(reps):  # interleaved rounds: drift and neighbours' load hit every config alike
+        if link:
+            trips.append(ring_round_trip.measure(hidden, env=env))
+            print(f"[{rep + 1}/{reps}] ring round trip: {trips[-1]:.3f} ms", file=sys.stderr, flush=True)
         for name, (prefix, ranks) in table.items():
             t = time.perf_counter()
             r = run_once(prefix, ranks, model, ids, decode + 1, env, args.timeout)
@@ -211,13 +222,23 @@ def main() -> None:
               f"{'yes' if row['same_tokens_as_mlx_lm'] else 'NO'}"
               + ("" if row["ok_runs"] == reps else f"  ({row['ok_runs']}/{reps} runs ok)")
               + ("  (a rank aborted after its output)" if any(r.get("exit_code") for r in row["runs"]) else ""))
+    one, ring = results.get("runner P=1", {}), results.get("runner ring P=2 direct", {})
+    ceiling = None
+    if trips and "generation_tokens_per_sec" in one and "generation_tokens_per_sec" in ring:
+        trip = statistics.median(trips)
+        ceiling = 1 / (1 / one["generation_tokens_per_sec"] + trip / 1e3)
+        print(f"ring round trip (the link alone, median of {len(trips)}): {trip:.3f} ms; ceiling for ring P=2 "
+              f"at runner P=1's speed: {ceiling:.1f} tok/s ({ceiling / one['generation_tokens_per_sec']:.2f}x P=1); "
+              f"ring P=2 is {ring['generation_tokens_per_sec'] / one['generation_tokens_per_sec']:.2f}x P=1, "
+              f"{ring['generation_tokens_per_sec'] / ceiling:.2f}x the ceiling")
     print(f"wall time {wall:.0f} s")
 
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = dict({k: v for k, v in sizes.items() if isinstance(v, (int, float, str))}, prompt_len=prompt_len, decode_tokens=decode, reps=reps, blas=args.blas,
                     quick=args.quick, checkpoint=str(model), cpus=os.cpu_count())
-    out.write_text(json.dumps({"settings": settings, "results": results, "wall_s": wall}, indent=1))
+    link_row = {"round_trip_ms": trips, "ring_p2_ceiling_tokens_per_sec": ceiling} if trips else None
+    out.write_text(json.dumps({"settings": settings, "results": results, "link": link_row, "wall_s": wall}, indent=1))
     print(f"wrote {out}")
 
 

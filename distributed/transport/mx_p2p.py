@@ -15,7 +15,7 @@ from .frames import FRAME_BYTES, HEADER_BYTES, INLINE_BYTES, inline_payload, pac
 from .ring_wait import IncomingWait
 
 
-ARRIVAL_WAIT_MS = 1000
+ARRIVAL_WAIT_MS = 1000  # rank 0's longest wait for a frame received ahead (see _arrival_wait_ms)
 
 
 class _PendingInline(PendingFrame):
@@ -58,14 +58,17 @@ class MxPointToPoint(Transport):
         self.receives_ahead = self._incoming is not None or (
             self.rank == 0 and (os.cpu_count() or 1) >= 2 * self.size)
         self._arriving = False  # a receive posted ahead whose frame has not been waited for
+        # Rank 0's code may evaluate such a receive on its own (then the wait would find no bytes
+        # coming): bounded there. Other ranks evaluate it only by reading its header: unbounded,
+        # as their plain receive, so that a frame that is long in coming never spins a core.
+        self._arrival_wait_ms = ARRIVAL_WAIT_MS if self.rank == 0 else -1
 
     def _await_arrival(self) -> None:
         """Before an evaluation that may run a receive posted ahead: wait until its frame has
-        come (MLX would spin for it), once. Bounded: had something else evaluated the receive
-        already, its bytes are gone and the link may stay quiet (then MLX waits as before)."""
+        come (MLX would spin for it), once."""
         if self._arriving:
             self._arriving = False
-            self._incoming.wait(ARRIVAL_WAIT_MS)
+            self._incoming.wait(self._arrival_wait_ms)
 
     def send(self, header: Header, payload: Optional[mx.array] = None) -> None:
         self._await_arrival()  # the payload may be built on a reply received ahead

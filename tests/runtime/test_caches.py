@@ -4,7 +4,7 @@ prefix-cache entries snapshot from a slot or a batch row and restored into a new
 import mlx.core as mx
 import pytest
 
-from distributed.runtime.caches import SlotCaches, is_batch
+from distributed.runtime.caches import SlotCaches, hold, is_batch, put_back
 from distributed.shard.loader import load_stage
 from distributed.transport import Op
 
@@ -127,3 +127,37 @@ def test_snapshot_of_a_batch_row_restores_as_the_sequence_alone(hf_checkpoint):
         caches.restore(31, 0, 3)
     caches.evict(0)
     assert set(caches.entries) == {1}
+
+
+def test_a_step_built_then_dropped_leaves_the_caches_as_they_were(hf_checkpoint):
+    """A rank builds the next decode step before its frame comes (worker.build_ahead); when the
+    frame is another, hold / put_back undo the step's cache updates, even evaluated. Every
+    frame's output then equals that of a run that never built one, past the window of 16 and
+    through multi-token frames whose last position is then trimmed (verification frames)."""
+    stage = load_stage(hf_checkpoint, 0, 8, True)
+    feeds = [A] + [[t] if i % 4 else [t, t + 1, t + 2] for i, t in enumerate(range(3, 60, 2))]
+
+    def run(drop_steps: bool):
+        caches, outs = SlotCaches(stage), []
+
+        def frame(slot, tokens):
+            if drop_steps:
+                held = hold(caches.get(slot))
+                garbage = mx.full((tokens.shape[0], 1), 7)
+                mx.eval(stage(stage.embed(garbage), caches.get(slot)))  # a step whose frame never came
+                put_back(caches.get(slot), held)
+            outs.append(stage(stage.embed(tokens), caches.get(slot)))
+            mx.eval(outs[-1])
+
+        for feed in feeds:  # one sequence: plain caches
+            frame(0, mx.array([feed]))
+            if len(feed) > 1 and feed is not A:
+                caches.apply(Op.TRIM, 0, 1, [])  # the last position rejected, as a verification frame's
+        frame(1, mx.array([B]))
+        caches.join(0, 1, [0])  # two rows: batch caches
+        for t in range(40):
+            frame(0, mx.array([[t + 5], [t + 9]]))
+        return outs
+
+    for built, plain in zip(run(True), run(False)):
+        assert mx.array_equal(built, plain)

@@ -14,8 +14,8 @@ from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
 from types import SimpleNamespace
 
-from distributed.runtime.speculation import (COSTLY_PAUSE, PROBE, PassClock, PromptLookupDrafter, SpeculationOptions,
-                                             back_off, prompt_lookup, propose)
+from distributed.runtime.speculation import (COSTLY_PAUSE, MAX_COSTLY_PAUSE, PROBE, PassClock, PromptLookupDrafter,
+                                             SpeculationOptions, back_off, prompt_lookup, propose)
 from reference import PROMPT, mlx_lm_greedy
 from stages import in_process_pipeline
 
@@ -159,7 +159,8 @@ def test_seeded_sampling_stays_seeded(pipeline, hf_checkpoint):
 
 def test_measured_cost_pauses_passes_while_they_cost_more_than_plain_steps():
     """PassClock on given times: plain tokens 10 ms apart; a pass of 3 tokens taking 50 ms
-    from the token before it (16.7 ms a token) pauses drafting; a fast one after it does not."""
+    from the token before it (16.7 ms a token) pauses drafting, each more such pass in a row
+    twice as long; a fast one after them does not."""
     seq = SimpleNamespace(pass_clock=PassClock(), draft_pause=0, draft_misses=0, draft_empty=0)
     clock = seq.pass_clock
     clock.drafting()
@@ -176,13 +177,26 @@ def test_measured_cost_pauses_passes_while_they_cost_more_than_plain_steps():
     seq.draft_pause = 0
     back_off(seq, 2)
     assert clock.costs_more and seq.draft_pause == COSTLY_PAUSE
-    clock.drafting()
-    clock.judged(4)
-    for _ in range(4):
-        clock.token(0.090)  # 2.5 ms a token: the average drops below the plain steps'
-    seq.draft_pause = 0
-    back_off(seq, 3)
-    assert not clock.costs_more and seq.draft_pause == 0
+    pauses = []
+    for start in (0.2, 0.4, 0.6, 0.8, 1.0, 1.2):  # more passes that cost more: longer pauses each time
+        clock.last = start
+        clock.drafting()
+        clock.judged(3)
+        for _ in range(3):
+            clock.token(start + 0.080)
+        seq.draft_pause = 0
+        back_off(seq, 2)
+        pauses.append(seq.draft_pause)
+    assert pauses == [2 * COSTLY_PAUSE, 4 * COSTLY_PAUSE, 8 * COSTLY_PAUSE] + [MAX_COSTLY_PAUSE] * 3
+    for _ in range(2):
+        start = clock.last
+        clock.drafting()
+        clock.judged(4)
+        for _ in range(4):
+            clock.token(start + 0.010)  # 2.5 ms a token: the average drops below the plain steps'
+        seq.draft_pause = 0
+        back_off(seq, 3)
+    assert not clock.costs_more and seq.draft_pause == 0 and clock.costly == 0
     clock.measured, clock.spec = False, 1.0  # --speculate always: never paused for cost
     back_off(seq, 3)
     assert seq.draft_pause == 0

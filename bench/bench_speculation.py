@@ -8,8 +8,12 @@ process, ranks of the ring backend started directly (as bench_decode's "direct")
   held-out   the start of a paragraph of pydoc's topics that training held out (every tenth),
              continued by the model: it loops on its own phrases more than it copies
   grounded   a passage, then its first words again: the model's continuation repeats the
-             passage where it copies it (the input-grounded case: edits, summaries, QA; this
-             model seldom copies: lookup covers a few percent of its continuation)
+             passage where it copies it (this model seldom copies: lookup covers a few
+             percent of its continuation)
+  edit       the input-grounded case (edits, summaries, QA): the tiny editor (made here by
+             scripts/make_tiny_editor.py) rewrites a held-out paragraph in the past tense, a
+             copy but for " is" -> " was" and " are" -> " were" (lookup only: the bundled
+             draft is the embedded model's)
 For each P, prompt and mode (lookup: --prompt-lookup; draft: --draft-model with the bundled
 draft, distributed/shard/tiny_draft; both): decode tok/s without and with it (median of
 --reps, interleaved rounds), their ratio, and how much of the output the drafts covered (accepted
@@ -30,8 +34,10 @@ import argparse
 import os
 import json
 import statistics
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,18 +46,20 @@ from common import PY, ROOT, bench_env, kill_groups, start_ranks  # noqa: E402
 
 
 MODEL = ROOT / "distributed" / "shard" / "tiny_model"
+EDITOR = Path(tempfile.gettempdir()) / f"bench-speculation-editor-{os.getpid()}"
 
 
 def prompts(every: bool = False):
     """{name: prompt} as above; every: the start of every held-out paragraph instead (a list)."""
     sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tiny_editor import heldout_prompt
     from train_tiny_model import corpus  # the paragraphs training held out (every tenth)
 
     held_out = [p for p in corpus()[1].split("\n\n") if len(p) > 300]
     if every:
         return [p[:200] for p in held_out]
     passage = held_out[3][:600]
-    return {"held-out": held_out[0][:200], "grounded": passage + "\n\n" + passage[:80]}
+    return {"held-out": held_out[0][:200], "grounded": passage + "\n\n" + passage[:80], "edit": heldout_prompt()}
 
 
 def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: float, model: Path = MODEL,
@@ -196,7 +204,7 @@ def main() -> None:
                    help="against plain: lookup (--prompt-lookup), draft (--draft-model, the bundled draft), both; "
                    "a mode with -one after it: the same with --no-draft-ahead (one frame in the ring at a time)")
     p.add_argument("--min-ranks", type=int, default=1)
-    p.add_argument("--prompts", default="held-out,grounded")
+    p.add_argument("--prompts", default="held-out,grounded,edit")
     p.add_argument("--always", action="store_true", help="--speculate always (every pass the drafter proposes)")
     p.add_argument("--ceiling", action="store_true", help="in-process: drafts that are right (see above)")
     p.add_argument("--ring-ceiling", action="store_true", help="through rings: drafts given inside rank 0 (see above)")
@@ -225,15 +233,28 @@ def main() -> None:
         flags[mode + "-one"] = flags[mode] + ["--no-draft-ahead"]
     modes = ["plain"] + [m for m in args.modes.split(",") if m != "plain"]
     texts = {name: texts[name] for name in args.prompts.split(",")}
+    if "edit" in texts:
+        from make_tiny_editor import main as make_editor
+
+        make_editor(["--out", str(EDITOR)])
+    try:
+        rows = compare(texts, modes, flags, args)
+    finally:
+        shutil.rmtree(EDITOR, ignore_errors=True)
+    report(rows, args, texts, start)
+
+
+def compare(texts: dict, modes: list, flags: dict, args) -> list:
+    """Every prompt, P and mode against plain, in interleaved rounds: the rows of the table."""
     ranks_range = range(args.min_ranks, args.max_ranks + 1)
-    cases = [(name, ranks, mode) for name in texts for ranks in ranks_range for mode in modes]
+    cases = [(name, ranks, mode) for name in texts for ranks in ranks_range for mode in modes_for(name, modes)]
     runs = {case: [] for case in cases}
     for rep in range(args.reps):
         for case in cases:
             name, ranks, mode = case
             extra = flags[mode] + (["--num-draft-tokens", str(args.k)] if flags[mode] else [])
             extra += ["--speculate", "always"] if args.always and flags[mode] else []
-            r = run_once(ranks, texts[name], args.max_tokens, extra, args.timeout)
+            r = run_once(ranks, texts[name], args.max_tokens, extra, args.timeout, EDITOR if name == "edit" else MODEL)
             runs[case].append(r)
             print(f"[{rep + 1}/{args.reps}] {name} P={ranks} {mode}: "
                   f"{r.get('error') or '%.1f tok/s' % r['tps']}", file=sys.stderr, flush=True)
@@ -241,7 +262,7 @@ def main() -> None:
     for name in texts:
         for ranks in ranks_range:
             plain = [r for r in runs[(name, ranks, "plain")] if "error" not in r]
-            for mode in modes[1:]:
+            for mode in modes_for(name, modes)[1:]:
                 spec_runs = [r for r in runs[(name, ranks, mode)] if "error" not in r]
                 if not plain or not spec_runs:
                     rows.append({"prompt": name, "ranks": ranks, "mode": mode, "error": True})
@@ -254,11 +275,16 @@ def main() -> None:
                              "drafted": s["drafted"], "accepted": s["accepted"], "passes": s["passes"],
                              "cancelled": s.get("cancelled", 0), "covered": s["accepted"] / max(1, len(plain[0]["tokens"])),
                              "plain_runs": [r["tps"] for r in plain], "spec_runs": [r["tps"] for r in spec_runs]})
-    report(rows, args, texts, start)
+    return rows
+
+
+def modes_for(prompt: str, modes: list) -> list:
+    """The editor has no draft model: its prompt runs plain and the lookup modes only."""
+    return [m for m in modes if prompt != "edit" or m in ("plain", "lookup", "lookup-one")]
 
 
 def report(rows: list, args, texts: dict, start: float) -> None:
-    print(f"\nembedded model, greedy, {args.max_tokens} tokens max, K={args.k}, median of {args.reps}")
+    print(f"\nembedded model (edit: the editor), greedy, {args.max_tokens} tokens max, K={args.k}, median of {args.reps}")
     print(f"{'prompt':<13}{'P':>3}  {'mode':<22}{'plain tok/s':>12}{'spec tok/s':>12}{'ratio':>7}{'tokens':>8}"
           f"{'covered':>9}{'accepted/drafted':>18}{'passes':>8}{'cancelled':>10}  same")
     for r in rows:

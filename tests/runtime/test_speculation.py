@@ -1,6 +1,9 @@
 """Speculative decoding (speculation.py, Batcher's verification frames): output equal to
 decoding one token at a time, drafts rejected at every offset, far past the sliding
-window (16 in the tiny checkpoint), over an in-process 2-stage pipeline; prompt lookup."""
+window (16 in the tiny checkpoint), over an in-process 2-stage pipeline; prompt lookup, and
+its acceptance on the tiny editor's rewrite of held-out text."""
+
+import sys
 
 import mlx.core as mx
 import pytest
@@ -16,11 +19,13 @@ from types import SimpleNamespace
 
 from distributed.runtime.speculation import (COSTLY_PAUSE, MAX_COSTLY_PAUSE, PROBE, PassClock, PromptLookupDrafter,
                                              SpeculationOptions, back_off, prompt_lookup, propose)
+from distributed.shard.tiny_checkpoint import DEFAULT_MODEL
 from reference import PROMPT, mlx_lm_greedy
 from stages import in_process_pipeline
 
 LONG = 120  # tokens generated: the window (16) wraps many times over
 TOL = 1e-4
+SCRIPTS = DEFAULT_MODEL.parents[2] / "scripts"
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
@@ -219,3 +224,35 @@ def test_proposals_that_find_nothing_pause_drafting_longer_each_time():
     seq.generated, seq.request.prompt_ids = [1, 2, 3, 1, 2], [9]
     assert propose(PromptLookupDrafter(), SpeculationOptions(prompt_lookup=True), seq) == [3, 1, 2]
     assert seq.draft_empty == 0
+
+
+def test_prompt_lookup_drafts_most_of_the_tiny_editors_rewrite(tmp_path):
+    """Real acceptance in the input-grounded case: the tiny editor (scripts/make_tiny_editor.py)
+    rewrites a held-out paragraph in the past tense, a copy of its prompt but for its edits;
+    prompt lookup drafts the copied runs and misses at the edits. Output as without
+    speculation, token for token."""
+    sys.path.insert(0, str(SCRIPTS))
+    from make_tiny_editor import EDITS, heldout_prompt, main as make_editor
+
+    make_editor(["--out", str(tmp_path)])
+    tokenizer = load_tokenizer(tmp_path)
+    prompt = heldout_prompt()
+    pipeline = in_process_pipeline(tmp_path, (2, 2))[0]
+
+    def rewrite(lookup):
+        scheduler = Scheduler(pipeline, tokenizer, speculation=SpeculationOptions(
+            prompt_lookup=lookup, num_draft_tokens=4, measured=False))
+        handle = scheduler.submit(GenerationRequest(tokenizer.encode(prompt), max_tokens=160))
+        scheduler.run_pending()
+        assert scheduler.failure is None, scheduler.failure
+        return [e.token_id for e in handle.events() if isinstance(e, TokenEvent)], scheduler.batcher.spec_stats
+
+    plain, _ = rewrite(False)
+    tokens, stats = rewrite(True)
+    assert tokens == plain
+    # The passage with its edits (then the end of text, which is not streamed).
+    edits = {tokenizer.encode(old)[0]: tokenizer.encode(new)[0] for old, new in EDITS.items()}
+    passage = tokenizer.encode(prompt.split("\n")[1])
+    assert plain == [edits.get(t, t) for t in passage] and any(t in edits for t in passage)
+    # Most of it comes from accepted drafts (49 of 80 here: at most 4 a pass), a few tokens a pass.
+    assert stats.accepted >= 0.55 * len(plain) and stats.passes <= len(plain) / 3, (stats, len(plain))

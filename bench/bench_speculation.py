@@ -63,10 +63,10 @@ def prompts(every: bool = False):
 
 
 def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: float, model: Path = MODEL,
-             env: dict = None) -> dict:
+             env: dict = None, blas: str = "openblas") -> dict:
     cmd = [PY, str(ROOT / "run_trinity.py"), "--model", str(model), "--prompt", prompt, "--no-chat-template",
            "--max-tokens", str(max_tokens), "--json", *extra]
-    procs, hostfile = start_ranks(cmd, ranks, env or bench_env(),
+    procs, hostfile = start_ranks(cmd, ranks, env or bench_env(blas),
                                   rank0=dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
                                   others=dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     try:
@@ -159,13 +159,13 @@ def ring_ceiling(prompt: str, args) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for ranks in range(args.min_ranks, args.max_ranks + 1):
-                r = run_once(ranks, prompt, args.max_tokens, [], args.timeout)
+                r = run_once(ranks, prompt, args.max_tokens, [], args.timeout, blas=args.blas)
                 runs.setdefault((ranks, "plain"), []).append(r)
                 tokens = tokens or r.get("tokens")
                 for name, miss in drafters.items():
                     replay = Path(tmp) / f"{miss}.json"
                     replay.write_text(json.dumps({"tokens": tokens, "miss": miss}))
-                    env = bench_env()
+                    env = bench_env(args.blas)
                     env.update(TRINITY_REPLAY=str(replay),
                                PYTHONPATH=os.pathsep.join([str(ROOT / "bench" / "replay_drafter"), env["PYTHONPATH"]]))
                     for ahead in (True, False):
@@ -208,6 +208,9 @@ def main() -> None:
     p.add_argument("--always", action="store_true", help="--speculate always (every pass the drafter proposes)")
     p.add_argument("--ceiling", action="store_true", help="in-process: drafts that are right (see above)")
     p.add_argument("--ring-ceiling", action="store_true", help="through rings: drafts given inside rank 0 (see above)")
+    p.add_argument("--blas", choices=["openblas", "reference"], default="openblas",
+                   help="the ranks' BLAS (default: the system OpenBLAS preloaded; the MLX CPU wheel's own reference "
+                   "BLAS makes a pass over 5 positions cost 2.6x one, where OpenBLAS, Accelerate and GPUs cost ~1x)")
     p.add_argument("--model", help="with --ceiling: this checkpoint (e.g. bench_gpu.py's Mini shape), 128 byte ids")
     args = p.parse_args()
     texts = prompts()
@@ -254,7 +257,8 @@ def compare(texts: dict, modes: list, flags: dict, args) -> list:
             name, ranks, mode = case
             extra = flags[mode] + (["--num-draft-tokens", str(args.k)] if flags[mode] else [])
             extra += ["--speculate", "always"] if args.always and flags[mode] else []
-            r = run_once(ranks, texts[name], args.max_tokens, extra, args.timeout, EDITOR if name == "edit" else MODEL)
+            r = run_once(ranks, texts[name], args.max_tokens, extra, args.timeout, EDITOR if name == "edit" else MODEL,
+                         blas=args.blas)
             runs[case].append(r)
             print(f"[{rep + 1}/{args.reps}] {name} P={ranks} {mode}: "
                   f"{r.get('error') or '%.1f tok/s' % r['tps']}", file=sys.stderr, flush=True)

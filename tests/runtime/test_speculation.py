@@ -198,11 +198,12 @@ def test_measured_cost_pauses_passes_while_they_cost_more_than_plain_steps():
         clock.drafting()
         clock.judged(4)
         for _ in range(4):
-            clock.token(start + 0.010)  # 2.5 ms a token: the average drops below the plain steps'
+            clock.token(start + 0.010)  # 2.5 ms a token: the rate drops below the plain steps'
         seq.draft_pause = 0
         back_off(seq, 3)
     assert not clock.costs_more and seq.draft_pause == 0 and clock.costly == 0
-    clock.measured, clock.spec = False, 1.0  # --speculate always: never paused for cost
+    clock.spec_time = 1.0  # passes that cost more ...
+    clock.measured = False  # ... but --speculate always: never paused for cost
     back_off(seq, 3)
     assert seq.draft_pause == 0
 

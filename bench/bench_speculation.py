@@ -1,6 +1,6 @@
 """Single-stream decode with and without speculative decoding, P = 1..4.
 
-    python bench/bench_speculation.py [--max-ranks 4] [--reps 3] [--max-tokens 200] [--k 4]
+    python bench/bench_speculation.py [--max-ranks 4] [--reps 3] [--max-tokens 200] [--k 8] [--blas openblas]
                                       [--modes lookup,draft,both] [--out PATH]
 
 The embedded default model (distributed/shard/tiny_model), greedy, one request per fresh
@@ -43,6 +43,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PY, ROOT, bench_env, kill_groups, start_ranks  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from distributed.runtime.speculation import DEFAULT_DRAFT_TOKENS  # noqa: E402
 
 
 MODEL = ROOT / "distributed" / "shard" / "tiny_model"
@@ -197,7 +200,7 @@ def main() -> None:
     p.add_argument("--max-ranks", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--k", type=int, default=4, help="--num-draft-tokens")
+    p.add_argument("--k", type=int, default=DEFAULT_DRAFT_TOKENS, help="--num-draft-tokens (default: the runner's)")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculation.json"))
     p.add_argument("--modes", default="lookup,draft,both",

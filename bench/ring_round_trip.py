@@ -55,7 +55,8 @@ def child(hidden: int, trips: int) -> None:
 
 def measure(hidden: int, trips: int = 300, env: dict = None, timeout: float = 120) -> float:
     """Median round trip in ms, two ranks started here (as bench_decode's "direct" rings)."""
-    env = dict(env or os.environ, PYTHONPATH=str(ROOT))
+    env = dict(env or os.environ)  # the repo first, then whatever else the caller's path holds (a GPU's MLX)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     procs, hostfile = start_ranks([PY, __file__, "--child", str(hidden), str(trips)], 2, env,
                                   rank0=dict(stdout=subprocess.PIPE, text=True),
                                   others=dict(stdout=subprocess.DEVNULL))

@@ -107,7 +107,6 @@ class Replay:
 
 
 def ceiling(prompt: str, max_tokens: int, k: int, reps: int, model: str = None) -> list:
-    sys.path.insert(0, str(ROOT))
     from mlx_lm.utils import load_tokenizer
 
     from distributed.runtime.pipeline import in_process_pipeline
@@ -154,8 +153,6 @@ def ceiling(prompt: str, max_tokens: int, k: int, reps: int, model: str = None) 
 
 def ring_ceiling(prompt: str, args) -> list:
     """Rows as in main's table, for drafts given by bench/replay_drafter (see above)."""
-    import tempfile
-
     plain_args = ["--num-draft-tokens", str(args.k)]
     drafters = {"all right": 0, "1 in 4 wrong": 4, "1 in 8 wrong": 8}
     runs, tokens = {}, None

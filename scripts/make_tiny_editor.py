@@ -42,7 +42,7 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_tiny_model import EOT, OUT as MODEL, ROOT, corpus, hf_weights, model_config  # noqa: E402
+from train_tiny_model import EOT, OUT as MODEL, corpus, model_config  # noqa: E402
 
 PREFIX = "In the present tense:\n"
 INSTRUCTION = "\n\nIn the past tense:\n"
@@ -141,8 +141,9 @@ def build(tok, config: dict) -> dict:
             w[p + "mlp.expert_bias"] = zeros(experts)
             for proj, shape in (("gate_proj", (inner, HIDDEN)), ("up_proj", (inner, HIDDEN)), ("down_proj", (HIDDEN, inner))):
                 w[p + f"mlp.shared_experts.{proj}.weight"] = zeros(*shape)
-                w[p + f"mlp.experts.{proj}.weight"] = zeros(experts, *shape)
-    return {key: mx.array(value) for key, value in w.items()}
+                for e in range(experts):  # HF's layout: a tensor per expert
+                    w[p + f"mlp.experts.{e}.{proj}.weight"] = zeros(*shape)
+    return {key: mx.array(w[key]) for key in sorted(w)}
 
 
 def editor_config(vocab: int, eot: int) -> dict:
@@ -177,19 +178,9 @@ def main(argv=None):
     tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
     config = editor_config(tok.get_vocab_size(), tok.token_to_id(EOT))
     weights = build(tok, config)
-    mx.save_safetensors(str(args.out / "model.safetensors"), hf_weights_of(weights, config), metadata={"format": "pt"})
+    mx.save_safetensors(str(args.out / "model.safetensors"), weights, metadata={"format": "pt"})
     (args.out / "config.json").write_text(json.dumps(config, indent=2))
     print(f"wrote {args.out}")
-
-
-def hf_weights_of(weights: dict, config: dict) -> dict:
-    """train_tiny_model's HF layout (one tensor per expert), from stacked expert weights."""
-    from types import SimpleNamespace
-
-    from mlx.utils import tree_unflatten
-
-    tree = tree_unflatten(list(weights.items()))
-    return hf_weights(SimpleNamespace(parameters=lambda: tree), config)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,7 @@ MAX_PAUSE = 32  # tokens
 PROBE = 4  # plain tokens timed after a sequence's first pass, to compare the two
 COSTLY_PAUSE = 16  # plain tokens after a pass that cost more per token than plain steps (doubling, see back_off)
 MAX_COSTLY_PAUSE = 256
+DECAY = 0.5  # PassClock: the weight of the sums so far at each new observation
 
 
 class PassClock:
@@ -154,9 +155,6 @@ class PassClock:
     @property
     def costs_more(self) -> bool:
         return self.spec is not None and self.plain is not None and self.spec > self.plain
-
-
-DECAY = 0.5  # PassClock: the weight of the sums so far at each new observation
 
 
 def back_off(seq, accepted: Optional[int]) -> None:

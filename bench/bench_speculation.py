@@ -211,6 +211,8 @@ def main() -> None:
     p.add_argument("--blas", choices=["openblas", "reference"], default="openblas",
                    help="the ranks' BLAS (default: the system OpenBLAS preloaded; the MLX CPU wheel's own reference "
                    "BLAS makes a pass over 5 positions cost 2.6x one, where OpenBLAS, Accelerate and GPUs cost ~1x)")
+    p.add_argument("--draft", default=str(ROOT / "distributed" / "shard" / "tiny_draft"),
+                   help="the draft model of the draft modes (default: the bundled draft)")
     p.add_argument("--model", help="with --ceiling: this checkpoint (e.g. bench_gpu.py's Mini shape), 128 byte ids")
     args = p.parse_args()
     texts = prompts()
@@ -229,9 +231,8 @@ def main() -> None:
     if args.ring_ceiling:
         rows = ring_ceiling(texts["held-out"], args)
         return report(rows, args, texts, start)
-    draft = str(ROOT / "distributed" / "shard" / "tiny_draft")
-    flags = {"plain": [], "lookup": ["--prompt-lookup"], "draft": ["--draft-model", draft],
-             "both": ["--prompt-lookup", "--draft-model", draft]}
+    flags = {"plain": [], "lookup": ["--prompt-lookup"], "draft": ["--draft-model", args.draft],
+             "both": ["--prompt-lookup", "--draft-model", args.draft]}
     for mode in list(flags)[1:]:
         flags[mode + "-one"] = flags[mode] + ["--no-draft-ahead"]
     modes = ["plain"] + [m for m in args.modes.split(",") if m != "plain"]

@@ -5,11 +5,14 @@ readable English, on text that ships with Python.
     nice python scripts/train_tiny_model.py --draft [--steps N]    # its draft model
 
 --draft trains the embedded model's draft (distributed/shard/tiny_draft/, for
-`--draft-model`): 2 layers (a dense one, then an MoE one), the embedded model's own
-tokenizer, distilled from it on the same corpus (cross-entropy against the embedded
-model's next-token distribution, plus its argmax as a hard label) and on the embedded
-model's own greedy continuations of training prompts, so that it proposes what the target
-would draw.
+`--draft-model`): one dense sliding-window layer, the cheapest AFMoE that still sees
+positions (a draft token costs about an eighth of the model's step), with the embedded
+model's own tokenizer, trained on nothing but the embedded model's greedy continuations of
+--continuations prompts cut from the training text (half of them with 15% of their tokens
+replaced at random, so that it also sees the model continue text it never learned, as on
+held-out prompts): each next token there is the model's argmax, what a draft must propose
+to be accepted. Its log is the agreement: the share of the model's greedy tokens on
+held-out prompts that the draft predicts (scripts/eval_tiny_model.py does not apply).
 
 Corpus: the prose of the standard library's `pydoc_data.topics` (the language reference
 that `help()` shows), from this interpreter, each paragraph once; every tenth paragraph is
@@ -51,6 +54,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from distributed.shard.config import model_args  # noqa: E402
+from distributed.shard.stage import Stage  # noqa: E402
 from distributed.shard.tiny_checkpoint import tiny_config  # noqa: E402
 
 OUT = ROOT / "distributed" / "shard" / "tiny_model"
@@ -62,8 +66,7 @@ PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% if not
 
 
 def model_config(vocab_size: int, eot_id: int, layers: int = 6) -> dict:
-    """HF-style config.json: 6 layers (S S F S S F), window 64, 1 dense layer then MoE
-    (the draft: 2 layers, S F)."""
+    """HF-style config.json: 6 layers (S S F S S F), window 64, 1 dense layer then MoE."""
     return tiny_config(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=384, moe_intermediate_size=64,
         num_hidden_layers=layers, num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -75,6 +78,12 @@ def model_config(vocab_size: int, eot_id: int, layers: int = 6) -> dict:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         eos_token_id=eot_id, pad_token_id=eot_id, bos_token_id=None,
     )
+
+
+def draft_config(vocab_size: int, eot_id: int) -> dict:
+    """The draft's config.json: one dense sliding-window layer (RoPE: a full-attention
+    layer has none, and one layer without positions guesses badly)."""
+    return {**model_config(vocab_size, eot_id, layers=1), "layer_types": ["sliding_attention"]}
 
 
 def prose(text: str) -> list:
@@ -154,9 +163,25 @@ class CountingSwitchGLU(SwitchGLU):
         return super().__call__(x, indices)
 
 
+class WholeStage(nn.Module):
+    """Every layer as a rank runs them (shard/stage.py), embedding and head included: the
+    draft's config has no full-attention layer, which mlx-lm's afmoe.Model requires."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.model = Stage(args, 0, args.num_hidden_layers, True)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def __call__(self, tokens, cache=None):
+        return self.model.head(self.model(self.model.embed(tokens), cache))
+
+
 def build_model(config: dict):
     mx.random.seed(0)
-    model = afmoe.Model(model_args(config))
+    model = (afmoe.Model if "full_attention" in config["layer_types"] else WholeStage)(model_args(config))
     moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, afmoe.AfmoeMoE)]
     for mlp in moe:
         mlp.experts.__class__ = CountingSwitchGLU
@@ -181,52 +206,75 @@ def load_teacher(path: Path):
     return model
 
 
-def continuations(teacher, stream: np.ndarray, count: int, length: int, seed: int = 1, batch: int = 64) -> np.ndarray:
+def continuations(teacher, stream: np.ndarray, count: int, length: int, seed: int = 1, batch: int = 256,
+                  noise: float = 0.15) -> np.ndarray:
     """The teacher's greedy continuations (`length` tokens) of `count` prompts of 8 to 64
     tokens cut from the training stream, each after its prompt and before an end of text:
-    what a draft is asked to predict when the model continues a prompt."""
-    from mlx_lm.models.cache import make_prompt_cache
-
+    what a draft is asked to predict when the model continues a prompt. Every other batch
+    of prompts has `noise` of its tokens replaced at random: the model continues text it
+    never learned, as it does after a held-out prompt."""
     rng, out = np.random.default_rng(seed), []
     eot = int(stream[-1])
-    for first in range(0, count, batch):
+    for i, first in enumerate(range(0, count, batch)):
         n, size = min(batch, count - first), int(rng.integers(8, 65))
         starts = rng.integers(0, len(stream) - size, n)
         prompts = np.stack([stream[s:s + size] for s in starts])
-        cache = make_prompt_cache(teacher)
-        y = mx.argmax(teacher(mx.array(prompts), cache=cache)[:, -1], axis=-1)
-        drawn = [y]
-        for _ in range(length - 1):
-            y = mx.argmax(teacher(y[:, None], cache=cache)[:, -1], axis=-1)
-            drawn.append(y)
-        text = np.concatenate([prompts, np.array(mx.stack(drawn, axis=1)), np.full((n, 1), eot)], axis=1)
-        out.append(text.reshape(-1))
+        if i % 2:
+            prompts = np.where(rng.random(prompts.shape) < noise, rng.integers(0, teacher.args.vocab_size, prompts.shape), prompts)
+        out.append(np.concatenate([prompts, greedy(teacher, prompts, length), np.full((n, 1), eot)], axis=1).reshape(-1))
     return np.concatenate(out).astype(np.int32)
 
 
-def train(model, moe, stream, held_chunks, args, teacher=None):
-    """AdamW with warm-up and cosine decay; returns a record of the run (losses, time).
-    With a teacher, the loss is the cross-entropy against its next-token distribution."""
+def greedy(model, prompts: np.ndarray, length: int) -> np.ndarray:
+    """(rows, length): the model's greedy continuations of equally long prompts."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    y = mx.argmax(model(mx.array(prompts), cache=cache)[:, -1], axis=-1)
+    drawn = [y]
+    for _ in range(length - 1):
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        drawn.append(y)
+    return np.array(mx.stack(drawn, axis=1))
+
+
+def agreement_set(teacher, held_text: str, tok, count: int = 20, length: int = 200) -> list:
+    """(prompt, the teacher's greedy continuation) for the start (200 characters) of each of
+    the first `count` held-out paragraphs longer than 300 (bench_speculation's held-out
+    prompt is the first); a continuation ends at its end of text."""
+    eot, pairs = tok.token_to_id(EOT), []
+    for paragraph in [p for p in held_text.split("\n\n") if len(p) > 300][:count]:
+        ids = tok.encode(paragraph[:200]).ids
+        drawn = greedy(teacher, np.array([ids]), length)[0].tolist()
+        pairs.append((ids, drawn[:drawn.index(eot) + 1] if eot in drawn else drawn))
+    return pairs
+
+
+def agreement(model, pairs: list) -> float:
+    """The share of the teacher's greedy tokens that the model predicts after the same
+    history (a draft's acceptance rate for its first guess)."""
+    hits = total = 0
+    for prompt, drawn in pairs:
+        history = prompt + drawn
+        guesses = np.array(mx.argmax(model(mx.array([history[:-1]]))[0, len(prompt) - 1:], axis=-1))
+        hits, total = hits + int((guesses == np.array(drawn)).sum()), total + len(drawn)
+    return hits / total
+
+
+def train(model, moe, stream, evaluate, args):
+    """AdamW with warm-up and cosine decay, next-token cross-entropy; returns a record of the
+    run (losses, time). evaluate: (name, function of the model), logged every --eval-every steps."""
+    name, figure_of = evaluate
     def loss_fn(model, x):
         CountingSwitchGLU.loads.clear()
-        logits = model(x[:, :-1])
-        if teacher is None:
-            loss = nn.losses.cross_entropy(logits, x[:, 1:]).mean()
-        else:
-            # The teacher's distribution, and its argmax (what greedy decoding draws, which a
-            # draft must propose to be accepted) as a hard label beside it.
-            teacher_logits = mx.stop_gradient(teacher(x[:, :-1]))
-            target = mx.softmax(teacher_logits, axis=-1)
-            loss = (-(target * nn.log_softmax(logits, axis=-1)).sum(axis=-1).mean()
-                    + nn.losses.cross_entropy(logits, mx.argmax(teacher_logits, axis=-1)).mean())
-        return loss, mx.stack(CountingSwitchGLU.loads)
+        loss = nn.losses.cross_entropy(model(x[:, :-1]), x[:, 1:]).mean()
+        return loss, mx.stack(CountingSwitchGLU.loads) if moe else mx.zeros((0,))
 
     schedule = optim.join_schedules(
         [optim.linear_schedule(1e-4, args.lr, args.warmup),
          optim.cosine_decay(args.lr, args.steps - args.warmup, args.lr / 10)], [args.warmup])
     opt = optim.AdamW(schedule, weight_decay=0.1)
     grad_fn = nn.value_and_grad(model, loss_fn)
-    scored = sum(len(w) - 1 for w in held_chunks)
     started, cpu, losses, curve = time.monotonic(), time.process_time(), [], []
     for step, x in zip(range(1, args.steps + 1), batches(stream, args.batch, args.context, seed=0)):
         (loss, load), grads = grad_fn(model, x)
@@ -238,14 +286,14 @@ def train(model, moe, stream, held_chunks, args, teacher=None):
         mx.eval(model.parameters(), opt.state, loss)
         losses.append(loss.item())
         if step % args.eval_every == 0 or step == args.steps:
-            train_loss, held = float(np.mean(losses[-args.eval_every:])), nll(model, held_chunks) / scored
-            curve.append([step, round(train_loss, 4), round(held, 4)])
+            train_loss, figure = float(np.mean(losses[-args.eval_every:])), figure_of(model)
+            curve.append([step, round(train_loss, 4), round(figure, 4)])
             rate = step * args.batch * args.context / (time.monotonic() - started)
-            print(f"step {step}/{args.steps}  train loss {train_loss:.3f}  held-out loss {held:.3f}  "
+            print(f"step {step}/{args.steps}  train loss {train_loss:.3f}  {name} {figure:.4f}  "
                   f"{rate:.0f} tokens/s", flush=True)
     return {"training_seconds": round(time.monotonic() - started),
             "training_cpu_seconds": round(time.process_time() - cpu),
-            "loss_curve": {"columns": ["step", "train_loss", "heldout_loss"], "rows": curve}}
+            "loss_curve": {"columns": ["step", "train_loss", name], "rows": curve}}
 
 
 def hf_weights(model, config: dict) -> dict:
@@ -256,53 +304,59 @@ def hf_weights(model, config: dict) -> dict:
             prefix, proj = key.rsplit(".mlp.experts.", 1)
             for e in range(config["num_experts"]):
                 out[f"{prefix}.mlp.experts.{e}.{proj}"] = value[e]
-        else:
-            out[key] = value
+        else:  # a WholeStage keeps lm_head in its stage
+            out[key.replace("model.lm_head.", "lm_head.")] = value
     return {k: v.astype(mx.float32) for k, v in sorted(out.items())}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=None, help="default 300 (3000 with --draft)")
     p.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary, the end-of-text token included")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=None, help="default 8 (16 with --draft)")
     p.add_argument("--context", type=int, default=256, help="tokens per training sequence")
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--bias-rate", type=float, default=1e-3, help="expert_bias step per training step")
-    p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    p.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default 50; 500 with --draft)")
     p.add_argument("--out", type=Path, default=None, help=f"default: {OUT.relative_to(ROOT)} ({DRAFT_OUT.relative_to(ROOT)} with --draft)")
-    p.add_argument("--draft", action="store_true", help="train the embedded model's draft (2 layers, distilled from it)")
-    p.add_argument("--continuations", type=int, default=256,
-                   help="with --draft: the model's greedy continuations of training prompts added to the corpus")
+    p.add_argument("--draft", action="store_true", help="train the embedded model's draft (one layer, on its greedy text)")
+    p.add_argument("--continuations", type=int, default=3072,
+                   help="with --draft: how many of the model's greedy continuations (256 tokens) it learns from")
     args = p.parse_args(argv)
+    args.steps = args.steps or (3000 if args.draft else 300)
+    args.batch = args.batch or (16 if args.draft else 8)
+    args.eval_every = args.eval_every or (500 if args.draft else 50)
     args.out = args.out or (DRAFT_OUT if args.draft else OUT)
     args.out.mkdir(parents=True, exist_ok=True)
 
     train_docs, held_text = corpus()
-    teacher = None
     if args.draft:  # the target's own tokenizer: a draft must share it
         from tokenizers import Tokenizer
 
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (args.out / name).write_bytes((OUT / name).read_bytes())
-        tok, teacher = Tokenizer.from_file(str(OUT / "tokenizer.json")), load_teacher(OUT)
+        tok = Tokenizer.from_file(str(OUT / "tokenizer.json"))
     else:
         tok = train_tokenizer(train_docs, args.vocab, args.out)
     eot = tok.token_to_id(EOT)
     stream = np.fromiter((t for e in tok.encode_batch(train_docs) for t in (*e.ids, eot)), dtype=np.int32)
-    held_chunks = windows(tok.encode(held_text).ids, args.context)
     print(f"corpus: {len(train_docs)} documents, {sum(map(len, train_docs))} characters, {len(stream)} tokens; "
           f"held out: {len(held_text)} characters", flush=True)
-    if teacher is not None:  # the draft also learns the model's own continuations
-        stream = np.concatenate([stream, continuations(teacher, stream, args.continuations, 256)])
-        print(f"with {args.continuations} of the model's continuations: {len(stream)} tokens", flush=True)
-
-    config = model_config(tok.get_vocab_size(), eot, layers=2 if args.draft else 6)
+    if args.draft:  # the model's own greedy text, and its greedy text after held-out prompts to score
+        teacher = load_teacher(OUT)
+        stream = continuations(teacher, stream, args.continuations, 256)
+        pairs = agreement_set(teacher, held_text, tok)
+        config, evaluate = draft_config(tok.get_vocab_size(), eot), ("agreement", lambda m: agreement(m, pairs))
+        print(f"the model's continuations: {len(stream)} tokens", flush=True)
+    else:
+        held_chunks = windows(tok.encode(held_text).ids, args.context)
+        scored = sum(len(w) - 1 for w in held_chunks)
+        config, evaluate = model_config(tok.get_vocab_size(), eot), ("heldout_loss", lambda m: nll(m, held_chunks) / scored)
     model, moe = build_model(config)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"model: {n_params} parameters", flush=True)
-    record = train(model, moe, stream, held_chunks, args, teacher)
+    record = train(model, moe, stream, evaluate, args)
 
     mx.save_safetensors(str(args.out / "model.safetensors"), hf_weights(model, config), metadata={"format": "pt"})
     (args.out / "config.json").write_text(json.dumps(config, indent=2))
@@ -311,7 +365,7 @@ def main(argv=None):
         "distilled_from": "tiny_model" if args.draft else None, "python": sys.version.split()[0], "mlx": mx.__version__,
         "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "draft") and (args.draft or k != "continuations")},
         "parameters": n_params, "corpus_documents": len(train_docs),
-        "corpus_characters": sum(map(len, train_docs)), "corpus_tokens": int(len(stream)),
+        "corpus_characters": sum(map(len, train_docs)), "training_tokens": int(len(stream)),
         "heldout_characters": len(held_text), "heldout_sha256": hashlib.sha256(held_text.encode()).hexdigest(),
         "tokens_per_step": args.batch * args.context, **record,
         "environment": {k: os.environ.get(k) for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")},

@@ -74,8 +74,13 @@ class ModelDrafter:
 
 
 def common_prefix(a: List[int], b: List[int]) -> int:
+    """How many leading tokens two histories share. They part within the last pass's drafts,
+    so the long shared head is compared at once and only the tail token by token."""
     n = min(len(a), len(b))
-    for i in range(n):
+    start = max(0, n - 64)
+    if a[:start] != b[:start]:
+        start = 0
+    for i in range(start, n):
         if a[i] != b[i]:
             return i
     return n

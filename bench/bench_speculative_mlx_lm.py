@@ -10,8 +10,9 @@ process, alternating, median of --reps after a warm-up round; decode tok/s as ea
 reports it (tokens after the first over the time since the first). Also: plain decoding
 of each, and whether each one's tokens equal plain greedy decoding (mlx-lm trims its
 caches with trim_prompt_cache, which does nothing to a sliding-window cache once it has
-wrapped: mlx-lm issue #1914). mlx-lm runs the draft through StageModel: the same layers
-(mlx-lm's), as mlx-lm's afmoe.Model cannot build a model without a full-attention layer.
+wrapped: mlx-lm issue #1914). mlx-lm runs the draft through train_tiny_model's WholeStage
+(the same layers, mlx-lm's): mlx-lm's afmoe.Model cannot build one without a full-attention
+layer.
 """
 
 import argparse
@@ -24,7 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import mlx.nn as nn  # noqa: E402
 from mlx_lm.generate import stream_generate  # noqa: E402
 from mlx_lm.utils import load_model, load_tokenizer  # noqa: E402
 
@@ -35,31 +35,12 @@ from distributed.runtime.speculation import SpeculationOptions  # noqa: E402
 from distributed.shard.config import model_args, read_config  # noqa: E402
 from distributed.shard.loader import load_stage  # noqa: E402
 from distributed.shard.tiny_checkpoint import DEFAULT_MODEL  # noqa: E402
+from train_tiny_model import WholeStage, corpus  # noqa: E402  (scripts/)
 
 
 def mlx_lm_model(path: Path):
     # HF-layout configs carry rope_parameters, which mlx-lm's ModelArgs ignores.
     return load_model(path, model_config={"rope_theta": model_args(read_config(path)).rope_theta})[0]
-
-
-class StageModel(nn.Module):
-    """A whole model that runs as our stage does, in the shape mlx-lm's generation takes (called
-    with tokens and caches, its layers, its caches): the bundled draft has one sliding-window
-    layer and no full-attention one, which mlx-lm's afmoe.Model cannot build."""
-
-    def __init__(self, stage):
-        super().__init__()
-        self.stage = stage
-
-    @property
-    def layers(self):
-        return self.stage.layers
-
-    def make_cache(self):
-        return self.stage.make_cache()
-
-    def __call__(self, inputs, cache=None, **_):
-        return self.stage.head(self.stage(self.stage.embed(inputs), cache))
 
 
 def ours(pipeline, tokenizer, prompt, max_tokens, draft, k):
@@ -92,14 +73,13 @@ def main() -> None:
     p.add_argument("--draft", type=Path, default=DEFAULT_MODEL.parent / "tiny_draft")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculative_mlx_lm.json"))
     args = p.parse_args()
-    from train_tiny_model import corpus
 
     tokenizer = load_tokenizer(args.model)
     prompt = tokenizer.encode([t for t in corpus()[1].split("\n\n") if len(t) > 300][0][:200])
     layers = model_args(read_config(args.model)).num_hidden_layers
     pipeline = in_process_pipeline([load_stage(args.model, 0, layers, True)])
     draft_stage = load_stage(args.draft, 0, model_args(read_config(args.draft)).num_hidden_layers, True)
-    model, draft_model = mlx_lm_model(args.model), StageModel(draft_stage)
+    model, draft_model = mlx_lm_model(args.model), WholeStage(draft_stage)
     runs = {
         "ours plain": lambda: ours(pipeline, tokenizer, prompt, args.max_tokens, None, args.k),
         "ours draft": lambda: ours(pipeline, tokenizer, prompt, args.max_tokens, draft_stage, args.k),

@@ -164,24 +164,31 @@ class CountingSwitchGLU(SwitchGLU):
 
 
 class WholeStage(nn.Module):
-    """Every layer as a rank runs them (shard/stage.py), embedding and head included: the
-    draft's config has no full-attention layer, which mlx-lm's afmoe.Model requires."""
+    """A stage of every layer (shard/stage.py), embedding and head included, in the shape of
+    an mlx-lm model (called with tokens and caches; its layers; its caches): the draft's
+    config has no full-attention layer, which mlx-lm's afmoe.Model requires. Its weights
+    keep mlx-lm's names ("model." before the stage's)."""
 
-    def __init__(self, args):
+    def __init__(self, stage: Stage):
         super().__init__()
-        self.model = Stage(args, 0, args.num_hidden_layers, True)
+        self.model = stage
 
     @property
     def layers(self):
         return self.model.layers
 
-    def __call__(self, tokens, cache=None):
+    def make_cache(self):
+        return self.model.make_cache()
+
+    def __call__(self, tokens, cache=None, **_):
         return self.model.head(self.model(self.model.embed(tokens), cache))
 
 
 def build_model(config: dict):
     mx.random.seed(0)
-    model = (afmoe.Model if "full_attention" in config["layer_types"] else WholeStage)(model_args(config))
+    args = model_args(config)
+    model = afmoe.Model(args) if "full_attention" in config["layer_types"] else WholeStage(
+        Stage(args, 0, args.num_hidden_layers, True))
     moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, afmoe.AfmoeMoE)]
     for mlp in moe:
         mlp.experts.__class__ = CountingSwitchGLU

@@ -52,8 +52,9 @@ MODEL = ROOT / "distributed" / "shard" / "tiny_model"
 EDITOR = Path(tempfile.gettempdir()) / f"bench-speculation-editor-{os.getpid()}"
 
 
-def prompts(every: bool = False):
-    """{name: prompt} as above; every: the start of every held-out paragraph instead (a list)."""
+def prompts(every: bool = False, held_out_prompts: int = 1):
+    """{name: prompt} as above (held_out_prompts > 1: the first that many held-out paragraphs, a list,
+    run one after the other as one prompt); every: the start of every held-out paragraph instead (a list)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_tiny_editor import heldout_prompt
     from train_tiny_model import corpus  # the paragraphs training held out (every tenth)
@@ -62,11 +63,23 @@ def prompts(every: bool = False):
     if every:
         return [p[:200] for p in held_out]
     passage = held_out[3][:600]
-    return {"held-out": held_out[0][:200], "grounded": passage + "\n\n" + passage[:80], "edit": heldout_prompt()}
+    first = [p[:200] for p in held_out[:held_out_prompts]] if held_out_prompts > 1 else held_out[0][:200]
+    return {"held-out": first, "grounded": passage + "\n\n" + passage[:80], "edit": heldout_prompt()}
 
 
-def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: float, model: Path = MODEL,
+def run_once(ranks: int, prompt, max_tokens: int, extra: list, timeout: float, model: Path = MODEL,
              env: dict = None, blas: str = "openblas") -> dict:
+    """One request in fresh ranks; a list of prompts: each in turn, as one run (tok/s: all
+    their tokens over all their decode time; the speculative counts summed)."""
+    if isinstance(prompt, list):
+        runs = [run_once(ranks, p, max_tokens, extra, timeout, model, env, blas) for p in prompt]
+        failed = [r for r in runs if "error" in r]
+        if failed:
+            return failed[0]
+        specs = [r["speculative"] for r in runs if r["speculative"]]
+        return {"tps": sum(len(r["tokens"]) for r in runs) / sum(len(r["tokens"]) / r["tps"] for r in runs),
+                "tokens": [t for r in runs for t in r["tokens"]],
+                "speculative": {k: sum(s[k] for s in specs) for k in specs[0]} if specs else None}
     cmd = [PY, str(ROOT / "run_trinity.py"), "--model", str(model), "--prompt", prompt, "--no-chat-template",
            "--max-tokens", str(max_tokens), "--json", *extra]
     procs, hostfile = start_ranks(cmd, ranks, env or bench_env(blas),
@@ -205,6 +218,8 @@ def main() -> None:
                    "a mode with -one after it: the same with --no-draft-ahead (one frame in the ring at a time)")
     p.add_argument("--min-ranks", type=int, default=1)
     p.add_argument("--prompts", default="held-out,grounded,edit")
+    p.add_argument("--held-out", type=int, default=1, metavar="N",
+                   help="the held-out prompt: the first N held-out paragraphs in turn (tok/s over all of them)")
     p.add_argument("--always", action="store_true", help="--speculate always (every pass the drafter proposes)")
     p.add_argument("--ceiling", action="store_true", help="in-process: drafts that are right (see above)")
     p.add_argument("--ring-ceiling", action="store_true", help="through rings: drafts given inside rank 0 (see above)")
@@ -215,7 +230,7 @@ def main() -> None:
                    help="the draft model of the draft modes (default: the bundled draft)")
     p.add_argument("--model", help="with --ceiling: this checkpoint (e.g. bench_gpu.py's Mini shape), 128 byte ids")
     args = p.parse_args()
-    texts = prompts()
+    texts = prompts(held_out_prompts=1 if args.ceiling or args.ring_ceiling else args.held_out)
     if args.ceiling:
         rows = ceiling(texts["held-out"], args.max_tokens, args.k, args.reps, args.model)
         print(f"{args.model or 'embedded model'} in one process, {'128 byte ids' if args.model else 'held-out text'}, "

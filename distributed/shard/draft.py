@@ -11,6 +11,10 @@ from .loader import fetch_stage_files, load_stage, model_dir
 from .sizes import model_sizes
 from .stage import Stage
 
+# Positions a proposal may take back at once (runtime/draft_model.py): a sliding layer's
+# buffer holds its window and this many more.
+ROLLBACK = 64
+
 
 def draft_config(model: str) -> tuple:
     """(its folder, its config.json) for --draft-model (a folder, or a repo id: config only)."""
@@ -19,10 +23,14 @@ def draft_config(model: str) -> tuple:
 
 
 def draft_bytes(config: dict, context: int, sequences: int) -> int:
-    """The draft's weights and `sequences` sequences' caches of `context` tokens (every
-    layer keeps all its tokens: runtime/draft_model.py)."""
+    """The draft's weights and `sequences` sequences' caches of `context` tokens, at most
+    (runtime/draft_model.py: a sliding layer keeps its window and ROLLBACK positions more, a
+    full-attention layer every position in a buffer grown by doubling, up to twice as many)."""
     sizes = model_sizes(config)
-    return sizes.weight_bytes(0, sizes.num_layers, True) + sequences * context * sizes.num_layers * sizes.kv_bytes_per_token
+    window = model_args(config).sliding_window
+    slots = sum(min(context, window + ROLLBACK) if kind == "sliding_attention" else 2 * context
+                for kind in model_args(config).layer_types)
+    return sizes.weight_bytes(0, sizes.num_layers, True) + sequences * slots * sizes.kv_bytes_per_token
 
 
 def draft_reserve(model: Union[str, dict, None], context: int, sequences: int) -> int:

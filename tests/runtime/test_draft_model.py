@@ -4,13 +4,15 @@ past the window) or the first few (drafts rejected at many offsets); drafts for 
 sequences at once with room for one; the bundled draft of the embedded model on held-out
 text; a draft whose tokenizer differs is refused."""
 
+import random
 import sys
+from types import SimpleNamespace
 
 import pytest
 from mlx_lm.utils import load_tokenizer
 
 from distributed import TrinityError
-from distributed.runtime.draft_model import ModelDrafter
+from distributed.runtime.draft_model import FULL_SLOTS, ROLLBACK, ModelDrafter
 from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
 from distributed.runtime.speculation import SpeculationOptions
@@ -67,6 +69,29 @@ def test_a_draft_of_the_first_layers_is_rejected_and_changes_nothing(pipeline, h
     assert [e.top_logprobs[0][0] for e in tokens] == [e.top_logprobs[0][0] for e in plain[0]]
     stats = batcher.spec_stats
     assert 0 < stats.accepted < stats.drafted, stats
+
+
+class Sequence(SimpleNamespace):
+    __hash__ = object.__hash__  # the drafter keeps its buffers by sequence
+
+
+def test_drafts_taken_back_at_every_offset_leave_the_draft_as_one_fed_afresh(hf_checkpoint, tmp_path):
+    """Passes that accept 0..k drafts and frames ahead taken back (up to ROLLBACK positions,
+    then beyond it), past the sliding window many times and past a full-attention layer's
+    first buffer: each proposal equals a fresh draft's, fed the whole history at once."""
+    draft = draft_of(hf_checkpoint, tmp_path, 4)  # sliding and full-attention layers
+    kept, rng = ModelDrafter(draft), random.Random(0)
+    seq = Sequence(request=SimpleNamespace(prompt_ids=list(PROMPT)), generated=[])
+    taken_back = []
+    while len(seq.generated) < FULL_SLOTS + 40:
+        k = rng.randint(1, 8)
+        ahead = [rng.randint(1, 250) for _ in range(rng.choice([0, 0, 0, 5, ROLLBACK - 8, ROLLBACK + 10]))]
+        drafts = kept.propose(seq, k, ahead)
+        assert drafts == ModelDrafter(draft).propose(seq, k, ahead)
+        taken_back.append(len(ahead) + k - 1)
+        held = rng.randint(0, k)
+        seq.generated += drafts[:held] + [rng.randint(1, 250)]
+    assert max(taken_back) > ROLLBACK and len(taken_back) > 80
 
 
 def test_two_sequences_drafted_with_room_for_one_keep_their_own_histories(pipeline, hf_checkpoint, reference,

@@ -210,15 +210,16 @@ def test_frames_drafted_ahead_through_a_real_ring_give_the_same_tokens(hf_checkp
     assert spec["cancelled"] > 0 and spec["accepted"] > 100, spec
 
 
-@pytest.mark.parametrize("ranks, extra, draft", [(2, [], False), (3, ["--split", "3,1,4"], True)])
-def test_prompt_lookup_through_the_ring_gives_the_same_tokens(hf_checkpoint, tmp_path, ranks, extra, draft):
+@pytest.mark.parametrize("ranks, extra, draft", [(2, ["--prompt-lookup"], False), (3, ["--split", "3,1,4"], True)])
+def test_speculation_through_the_ring_gives_the_same_tokens(hf_checkpoint, tmp_path, ranks, extra, draft):
     """Verification frames through real rings, rejected drafts trimmed on every rank,
-    far past the window: the greedy output and its logprobs as without speculation; on 3
-    ranks with a draft model too (the checkpoint's first 4 layers) where lookup finds nothing."""
+    far past the window: the greedy output and its logprobs as without speculation. With
+    prompt lookup on 2 ranks; with a draft model (the checkpoint's first 4 layers) on 3, whose
+    frames the other ranks build ahead of their coming (the TRIM says how long the next is)."""
     ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, 200, 8)
     if draft:
         extra = [*extra, "--draft-model", str(truncated_draft(hf_checkpoint, tmp_path / "draft", 4))]
-    out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "200", "--prompt-lookup",
+    out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "200",
                     "--speculate", "always", "--num-draft-tokens", "3", *extra], ranks)
     assert out["token_ids"] == ref_tokens
     assert max(abs(a - b) for a, b in zip(out["logprobs"], ref_logprobs)) < 1e-4

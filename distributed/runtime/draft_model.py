@@ -103,6 +103,8 @@ class DraftState:
 
 
 class ModelDrafter:
+    proposes_all = True  # every proposal is as many tokens as asked for (verification._next_length)
+
     def __init__(self, stage, capacity: int = 1):
         self.stage = stage  # every layer of the draft, with its embedding and head
         self.capacity = max(1, capacity)

@@ -140,11 +140,17 @@ class Pipeline:
         """After the last padded prompt rows of `slot`'s batch, on every rank."""
         self._cache_op(Op.FINALIZE, slot)
 
-    def trim(self, slot: int, n: int) -> None:
+    def trim(self, slot: int, n: int, next_length: int = 0) -> None:
         """Drop the newest n positions of `slot` (one sequence), on every rank: the drafts
-        a verification frame carried that the target rejected (speculation.py)."""
+        a verification frame carried that the target rejected (speculation.py).
+        `next_length`: the positions of the slot's next frame as rank 0 expects it (0: not
+        known), which the other ranks build ahead on (worker.py); with it the op goes even
+        where nothing is dropped."""
         if n > 0:
-            self._cache_op(Op.TRIM, slot, n)
+            self.caches.apply(Op.TRIM, slot, n, ())
+            self.guard.settle()
+        if self.transport is not None and (n > 0 or next_length > 0):
+            self._send(Header(Op.TRIM, slot=slot, arg=n, length=next_length))
 
     # Prefix-cache entries (the index: prefix_cache.py): every rank keeps its slice.
 

@@ -133,7 +133,7 @@ def receive_verify(batcher, frame, more: bool = True) -> None:
     # step feeds (a finished row's caches hold its tokens but the last, as the prefix cache
     # expects); and the frames ahead where their assumptions held.
     dropped = len(drafts) - last + (0 if held else _cancel_ahead(seq, stats))
-    batcher.pipeline.trim(frame.slot, dropped)
+    batcher.pipeline.trim(frame.slot, dropped, _next_length(batcher, seq) if reason is None and not held else 0)
     if reason is not None:
         batcher._finish(seq, reason, frame.slot, 0)
         batcher.pipeline.filter(frame.slot, [])
@@ -143,6 +143,17 @@ def receive_verify(batcher, frame, more: bool = True) -> None:
         if more:
             extend(batcher, frame.group)
     frame.group.busy = bool(held)
+
+
+def _next_length(batcher, seq) -> int:
+    """The positions of the sequence's next frame as far as rank 0 can tell now, for the other
+    ranks to build it ahead (Pipeline.trim): a step after a pass that backs off, else K + 1
+    where the drafter proposes all K it is asked for (a draft model: prompt lookup may find
+    fewer); 0: not known."""
+    if seq.draft_pause:
+        return 1
+    k = min(seq.draft_k, seq.request.max_tokens - seq.count - 1)
+    return k + 1 if k > 0 and getattr(batcher.drafter, "proposes_all", False) else 0
 
 
 def _cancel_ahead(seq, stats) -> int:

@@ -37,6 +37,7 @@ class StageWorker:
         self.guard = MemoryGuard(stage, self.caches, rank)  # --memory-limit, frame by frame
         self.stats = RankStats(self.caches, self.guard)  # rank 0 hears it with the watchdog's heartbeats
         self.parameter_bytes = parameter_bytes(stage)
+        self._last_forward = Header(Op.FORWARD)  # the last FORWARD frame (build_ahead)
 
     def handle(self, header: Header, payload: Optional[mx.array]) -> Optional[Frame]:
         """Process one frame; return the frame to pass on, or None to send nothing."""
@@ -102,15 +103,17 @@ class StageWorker:
                                   chunk_slot=header.chunk_slot, chunk_rows=header.chunk_rows,
                                   chunk_length=header.chunk_length), payload
 
-    def build_ahead(self, transport: Transport, step: Header) -> Optional[Ahead]:
+    def build_ahead(self, transport: Transport, frame: Header) -> Optional[Ahead]:
         """After a decode step (one position per row), the next frame is most likely the same
-        slot's next step: receive it lazily and build its graph now, while the other ranks
-        compute, instead of after it has come. The caches' updates are undone if it is not."""
-        if not (step.op == Op.FORWARD and step.length == 1 and not step.mixed and step.arg == 0
-                and step.slot in self.caches.slots and (step.reply == Reply.LAST or not self.is_last)):
+        slot's next step; after a TRIM that says what the slot's next frame is (verification.py:
+        a verification frame of that many positions, or a step), that frame: receive it
+        lazily and build its graph now, while the other ranks compute, instead of after it
+        has come. The caches' updates are undone if it is not."""
+        step = self._expected(frame)
+        if step is None:
             return None
         shape = step.payload_shape()
-        if self.guard.verdict([(step.batch, 1, step.slot)], step.payload_dtype().size) is not None:
+        if self.guard.verdict([(step.batch, step.length, step.slot)], step.payload_dtype().size) is not None:
             return None  # the frame is checked now: between frames this rank's memory stays as it is
         pending = transport.recv_ahead(shape, step.payload_dtype())
         if pending is None:
@@ -119,6 +122,23 @@ class StageWorker:
         held = hold(caches)
         h = self.stage(pending.payload, caches)
         return Ahead(pending, step, held, (Header.for_payload(Op.FORWARD, h, reply=step.reply, slot=step.slot), h))
+
+    def _expected(self, frame: Header) -> Optional[Header]:
+        """The frame expected after `frame`, as its header would read (None: not known)."""
+        if frame.op == Op.FORWARD:
+            self._last_forward = frame
+            expected = frame
+            if not (frame.length == 1 and not frame.mixed and frame.arg == 0):
+                return None
+        elif frame.op == Op.TRIM and frame.length > 0 and self._last_forward.slot == frame.slot:
+            reply = Reply.LAST if frame.length == 1 else Reply.ALL
+            expected = Header(Op.FORWARD, reply, frame.slot, 1, frame.length, self._last_forward.width,
+                              self._last_forward.dtype)
+        else:
+            return None
+        if expected.slot in self.caches.slots and (expected.reply in (Reply.LAST, Reply.ALL) or not self.is_last):
+            return expected
+        return None
 
     def take_ahead(self, transport: Transport, ahead: Ahead) -> Tuple[Header, Optional[mx.array], Optional[Frame]]:
         """The frame received ahead, and what to pass on if it was the step built for it (else
@@ -129,7 +149,7 @@ class StageWorker:
             header = transport.header_of(ahead.pending, ahead.out[1])
         step = ahead.step
         if (header.op, header.reply, header.slot, header.batch, header.length, header.width, header.dtype,
-                header.arg, header.mixed) == (Op.FORWARD, step.reply, step.slot, step.batch, 1, step.width,
+                header.arg, header.mixed) == (Op.FORWARD, step.reply, step.slot, step.batch, step.length, step.width,
                                               step.dtype, 0, False):
             self.stats.forward_frames += 1
             return header, ahead.pending.payload, ahead.out

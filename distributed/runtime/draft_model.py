@@ -111,6 +111,13 @@ class ModelDrafter:
         self.windows = [stage.args.sliding_window if layer.use_sliding else None for layer in stage.layers]
         self.states: "OrderedDict[object, DraftState]" = OrderedDict()  # by sequence, least recent first
         self._step = mx.compile(self._forward)  # one token: the same shapes at every position
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the step now (tens of milliseconds on a CPU), not in a request's first pass."""
+        state = DraftState(self.stage, self.windows)
+        state.ready_for(1, self.stage.norm.weight.dtype)
+        mx.eval(self._step(mx.zeros((1, 1), mx.uint32), mx.array(0), *state.buffers))
 
     def _forward(self, tokens, offset, *buffers):
         return _forward(self.stage, self.windows, tokens, offset, *buffers)

@@ -238,12 +238,21 @@ def judge(head, seq, drafts: List[int], h: mx.array, most: int = DEFAULT_DRAFT_T
     pass drafts up to `most`."""
     logits = head(h)[0]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    mx.eval(logprobs)
-    tokens = draws(seq, logits, logprobs, drafts)
+    if seq.greedy and not seq.logits.shapes:  # every position's draw, logprob and top logprobs in one evaluation
+        picked, best = mx.argmax(logprobs, axis=-1), mx.max(logprobs, axis=-1)
+        top = top_k_logprobs(logprobs, seq.logits.top) if seq.logits.top else None
+        mx.eval(picked, best, *(top or ()))
+        tokens = _until_mismatch(picked.tolist(), drafts)
+        chosen = best.tolist()[:len(tokens)]
+        tops = _tops(top, len(tokens))
+    else:
+        mx.eval(logprobs)
+        tokens = draws(seq, logits, logprobs, drafts)
+        chosen, tops = reported(seq, logprobs, tokens)
     seq.pass_clock.judged(len(tokens))
     back_off(seq, len(tokens) - 1)
     adapt(seq, len(drafts), len(tokens) - 1, most)
-    return (tokens, *reported(seq, logprobs, tokens))
+    return tokens, chosen, tops
 
 
 def draws(seq, logits: mx.array, logprobs: mx.array, drafts: List[int]) -> List[int]:
@@ -279,7 +288,11 @@ def reported(seq, logprobs: mx.array, tokens: List[int]):
     chosen = mx.take_along_axis(logprobs[:n], mx.array(tokens)[:, None], axis=-1)[:, 0]
     top = top_k_logprobs(logprobs[:n], seq.logits.top) if seq.logits.top else None
     mx.eval(chosen, *(top or ()))
-    tops: List[Optional[list]] = [None] * n
-    if top is not None:
-        tops = [list(zip(i, v)) for i, v in zip(top[0].tolist(), top[1].tolist())]
-    return chosen.tolist(), tops
+    return chosen.tolist(), _tops(top, n)
+
+
+def _tops(top, n: int) -> List[Optional[list]]:
+    """The first n positions' top logprobs as streamed ((token, logprob) pairs), or None each."""
+    if top is None:
+        return [None] * n
+    return [list(zip(i, v)) for i, v in zip(top[0][:n].tolist(), top[1][:n].tolist())]

@@ -43,9 +43,9 @@ class FrameLog:
             if on_send is not None:
                 on_send(slot, shape, reply)
 
-        def logged_send(tokens, reply, slot=0):
+        def logged_send(tokens, reply, slot=0, **hints):
             log(tokens.shape, reply, slot)
-            return send(tokens, reply, slot)
+            return send(tokens, reply, slot, **hints)
 
         def logged_send_mixed(tokens, slot, chunk, chunk_slot):
             self.mixed.append(len(self.sends))

@@ -30,7 +30,7 @@ from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .prefix_hooks import PrefixHooks
 from .sequence import Sequence
 from .speculation import SpeculationOptions, SpeculationStats, make_drafter
-from .verification import receive_verify, send_verify, speculates
+from .verification import receive_verify, send_verify, speculates, verifies_after_step
 
 
 class Batcher:
@@ -180,6 +180,7 @@ class Batcher:
         its frame if one waits (chunked prefill, as vLLM and Sarathi-Serve mix them): the
         chunk's tokens share the step's pass over the expert weights, and the running rows
         go on decoding while prompts prefill, one chunk per step at most."""
+        ahead = tokens is not None  # the lookahead (_receive): the previous step's tokens not accepted yet
         if tokens is None:
             if send_verify(self, group):
                 return
@@ -196,7 +197,8 @@ class Batcher:
                 and not self.admission.next_scored):
             batch = self.admission.send_next(carry)
         if not carried:
-            self.pipeline.send(tokens[:, None], Reply.LAST, group.slot)
+            self.pipeline.send(tokens[:, None], Reply.LAST, group.slot,
+                               next_length=verifies_after_step(self, group) if ahead else 0)
         group.busy = True
         self._expect(Outstanding("step", list(group.members), group.slot, group, first=first, chunk=carried,
                                  rows=tokens.shape[0]))

@@ -150,7 +150,7 @@ class Pipeline:
             self.caches.apply(Op.TRIM, slot, n, ())
             self.guard.settle()
         if self.transport is not None and (n > 0 or next_length > 0):
-            self._send(Header(Op.TRIM, slot=slot, arg=n, length=next_length))
+            self._send(Header(Op.TRIM, slot=slot, arg=n, next_length=next_length))
 
     # Prefix-cache entries (the index: prefix_cache.py): every rank keeps its slice.
 
@@ -170,10 +170,12 @@ class Pipeline:
         if entries:
             self._cache_op(Op.EVICT, 0, values=entries)
 
-    def send(self, tokens: mx.array, reply: Reply, slot: int = 0, keep: int = 0) -> None:
+    def send(self, tokens: mx.array, reply: Reply, slot: int = 0, keep: int = 0, next_length: int = 0) -> None:
         """Start tokens (batch, length) through all stages; unless `reply` is
         NONE, recv() later returns the reply. `keep`: the positions before it that a
-        trim may still take back (a verification frame drafted ahead: caches.keeping)."""
+        trim may still take back (a verification frame drafted ahead: caches.keeping).
+        `next_length`: the positions of the slot's next frame, where rank 0 expects one
+        (the other ranks build it ahead: worker.py)."""
         refused = self.guard.verdict([(tokens.shape[0], tokens.shape[1], slot)], self._itemsize)
         if refused is not None:
             return self._refuse(Header(Op.FORWARD, reply, slot), refused)
@@ -183,7 +185,8 @@ class Pipeline:
         self.stats.forward_frames += 1
         self._hidden = (h.shape[-1], h.dtype)  # what the last rank's replies hold
         if self.transport is not None:
-            if not self._sent(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot, arg=keep), h):
+            header = Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot, arg=keep, next_length=next_length)
+            if not self._sent(header, h):
                 return
             if self.time_sends:
                 self._computing = h

@@ -31,7 +31,7 @@ from ..transport import Op, Reply
 from .caches import is_batch
 from .frames import Outstanding
 from .memory_failure import fail_frame, failed_here
-from .speculation import judge, propose, propose_ahead
+from .speculation import FIRST_DRAFTS, judge, propose, propose_ahead
 
 ODDS_WEIGHT = 0.25  # of each pass in a sequence's odds that a frame ahead holds
 AHEAD_ODDS = 0.8  # the odds a frame ahead must have (see above)
@@ -143,6 +143,20 @@ def receive_verify(batcher, frame, more: bool = True) -> None:
         if more:
             extend(batcher, frame.group)
     frame.group.busy = bool(held)
+
+
+def verifies_after_step(batcher, group) -> int:
+    """A step sent ahead (batching.py's lookahead: before the token of the step before it is
+    accepted): the positions of the verification frame expected to follow it, for the other
+    ranks to build ahead (Pipeline.send); 0: none expected. The sequence's back-off runs out
+    with that token, and the frame drafts K after this step's token (a draft model proposes
+    all K it is asked for)."""
+    seq = group.members[0] if len(group.members) == 1 else None
+    if seq is None or not getattr(batcher.drafter, "proposes_all", False) or seq.draft_pause != 1:
+        return 0
+    first = min(FIRST_DRAFTS, batcher.speculation.num_draft_tokens)
+    k = min(seq.draft_k or first, seq.request.max_tokens - (seq.count + 2) - 1)
+    return k + 1 if k > 0 and seq.request.speculative else 0
 
 
 def _next_length(batcher, seq) -> int:

@@ -1,6 +1,6 @@
 """What a rank other than 0 runs: receive a frame, run its stage, pass it on."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
@@ -78,7 +78,8 @@ class StageWorker:
                 return None if header.reply == Reply.NONE else (Header(Op.FORWARD, Reply.ACK, header.slot), None)
             if header.reply == Reply.LAST:
                 h = h[:, -1:, :]
-        return Header.for_payload(Op.FORWARD, h, reply=header.reply, slot=header.slot, arg=header.arg), h
+        return Header.for_payload(Op.FORWARD, h, reply=header.reply, slot=header.slot, arg=header.arg,
+                                  next_length=header.next_length), h
 
     def _forward_mixed(self, header: Header, h: mx.array) -> Optional[Frame]:
         """A decode step and a prefill chunk in one frame (Pipeline.send_mixed)."""
@@ -105,8 +106,8 @@ class StageWorker:
 
     def build_ahead(self, transport: Transport, frame: Header) -> Optional[Ahead]:
         """After a decode step (one position per row), the next frame is most likely the same
-        slot's next step; after a TRIM that says what the slot's next frame is (verification.py:
-        a verification frame of that many positions, or a step), that frame: receive it
+        slot's next step; after a step or TRIM that says what the slot's next frame is
+        (verification.py: a verification frame of that many positions, or a step), that frame: receive it
         lazily and build its graph now, while the other ranks compute, instead of after it
         has come. The caches' updates are undone if it is not."""
         step = self._expected(frame)
@@ -127,13 +128,12 @@ class StageWorker:
         """The frame expected after `frame`, as its header would read (None: not known)."""
         if frame.op == Op.FORWARD:
             self._last_forward = frame
-            expected = frame
-            if not (frame.length == 1 and not frame.mixed and frame.arg == 0):
-                return None
-        elif frame.op == Op.TRIM and frame.length > 0 and self._last_forward.slot == frame.slot:
-            reply = Reply.LAST if frame.length == 1 else Reply.ALL
-            expected = Header(Op.FORWARD, reply, frame.slot, 1, frame.length, self._last_forward.width,
-                              self._last_forward.dtype)
+        if frame.op in (Op.FORWARD, Op.TRIM) and frame.next_length > 0 and self._last_forward.slot == frame.slot:
+            n = frame.next_length
+            expected = Header(Op.FORWARD, Reply.LAST if n == 1 else Reply.ALL, frame.slot, 1, n,
+                              self._last_forward.width, self._last_forward.dtype)
+        elif frame.op == Op.FORWARD and frame.length == 1 and not frame.mixed and frame.arg == 0:
+            expected = frame  # the same slot's next step
         else:
             return None
         if expected.slot in self.caches.slots and (expected.reply in (Reply.LAST, Reply.ALL) or not self.is_last):
@@ -152,7 +152,7 @@ class StageWorker:
                 header.arg, header.mixed) == (Op.FORWARD, step.reply, step.slot, step.batch, step.length, step.width,
                                               step.dtype, 0, False):
             self.stats.forward_frames += 1
-            return header, ahead.pending.payload, ahead.out
+            return header, ahead.pending.payload, (replace(ahead.out[0], next_length=header.next_length), ahead.out[1])
         put_back(self.caches.get(step.slot), ahead.held)
         return header, transport.payload_of(ahead.pending, header), None
 

@@ -29,8 +29,7 @@ class Op(IntEnum):
     RESTORE = 17  # fresh caches for `slot` from entry `entry`, cut to `tokens` (payload: entry, tokens)
     EVICT = 18  # forget the entries listed in the payload
     # Speculative decoding (runtime/speculation.py):
-    TRIM = 19  # drop the newest `arg` positions of `slot` (drafts the target rejected); `length`: the
-    # positions of the slot's next frame as rank 0 expects it, or 0 (the other ranks build it ahead)
+    TRIM = 19  # drop the newest `arg` positions of `slot` (drafts the target rejected)
     # Memory (runtime/memory_guard.py):
     NO_MEMORY = 24  # in place of a FORWARD a rank could not run for lack of memory; it reaches rank 0 as
     # that frame's reply (int32 payload: the rank, KiB needed, KiB in use, KiB limit)
@@ -64,8 +63,11 @@ class Header:
     chunk_slot: int = 0
     chunk_rows: int = 0
     chunk_length: int = 0
+    # A FORWARD or TRIM: the positions of the slot's next frame as rank 0 expects it, one row
+    # (0: not known); the other ranks build that frame before it comes (runtime/worker.py).
+    next_length: int = 0
 
-    SIZE = 11
+    SIZE = 12
 
     def to_array(self) -> mx.array:
         return mx.array(astuple(self), dtype=mx.int32)

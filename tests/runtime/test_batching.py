@@ -22,11 +22,11 @@ class SendLog:
         self.frames = []
         batcher, send = scheduler.batcher, scheduler.pipeline.send
 
-        def logged(tokens, reply, slot=0):
+        def logged(tokens, reply, slot=0, **hints):
             decoding = any(g.members for g in batcher.groups)
             prefill = sum(o.kind != "step" for o in batcher.outstanding) if decoding else 0
             self.frames.append((slot, tokens.shape[0], prefill))
-            return send(tokens, reply, slot)
+            return send(tokens, reply, slot, **hints)
 
         scheduler.pipeline.send = logged
 

@@ -67,19 +67,20 @@ def prompts(every: bool = False, held_out_prompts: int = 1):
     return {"held-out": first, "grounded": passage + "\n\n" + passage[:80], "edit": heldout_prompt()}
 
 
-def run_once(ranks: int, prompt, max_tokens: int, extra: list, timeout: float, model: Path = MODEL,
+def combined(runs: list) -> dict:
+    """Runs of several prompts as one: tok/s is all their tokens over all their decode time;
+    the speculative counts summed."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    specs = [r["speculative"] for r in runs if r["speculative"]]
+    return {"tps": sum(len(r["tokens"]) for r in runs) / sum(len(r["tokens"]) / r["tps"] for r in runs),
+            "tokens": [t for r in runs for t in r["tokens"]],
+            "speculative": {k: sum(s[k] for s in specs) for k in specs[0]} if specs else None}
+
+
+def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: float, model: Path = MODEL,
              env: dict = None, blas: str = "openblas") -> dict:
-    """One request in fresh ranks; a list of prompts: each in turn, as one run (tok/s: all
-    their tokens over all their decode time; the speculative counts summed)."""
-    if isinstance(prompt, list):
-        runs = [run_once(ranks, p, max_tokens, extra, timeout, model, env, blas) for p in prompt]
-        failed = [r for r in runs if "error" in r]
-        if failed:
-            return failed[0]
-        specs = [r["speculative"] for r in runs if r["speculative"]]
-        return {"tps": sum(len(r["tokens"]) for r in runs) / sum(len(r["tokens"]) / r["tps"] for r in runs),
-                "tokens": [t for r in runs for t in r["tokens"]],
-                "speculative": {k: sum(s[k] for s in specs) for k in specs[0]} if specs else None}
     env = dict(env or bench_env(blas))
     # Each rank its share of the cores, as each Mac of a real ring has its own: OpenBLAS's own
     # threads, one per core in every rank by default, spin beside the other ranks (P = 2 with
@@ -274,15 +275,24 @@ def compare(texts: dict, modes: list, flags: dict, args) -> list:
     cases = [(name, ranks, mode) for name in texts for ranks in ranks_range for mode in modes_for(name, modes)]
     runs = {case: [] for case in cases}
     for rep in range(args.reps):
-        for case in cases:
-            name, ranks, mode = case
-            extra = flags[mode] + (["--num-draft-tokens", str(args.k)] if flags[mode] else [])
-            extra += ["--speculate", "always"] if args.always and flags[mode] else []
-            r = run_once(ranks, texts[name], args.max_tokens, extra, args.timeout, EDITOR if name == "edit" else MODEL,
-                         blas=args.blas)
-            runs[case].append(r)
-            print(f"[{rep + 1}/{args.reps}] {name} P={ranks} {mode}: "
-                  f"{r.get('error') or '%.1f tok/s' % r['tps']}", file=sys.stderr, flush=True)
+        for name in texts:
+            # Several prompts (--held-out N): each one's cases back to back, so that a slow spell
+            # of the machine (its speed swings by 2x over minutes here) falls on all of them alike.
+            parts = texts[name] if isinstance(texts[name], list) else [texts[name]]
+            mine = [case for case in cases if case[0] == name]
+            results = {case: [] for case in mine}
+            for part in parts:
+                for case in mine:
+                    _, ranks, mode = case
+                    extra = flags[mode] + (["--num-draft-tokens", str(args.k)] if flags[mode] else [])
+                    extra += ["--speculate", "always"] if args.always and flags[mode] else []
+                    results[case].append(run_once(ranks, part, args.max_tokens, extra, args.timeout,
+                                                  EDITOR if name == "edit" else MODEL, blas=args.blas))
+            for case in mine:
+                r = combined(results[case])
+                runs[case].append(r)
+                print(f"[{rep + 1}/{args.reps}] {name} P={case[1]} {case[2]}: "
+                      f"{r.get('error') or '%.1f tok/s' % r['tps']}", file=sys.stderr, flush=True)
     rows = []
     for name in texts:
         for ranks in ranks_range:

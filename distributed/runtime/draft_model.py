@@ -114,10 +114,17 @@ class ModelDrafter:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """Compile the step now (tens of milliseconds on a CPU), not in a request's first pass."""
+        """Compile the step now (tens of milliseconds on a CPU), not in a request's first pass.
+        A draft whose layers cannot be traced (a RoPE that reads its offset on the host, as
+        mlx-lm's dynamic NTK scaling does) steps uncompiled."""
         state = DraftState(self.stage, self.windows)
         state.ready_for(1, self.stage.norm.weight.dtype)
-        mx.eval(self._step(mx.zeros((1, 1), mx.uint32), mx.array(0), *state.buffers))
+        args = (mx.zeros((1, 1), mx.uint32), mx.array(0), *state.buffers)
+        try:
+            mx.eval(self._step(*args))
+        except ValueError:
+            self._step = self._forward
+            mx.eval(self._step(*args))
 
     def _forward(self, tokens, offset, *buffers):
         return _forward(self.stage, self.windows, tokens, offset, *buffers)

@@ -4,6 +4,7 @@ past the window) or the first few (drafts rejected at many offsets); drafts for 
 sequences at once with room for one; the bundled draft of the embedded model on held-out
 text; a draft whose tokenizer differs is refused."""
 
+import json
 import random
 import sys
 from types import SimpleNamespace
@@ -69,6 +70,23 @@ def test_a_draft_of_the_first_layers_is_rejected_and_changes_nothing(pipeline, h
     assert [e.top_logprobs[0][0] for e in tokens] == [e.top_logprobs[0][0] for e in plain[0]]
     stats = batcher.spec_stats
     assert 0 < stats.accepted < stats.drafted, stats
+
+
+def test_a_draft_whose_rope_cannot_be_compiled_steps_uncompiled(hf_checkpoint, tmp_path):
+    """mlx-lm's dynamic NTK RoPE reads its offset on the host, which mx.compile cannot trace:
+    that draft steps uncompiled, and proposes as the same draft fed afresh."""
+    path = truncated_draft(hf_checkpoint, tmp_path / "dynamic", 4)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), "rope_type": "dynamic", "factor": 2.0}
+    (path / "config.json").write_text(json.dumps(config))
+    draft = load_stage(path, 0, 4, True)
+    drafter = ModelDrafter(draft)
+    assert drafter._step == drafter._forward  # the compiled step could not be traced
+    seq = Sequence(request=SimpleNamespace(prompt_ids=list(PROMPT)), generated=[])
+    for token in (5, 9, 17):
+        drafts = drafter.propose(seq, 3)
+        assert drafts == ModelDrafter(draft).propose(seq, 3)
+        seq.generated += drafts[:1] + [token]
 
 
 class Sequence(SimpleNamespace):

@@ -148,26 +148,28 @@ def receive_verify(batcher, frame, more: bool = True) -> None:
 def verifies_after_step(batcher, group) -> int:
     """A step sent ahead (batching.py's lookahead: before the token of the step before it is
     accepted): the positions of the verification frame expected to follow it, for the other
-    ranks to build ahead (Pipeline.send); 0: none expected. The sequence's back-off runs out
-    with that token, and the frame drafts K after this step's token (a draft model proposes
-    all K it is asked for)."""
+    ranks to build ahead (Pipeline.send), where the sequence's back-off runs out with that
+    token; 0: none expected."""
     seq = group.members[0] if len(group.members) == 1 else None
-    if seq is None or not getattr(batcher.drafter, "proposes_all", False) or seq.draft_pause != 1:
-        return 0
-    first = min(FIRST_DRAFTS, batcher.speculation.num_draft_tokens)
-    k = min(seq.draft_k or first, seq.request.max_tokens - (seq.count + 2) - 1)
-    return k + 1 if k > 0 and seq.request.speculative else 0
+    return _frame_length(batcher, seq, 2) if seq is not None and seq.draft_pause == 1 else 0
 
 
 def _next_length(batcher, seq) -> int:
-    """The positions of the sequence's next frame as far as rank 0 can tell now, for the other
-    ranks to build it ahead (Pipeline.trim): a step after a pass that backs off, else K + 1
-    where the drafter proposes all K it is asked for (a draft model: prompt lookup may find
-    fewer); 0: not known."""
-    if seq.draft_pause:
-        return 1
-    k = min(seq.draft_k, seq.request.max_tokens - seq.count - 1)
-    return k + 1 if k > 0 and getattr(batcher.drafter, "proposes_all", False) else 0
+    """The positions of the sequence's next frame as far as rank 0 can tell after judging a
+    pass, for the other ranks to build it ahead (Pipeline.trim): a step where it backs off,
+    else its next verification frame; 0: not known."""
+    return 1 if seq.draft_pause else _frame_length(batcher, seq, 0)
+
+
+def _frame_length(batcher, seq, later: int) -> int:
+    """K + 1 for the verification frame the sequence drafts once `later` more tokens are
+    accepted, where the drafter proposes all K it is asked for (a draft model: prompt lookup
+    may find fewer); 0: not known."""
+    if not getattr(batcher.drafter, "proposes_all", False) or not seq.request.speculative:
+        return 0
+    k = min(seq.draft_k or min(FIRST_DRAFTS, batcher.speculation.num_draft_tokens),
+            seq.request.max_tokens - seq.count - later - 1)
+    return k + 1 if k > 0 else 0
 
 
 def _cancel_ahead(seq, stats) -> int:

@@ -96,7 +96,9 @@ class DraftState:
         for i, window in enumerate(self.windows):
             slots = self.buffers[2 * i].shape[2]
             if window is None and slots < positions:  # slot = position there: copy into a bigger one
-                grown = max(2 * slots, positions)
+                grown = slots
+                while grown < positions:  # doubling: few sizes, each compiled once
+                    grown *= 2
                 for j in (2 * i, 2 * i + 1):
                     pad = mx.zeros(self.shape[:2] + (grown - slots,) + self.shape[3:], self.buffers[j].dtype)
                     self.buffers[j] = mx.concatenate([self.buffers[j], pad], axis=2)

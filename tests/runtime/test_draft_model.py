@@ -13,7 +13,8 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from distributed import TrinityError
-from distributed.runtime.draft_model import FULL_SLOTS, ROLLBACK, ModelDrafter
+from distributed.runtime import draft_model
+from distributed.runtime.draft_model import ROLLBACK, ModelDrafter
 from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
 from distributed.runtime.speculation import SpeculationOptions
@@ -93,23 +94,29 @@ class Sequence(SimpleNamespace):
     __hash__ = object.__hash__  # the drafter keeps its buffers by sequence
 
 
-def test_drafts_taken_back_at_every_offset_leave_the_draft_as_one_fed_afresh(hf_checkpoint, tmp_path):
+def test_drafts_taken_back_at_every_offset_leave_the_draft_as_one_fed_afresh(hf_checkpoint, tmp_path, monkeypatch):
     """Passes that accept 0..k drafts and frames ahead taken back (up to ROLLBACK positions,
     then beyond it), past the sliding window many times and past a full-attention layer's
-    first buffer: each proposal equals a fresh draft's, fed the whole history at once."""
+    first buffers (32 slots here, doubled thrice): each proposal equals a fresh draft's, fed
+    the whole history at once."""
+    monkeypatch.setattr(draft_model, "FULL_SLOTS", 32)
     draft = draft_of(hf_checkpoint, tmp_path, 4)  # sliding and full-attention layers
     kept, rng = ModelDrafter(draft), random.Random(0)
     seq = Sequence(request=SimpleNamespace(prompt_ids=list(PROMPT)), generated=[])
-    taken_back = []
-    while len(seq.generated) < FULL_SLOTS + 40:
+    taken_back, sizes = [], set()
+    while len(seq.generated) < 150:
         k = rng.randint(1, 8)
         ahead = [rng.randint(1, 250) for _ in range(rng.choice([0, 0, 0, 5, ROLLBACK - 8, ROLLBACK + 10]))]
-        drafts = kept.propose(seq, k, ahead)
-        assert drafts == ModelDrafter(draft).propose(seq, k, ahead)
+        drafts, fresh = kept.propose(seq, k, ahead), ModelDrafter(draft)
+        assert drafts == fresh.propose(seq, k, ahead)
+        for drafter in (kept, fresh):  # full-attention buffers: 32 slots, doubled (few shapes to compile)
+            [state] = drafter.states.values()
+            sizes.update(b.shape[2] for b, w in zip(state.buffers[::2], drafter.windows) if w is None)
         taken_back.append(len(ahead) + k - 1)
         held = rng.randint(0, k)
         seq.generated += drafts[:held] + [rng.randint(1, 250)]
-    assert max(taken_back) > ROLLBACK and len(taken_back) > 80
+    assert max(taken_back) > ROLLBACK and len(taken_back) >= 50
+    assert sizes <= {32 * 2 ** i for i in range(6)} and len(sizes) >= 3, sizes
 
 
 def test_two_sequences_drafted_with_room_for_one_keep_their_own_histories(pipeline, hf_checkpoint, reference,

@@ -83,16 +83,19 @@ class DraftState:
 
     def __init__(self, stage, windows: List[Optional[int]]):
         attn = stage.layers[0].self_attn
-        self.shape = (1, attn.n_kv_heads, 0, attn.head_dim)
+        self.heads, self.head_dim = attn.n_kv_heads, attn.head_dim
+        self.dtype = stage.norm.weight.dtype  # the keys' (weights may be quantized)
         self.windows = windows
         self.buffers: List[mx.array] = []
         self.tokens: List[int] = []
 
-    def ready_for(self, positions: int, dtype) -> None:
+    def _zeros(self, slots: int) -> mx.array:
+        return mx.zeros((1, self.heads, slots, self.head_dim), self.dtype)
+
+    def ready_for(self, positions: int) -> None:
         """Buffers that hold `positions` positions (a full-attention layer's grow)."""
         if not self.buffers:
-            sizes = [w + ROLLBACK if w else FULL_SLOTS for w in self.windows]
-            self.buffers = [mx.zeros(self.shape[:2] + (n,) + self.shape[3:], dtype) for n in sizes for _ in "kv"]
+            self.buffers = [self._zeros(w + ROLLBACK if w else FULL_SLOTS) for w in self.windows for _ in "kv"]
         for i, window in enumerate(self.windows):
             slots = self.buffers[2 * i].shape[2]
             if window is None and slots < positions:  # slot = position there: copy into a bigger one
@@ -100,8 +103,7 @@ class DraftState:
                 while grown < positions:  # doubling: few sizes, each compiled once
                     grown *= 2
                 for j in (2 * i, 2 * i + 1):
-                    pad = mx.zeros(self.shape[:2] + (grown - slots,) + self.shape[3:], self.buffers[j].dtype)
-                    self.buffers[j] = mx.concatenate([self.buffers[j], pad], axis=2)
+                    self.buffers[j] = mx.concatenate([self.buffers[j], self._zeros(grown - slots)], axis=2)
 
 
 class ModelDrafter:
@@ -120,7 +122,7 @@ class ModelDrafter:
         A draft whose layers cannot be traced (a RoPE that reads its offset on the host, as
         mlx-lm's dynamic NTK scaling does) steps uncompiled."""
         state = DraftState(self.stage, self.windows)
-        state.ready_for(1, self.stage.norm.weight.dtype)
+        state.ready_for(1)
         args = (mx.zeros((1, 1), mx.uint32), mx.array(0), *state.buffers)
         try:
             mx.eval(self._step(*args))
@@ -140,7 +142,7 @@ class ModelDrafter:
             state = self._state(seq, fresh=True)
             keep = 0
         feed = history[keep:]
-        state.ready_for(len(history) + k, self.stage.norm.weight.dtype)
+        state.ready_for(len(history) + k)
         position = keep
         for start in range(0, len(feed) - FEED_CHUNK, FEED_CHUNK):  # all but the last chunk
             _, *state.buffers = self._run(feed[start:start + FEED_CHUNK], position, state.buffers)

@@ -240,6 +240,7 @@ def greedy(model, prompts: np.ndarray, length: int) -> np.ndarray:
     y = mx.argmax(model(mx.array(prompts), cache=cache)[:, -1], axis=-1)
     drawn = [y]
     for _ in range(length - 1):
+        mx.async_eval(y)  # as it goes (as mlx-lm's generate_step), not one graph of every step at the end
         y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
         drawn.append(y)
     return np.array(mx.stack(drawn, axis=1))

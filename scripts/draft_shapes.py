@@ -21,7 +21,6 @@ import types
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_tiny_model as T  # noqa: E402
@@ -57,7 +56,7 @@ def main() -> None:
     docs, held = T.corpus()
     tok = Tokenizer.from_file(str(T.OUT / "tokenizer.json"))
     eot = tok.token_to_id(T.EOT)
-    stream = np.fromiter((t for e in tok.encode_batch(docs) for t in (*e.ids, eot)), dtype=np.int32)
+    stream = T.token_stream(tok, docs)
     teacher = T.load_teacher(T.OUT)
     pairs = T.agreement_set(teacher, held, tok)
     data = T.continuations(teacher, stream, args.continuations, 256)

@@ -196,6 +196,12 @@ def build_model(config: dict):
     return model, moe
 
 
+def token_stream(tok, docs: list) -> np.ndarray:
+    """The documents' tokens end to end, each followed by the end of text."""
+    eot = tok.token_to_id(EOT)
+    return np.fromiter((t for e in tok.encode_batch(docs) for t in (*e.ids, eot)), dtype=np.int32)
+
+
 def batches(stream: np.ndarray, batch: int, context: int, seed: int):
     rng = np.random.default_rng(seed)
     while True:
@@ -348,7 +354,7 @@ def main(argv=None):
     else:
         tok = train_tokenizer(train_docs, args.vocab, args.out)
     eot = tok.token_to_id(EOT)
-    stream = np.fromiter((t for e in tok.encode_batch(train_docs) for t in (*e.ids, eot)), dtype=np.int32)
+    stream = token_stream(tok, train_docs)
     print(f"corpus: {len(train_docs)} documents, {sum(map(len, train_docs))} characters, {len(stream)} tokens; "
           f"held out: {len(held_text)} characters", flush=True)
     if args.draft:  # the model's own greedy text, and its greedy text after held-out prompts to score

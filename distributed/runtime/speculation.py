@@ -206,10 +206,15 @@ class SpeculationStats:
         return {"drafted": self.drafted, "accepted": self.accepted, "passes": self.passes, "cancelled": self.cancelled}
 
 
+def draft_count(seq, options: SpeculationOptions) -> int:
+    """How many drafts the sequence's next pass asks for (FIRST_DRAFTS before its first; then adapt())."""
+    return seq.draft_k or min(FIRST_DRAFTS, options.num_draft_tokens)
+
+
 def propose(drafter, options: SpeculationOptions, seq) -> List[int]:
     """The drafter's tokens for `seq`'s next pass: never more than it can still take after
     the token the pass gives anyway; nothing to propose backs off one token."""
-    seq.draft_k = seq.draft_k or min(FIRST_DRAFTS, options.num_draft_tokens)
+    seq.draft_k = draft_count(seq, options)
     seq.pass_clock.measured = options.measured
     k = min(seq.draft_k, seq.request.max_tokens - seq.count - 1)
     drafts = drafter.propose(seq, k) if k > 0 else []

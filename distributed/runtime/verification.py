@@ -31,7 +31,7 @@ from ..transport import Op, Reply
 from .caches import is_batch
 from .frames import Outstanding
 from .memory_failure import fail_frame, failed_here
-from .speculation import FIRST_DRAFTS, judge, propose, propose_ahead
+from .speculation import draft_count, judge, propose, propose_ahead
 
 ODDS_WEIGHT = 0.25  # of each pass in a sequence's odds that a frame ahead holds
 AHEAD_ODDS = 0.8  # the odds a frame ahead must have (see above)
@@ -167,8 +167,7 @@ def _frame_length(batcher, seq, later: int) -> int:
     may find fewer); 0: not known."""
     if not getattr(batcher.drafter, "proposes_all", False) or not seq.request.speculative:
         return 0
-    k = min(seq.draft_k or min(FIRST_DRAFTS, batcher.speculation.num_draft_tokens),
-            seq.request.max_tokens - seq.count - later - 1)
+    k = min(draft_count(seq, batcher.speculation), seq.request.max_tokens - seq.count - later - 1)
     return k + 1 if k > 0 else 0
 
 

@@ -24,7 +24,9 @@ LAYERS = {
     "distributed.client": 4,
     "launch": 5,
 }
-MAX_LINES = 400
+MAX_FUNCTION_LINES = 80
+# Functions over it that are still to be split by meaning (each named; none may be added).
+LONG_FUNCTIONS = {"launch/supervisor.py _attempt"}
 
 
 def module_name(path: Path) -> str:
@@ -104,13 +106,16 @@ def test_layer_map_names_every_package():
     assert packages <= set(LAYERS), sorted(packages - set(LAYERS))
 
 
-def test_modules_stay_under_400_lines():
+def test_functions_fit_a_screen():
+    """A module is one idea, whatever its length; a function fits a screen (MAX_FUNCTION_LINES)."""
     long = []
-    for top in ("distributed", "launch", "bench", "scripts", "tests", "run_trinity.py"):
+    for top in ("distributed", "launch", "run_trinity.py"):
         for path in [ROOT / top] if top.endswith(".py") else (ROOT / top).rglob("*.py"):
             if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
                 continue  # generated
-            n = len(path.read_text().splitlines())
-            if n > MAX_LINES:
-                long.append(f"{path.relative_to(ROOT)}: {n} lines")
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES and f"{path.relative_to(ROOT)} {node.name}" not in LONG_FUNCTIONS:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
     assert not long, "\n".join(long)

@@ -89,6 +89,19 @@ class Batcher:
     def shutdown(self, reason: str) -> None:
         """End every admitted sequence with an error (the server is stopping)."""
         self.drain()
+        self._end_all(reason)
+
+    def reset(self, reason: str) -> None:
+        """End every admitted sequence with `reason` and start the ring clean: every reply
+        still owed is read and dropped and every rank drops every slot (Pipeline.clear).
+        After an error that no one row is to blame for, the batcher's and the caches' state
+        may disagree anywhere; this is the one way back to a state they agree on. Prefix-cache
+        entries stay: each was complete on every rank when it was indexed."""
+        self._end_all(reason)
+        self.outstanding.clear()
+        self.pipeline.clear()
+
+    def _end_all(self, reason: str) -> None:
         held = self.admission.held() + [s for b in self.ready for s in b.members]
         for seq in held + [s for g in self.groups for s in g.members]:
             if not seq.finished:
@@ -97,7 +110,7 @@ class Batcher:
         self.admission.current = None
         self.ready.clear()
         for group in self.groups:
-            group.members = []
+            group.members, group.busy = [], False
         self.sequences = 0
 
     def _new_slot(self) -> int:

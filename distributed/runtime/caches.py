@@ -71,6 +71,10 @@ class SlotCaches:
     def drop(self, slot: int) -> None:
         self.slots.pop(slot, None)
 
+    def clear(self) -> None:
+        """Drop every slot (Op.CLEAR); prefix-cache entries stay (they are evicted by name)."""
+        self.slots.clear()
+
     def rows(self, slot: int) -> int:
         caches = self.slots[slot]
         return caches[0].offset.shape[0] if is_batch(caches) else 1
@@ -123,7 +127,7 @@ class SlotCaches:
     def _take(batch: List, rows: List[int]) -> List:
         """Rows `rows` of a batch as caches of their own (plain ones for one row)."""
         if len(rows) == 1:
-            return [c.extract(rows[0]) for c in batch]
+            return [extract_row(c, rows[0]) for c in batch]
         taken = [copy.copy(c) for c in batch]
         index = mx.array(rows)
         for cache in taken:
@@ -139,7 +143,7 @@ class SlotCaches:
         if not is_batch(batch):
             return  # one row, kept
         if len(keep) == 1:
-            self.slots[batch_slot] = [c.extract(keep[0]) for c in batch]
+            self.slots[batch_slot] = [extract_row(c, keep[0]) for c in batch]
             return
         rows = mx.array(keep)
         for cache in batch:
@@ -156,7 +160,7 @@ class SlotCaches:
         Returns (tokens it covers, bytes kept)."""
         caches = self.slots[slot]
         if is_batch(caches):
-            caches = [c.extract(row) for c in caches]
+            caches = [extract_row(c, row) for c in caches]
         kept = [compact(c) for c in caches]
         mx.eval([(c.keys, c.values) for c in kept])
         self.entries[entry] = kept
@@ -177,6 +181,15 @@ class SlotCaches:
 
 def is_batch(caches: List) -> bool:
     return isinstance(caches[0], (BatchKVCache, BatchRotatingKVCache))
+
+
+def extract_row(cache, row: int):
+    """Row `row` of a batch cache as a plain one. A batch no frame has reached yet (prompts of
+    one token each: nothing to prefill, merged into a batch of empty caches) has no keys for
+    mlx-lm's extract to slice: its rows are fresh caches."""
+    if cache.empty():
+        return RotatingKVCache(cache.max_size) if isinstance(cache, BatchRotatingKVCache) else KVCache()
+    return cache.extract(row)
 
 
 def trim_newest(cache, n: int) -> None:

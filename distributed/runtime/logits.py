@@ -81,6 +81,7 @@ class SequenceLogits:
         self.top = r.top_logprobs
         self.prompt = PromptScores(r.prompt_ids, r.top_logprobs) if r.scores_prompt else None
         self._history = TokenBuffer(list(r.prompt_ids)) if self.processors else None
+        self.error: Optional[str] = None  # the processors raised: the sequence ends with it (Sequence.accept)
         # Generated tokens already in the history. A resumed request's `generated` starts
         # with its resumed tokens: they join at its first step, as they did one by one.
         self._fed = 0
@@ -98,12 +99,19 @@ class SequenceLogits:
         return self.constraint.mask(logits, generated) if self.constraint is not None else logits
 
     def processed(self, logits: mx.array, generated: List[int]) -> mx.array:
+        """The processors applied; where they raise, `logits` as they are and `error` set: the
+        sequence ends with it, alone, and the rows beside it go on."""
         new = generated[self._fed:]
         self._fed = len(generated)
-        history = self._history.update_and_fetch(mx.array(new, dtype=mx.int32)) if new else self._history.tokens
-        for processor in self.processors:
-            logits = processor(history, logits)
-        return logits
+        try:
+            history = self._history.update_and_fetch(mx.array(new, dtype=mx.int32)) if new else self._history.tokens
+            shaped = logits
+            for processor in self.processors:
+                shaped = processor(history, shaped)
+            return shaped
+        except Exception as e:
+            self.error = f"its logits processors failed: {type(e).__name__}: {e}"
+            return logits
 
 
 def draw(sequences, logprobs: mx.array) -> mx.array:

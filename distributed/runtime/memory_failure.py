@@ -84,22 +84,7 @@ def fail_everything(batcher, error: Exception) -> None:
     the frames above): every admitted request ends with an error naming memory, every
     rank drops their caches, the replies still owed are read and dropped, and the ring
     and the queue go on."""
-    pipeline = batcher.pipeline
-    message = describe(pipeline.guard.own_failure()) + f" ({error})"
-    pipeline.drop_replies(len(batcher.outstanding))
-    batcher.outstanding.clear()
-    for seq in batcher.admission.held() + [s for b in batcher.ready for s in b.members] + \
-            [s for g in batcher.groups for s in g.members]:
-        if not seq.finished:
-            seq.finish("error", error=message)
-    batcher.admission.waiting.clear()
-    batcher.admission.current = None
-    batcher.ready.clear()
-    for group in batcher.groups:
-        group.members, group.busy = [], False
-    batcher.sequences = 0
-    for slot in list(pipeline.caches.slots):
-        pipeline.release(slot)
+    batcher.reset(describe(batcher.pipeline.guard.own_failure()) + f" ({error})")
 
 
 def _without(pipeline, slot: int, members: List, ids: set) -> List:

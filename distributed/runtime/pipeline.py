@@ -263,13 +263,19 @@ class Pipeline:
         """Waits for a reply received ahead; its header."""
         return self.transport.header_of(pending)
 
-    def drop_replies(self, frames: int) -> None:
-        """Read and drop the replies to the last `frames` frames sent (rank 0 could not
-        evaluate its part of them: memory_failure.fail_everything)."""
+    def clear(self) -> None:
+        """Drop every slot's caches on every rank, after reading and dropping every reply
+        still owed, however many: a CLEAR frame goes round and every frame before it is
+        read until it is back (Batcher.reset; a step that raised may have sent a frame it
+        never recorded). Prefix-cache entries stay."""
         self._computing = None  # it may be what failed
         self._local.clear()
-        for _ in range(frames if self.transport is not None else 0):
-            self.transport.recv()
+        self.caches.clear()
+        self.guard.settle()
+        if self.transport is not None:
+            self._send(Header(Op.CLEAR))
+            while self.transport.recv()[0].op != Op.CLEAR:
+                pass
 
     def take_local_reply(self) -> Optional[mx.array]:
         """One rank: the (lazy) reply to the frame just sent, taken now instead of by

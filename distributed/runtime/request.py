@@ -10,6 +10,42 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token (OpenAI's chat limit)
+# The start of FinishEvent.error where a request failed alone, on its own input (its grammar,
+# its processors, its text): the front ends answer it as the request's error, not the server's.
+REQUEST_FAILED = "this request failed"
+
+
+# Stop strings: how many and how long (characters). Matching costs each token's text times the
+# number of stops (sequence.StopStrings); the length bounds the text held back while it could
+# still begin one.
+MAX_STOPS = 64
+MAX_STOP_CHARS = 4096
+CONTEXT = "context"  # in LIMITS: the model's context (validate's max_context)
+INF = math.inf
+
+# Every number a request carries, checked before it is queued (every front end, through
+# validate or, before the model is known, validate_sampling): (field, lowest, highest, whether the
+# lowest itself is refused, whether it must be an integer). A number out of these ranges could
+# reach MLX as a shape or an index (a context size of 2**40 raised inside the scheduler's step).
+LIMITS = [
+    ("temperature", 0, INF, False, False),
+    ("top_p", 0, 1, True, False),
+    ("top_k", 0, INF, False, True),
+    ("min_p", 0, 1, False, False),
+    ("presence_penalty", -2, 2, False, False),  # OpenAI's range
+    ("frequency_penalty", -2, 2, False, False),
+    ("repetition_penalty", 0, INF, True, False),  # 1: off
+    ("presence_context_size", 1, CONTEXT, False, True),
+    ("frequency_context_size", 1, CONTEXT, False, True),
+    ("repetition_context_size", 1, CONTEXT, False, True),
+    ("top_logprobs", 0, MAX_TOP_LOGPROBS, False, True),
+]
+
+
+def _range_text(low, high, open_low: bool) -> str:
+    if high == INF:
+        return f"{'>' if open_low else '>='} {low}"
+    return f"in {'(' if open_low else '['}{low}, {high}]"
 
 
 class RequestError(ValueError):
@@ -65,7 +101,7 @@ class GenerationRequest:
                                                    f"max_tokens ({self.max_tokens})")
         if max_tokens_cap is not None and self.max_tokens > max_tokens_cap:
             raise RequestError("max_tokens", f"{self.max_tokens} is above the server's cap of {max_tokens_cap}")
-        self.validate_sampling()
+        self.validate_sampling(max_context)
         if len(self.prompt_ids) + self.max_tokens > max_context:
             raise RequestError(
                 "max_tokens",
@@ -84,39 +120,32 @@ class GenerationRequest:
             if bad is not None:
                 raise RequestError(name, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
-    def validate_sampling(self) -> None:
-        """The checks that need no model (the command line runs them before loading)."""
-        if self.max_tokens < (0 if self.prompt_logprobs else 1):  # 0: score the prompt, generate nothing
-            raise RequestError("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if math.isnan(self.temperature) or self.temperature < 0:
-            raise RequestError("temperature", f"must be >= 0, got {self.temperature}")
-        if math.isnan(self.top_p) or not 0 < self.top_p <= 1:
-            raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise RequestError("top_k", f"must be >= 0, got {self.top_k}")
-        if math.isnan(self.min_p) or not 0 <= self.min_p <= 1:
-            raise RequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+    def validate_sampling(self, max_context: float = INF) -> None:
+        """The checks of LIMITS and the other fields' (the command line runs them before loading,
+        with no context known)."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < (0 if self.prompt_logprobs else 1):
+            raise RequestError("max_tokens", f"must be at least 1, got {self.max_tokens}")  # 0: score the prompt
+        for name, low, high, open_low, integer in LIMITS:
+            value, high = getattr(self, name), max_context if high == CONTEXT else high
+            if integer and not isinstance(value, int):
+                raise RequestError(name, f"must be an integer, got {value!r}")
+            if not (low < value <= high if open_low else low <= value <= high):  # NaN fails it too
+                raise RequestError(name, f"must be {_range_text(low, high, open_low)}, got {value}")
         if self.seed is not None and not 0 <= self.seed < 2**64:  # mx.random.key takes a uint64
             raise RequestError("seed", f"must be in [0, 2**64), got {self.seed}")
-        if any(not s for s in self.stop):
-            raise RequestError("stop", "stop strings must not be empty")
-        self._validate_logits()
-
-    def _validate_logits(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2 <= value <= 2:  # OpenAI's range (NaN fails it too)
-                raise RequestError(name, f"must be in [-2, 2], got {value}")
-        if not 0 < self.repetition_penalty < math.inf:
-            raise RequestError("repetition_penalty", f"must be > 0 (1: off), got {self.repetition_penalty}")
-        for name in ("presence_context_size", "frequency_context_size", "repetition_context_size"):
-            if getattr(self, name) < 1:
-                raise RequestError(name, f"must be at least 1, got {getattr(self, name)}")
         bad = next((b for b in self.logit_bias.values() if not -100 <= b <= 100), None)
         if bad is not None:
             raise RequestError("logit_bias", f"biases must be in [-100, 100], got {bad}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise RequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        self._validate_stops()
+
+    def _validate_stops(self) -> None:
+        if len(self.stop) > MAX_STOPS:
+            raise RequestError("stop", f"at most {MAX_STOPS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s:
+                raise RequestError("stop", "stop strings must not be empty")
+            if len(s) > MAX_STOP_CHARS:
+                raise RequestError("stop", f"stop strings are at most {MAX_STOP_CHARS} characters, got {len(s)}")
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline

@@ -6,6 +6,7 @@ once) and drives rank 0's Pipeline, streaming events back to each request's
 handle.
 """
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -24,6 +25,10 @@ from .request import FinishEvent, GenerationRequest, TokenEvent
 from .speculation import SpeculationOptions
 
 Event = Union[TokenEvent, FinishEvent]
+log = logging.getLogger(__name__)
+
+# The error of the requests a reset ended (Scheduler._recover): none of them is to blame alone.
+RESET = "internal error; every running request was ended and the ring reset, it serves on"
 
 
 class QueueFull(Exception):
@@ -204,23 +209,30 @@ class Scheduler:
                     if until_idle and self._waiting.empty() and self._calls.empty():
                         return
                     continue
-                self._step()
-            except Exception as e:  # the ring is broken: fail this and every later request
-                self.abort(f"{type(e).__name__}: {e}")
+                self.batcher.step()
+            except Exception as e:
+                self._recover(e)
             with self._lock:
                 self._active = {h for h in self._active if not h.done}
         if self.failure is None and not self.batcher.idle:
             self.batcher.shutdown("the server is shutting down")
 
-    def _step(self) -> None:
-        """One batcher step. Where MLX could not allocate on rank 0 outside a frame it can
-        fail alone (memory_failure.py), the running requests end, not the ring."""
+    def _recover(self, error: Exception) -> None:
+        """A step raised `error` that no one request was found to cause (a row's own failures
+        end that row alone: Batcher._accept): every admitted request ends with an error, every
+        rank drops its caches, and the ring serves on (Batcher.reset). Where MLX could not
+        allocate on rank 0, the error names memory (memory_failure.py). Only if the reset
+        fails too is the ring broken: then nothing is served half-alive, the loop ends and
+        the process exits non-zero (a launcher's --restart starts it again)."""
         try:
-            self.batcher.step()
+            if allocation_failed(error):
+                return fail_everything(self.batcher, error)
+            log.error("a step failed; resetting the ring", exc_info=error)
+            self.batcher.reset(f"{RESET} ({type(error).__name__})")
         except Exception as e:
-            if not allocation_failed(e):
-                raise
-            fail_everything(self.batcher, e)
+            log.error("resetting the ring failed; the ring is down", exc_info=e)
+            self.abort(f"{type(e).__name__}: {e}")
+            self._stopping.set()
 
     def _run_calls(self) -> None:
         while not self._calls.empty():

@@ -57,7 +57,10 @@ class StageWorker:
             return Header.for_payload(Op.INFO, table), table
         if header.op == Op.NO_MEMORY:  # a frame a rank before could not run: on to rank 0, as its reply
             return None if self.is_last and header.reply == Reply.NONE else (header, payload)
-        if header.op in (Op.STOP, Op.PARK):
+        if header.op == Op.CLEAR:
+            self.caches.clear()
+            self.guard.settle()
+        if header.op in (Op.STOP, Op.PARK, Op.CLEAR):
             return header, None  # round trips: the last rank passes them back to rank 0
         raise ValueError(f"rank {self.rank} received unknown op {header.op}")
 

@@ -30,13 +30,16 @@ class Op(IntEnum):
     EVICT = 18  # forget the entries listed in the payload
     # Speculative decoding (runtime/speculation.py):
     TRIM = 19  # drop the newest `arg` positions of `slot` (drafts the target rejected)
+    # Recovery (runtime/batching.py Batcher.reset): drop every slot's caches, then back to rank 0,
+    # which reads and drops every reply before it; the ring starts clean after a step's error.
+    CLEAR = 20
     # Memory (runtime/memory_guard.py):
     NO_MEMORY = 24  # in place of a FORWARD a rank could not run for lack of memory; it reaches rank 0 as
     # that frame's reply (int32 payload: the rank, KiB needed, KiB in use, KiB limit)
 
 
 # Frames that go all the way round, back to rank 0.
-ROUND_TRIP_OPS = (Op.STOP, Op.PARK)
+ROUND_TRIP_OPS = (Op.STOP, Op.PARK, Op.CLEAR)
 
 
 class Reply(IntEnum):

@@ -14,7 +14,7 @@ from mlx_lm.utils import load_tokenizer
 from distributed.runtime import batching, memory_failure
 from distributed.runtime.memory_guard import OUT_OF_MEMORY
 from distributed.runtime.request import FinishEvent, GenerationRequest, TokenEvent
-from distributed.runtime.scheduler import Scheduler
+from distributed.runtime.scheduler import RESET, RingUnavailable, Scheduler
 from reference import mlx_lm_greedy
 from stages import in_process_pipeline
 
@@ -128,13 +128,36 @@ def test_an_allocation_failure_outside_any_one_frame_ends_the_running_requests_n
     assert_serves_exactly(scheduler, hf_checkpoint, B)
 
 
-def test_other_errors_still_stop_the_ring(hf_checkpoint, monkeypatch):
-    scheduler, [a] = run(hf_checkpoint, (3, 5), [A])
+def test_any_other_error_in_a_step_resets_the_ring_and_it_serves_on(hf_checkpoint, monkeypatch):
+    """An error that is not memory's, where no one row is to blame: the running requests end
+    naming a reset, every rank drops every slot, and the ring serves the next request exactly."""
+    scheduler, [a, b] = run(hf_checkpoint, (3, 5), [A, B])
 
     def broken(*args):
         raise RuntimeError("[recv] connection reset by peer")
 
     monkeypatch.setattr(memory_failure, "mx", MlxWith(eval=broken))
     scheduler.run_pending()
+    monkeypatch.undo()
+    assert scheduler.failure is None
+    for handle in (a, b):
+        finish = outcome(handle)[1]
+        assert finish.finish_reason == "error" and finish.error.startswith(RESET) and "RuntimeError" in finish.error
+    assert_serves_exactly(scheduler, hf_checkpoint)
+
+
+def test_a_ring_that_cannot_be_reset_is_down_and_the_loop_ends(hf_checkpoint, monkeypatch):
+    """When the reset fails too (the link is gone), nothing stays half-alive: every request
+    ends naming the failure, new ones are refused, and serve_forever returns (the process exits)."""
+    scheduler, [a] = run(hf_checkpoint, (3, 5), [A])
+
+    def broken(*args):
+        raise RuntimeError("[recv] connection reset by peer")
+
+    monkeypatch.setattr(memory_failure, "mx", MlxWith(eval=broken))
+    monkeypatch.setattr(scheduler.pipeline, "clear", broken)
+    scheduler.serve_forever()  # returns: the loop ended
     assert scheduler.failure is not None and "connection reset" in scheduler.failure
     assert outcome(a)[1].finish_reason == "error"
+    with pytest.raises(RingUnavailable):
+        scheduler.submit(GenerationRequest(list(B), max_tokens=4))

@@ -1,0 +1,151 @@
+"""One request never takes the ring down.
+
+Batches of every shape: whatever prompts are admitted together, each gets exactly the greedy
+tokens one-device mlx-lm gives it alone, and the ring serves on.
+
+Prompts of 1 to 40 tokens (the window is 16), all equal or mixed, admitted together (submitted
+before the scheduler runs), with and without prefix-cache hits, speculation (prompt lookup) and a
+grammar beside them. First in process (two stages, deterministic admission), then through a real
+ring of two processes over gRPC, where the batches form as requests arrive. Four prompts of one
+token admitted together once took the ring down for good (mlx-lm's extract on a batch cache no
+frame had reached). Then the numbers and stop strings that once did, refused before the queue.
+"""
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from distributed.runtime.grammar import regex_grammar
+from distributed.runtime.request import MAX_STOP_CHARS, MAX_STOPS, FinishEvent, GenerationRequest, TokenEvent
+from distributed.runtime.scheduler import Scheduler
+from distributed.runtime.speculation import SpeculationOptions
+from grpc_server import SERVING, Server, generate, rpc_error
+from reference import mlx_lm_greedy
+from stages import in_process_pipeline
+
+MAX_TOKENS = 6
+STEP = 8  # prefill step: prompts longer than it go in several chunks
+
+
+def prompt(length: int, seed: int) -> list:
+    return [(seed * 31 + 7 * i + 3) % 250 + 1 for i in range(length)]
+
+
+# Lengths of the prompts admitted together.
+COMPOSITIONS = [[1], [1, 1], [1, 1, 1, 1], [2, 2, 2], [5, 5, 5, 5], [17, 17], [1, 2], [2, 1], [1, 7, 1, 3],
+                [1, 20, 40], [40, 1, 1], [3, 1, 1, 1, 17], [9, 16, 17, 1, 33, 2]]
+
+
+def expected(path, ids):
+    return mlx_lm_greedy(path, ids, MAX_TOKENS, STEP)[0]
+
+
+def outcome(handle):
+    events = list(handle.events())
+    assert isinstance(events[-1], FinishEvent)
+    return [e.token_id for e in events if isinstance(e, TokenEvent)], events[-1]
+
+
+@pytest.fixture(scope="module")
+def scheduler(hf_checkpoint):
+    pipeline, _ = in_process_pipeline(hf_checkpoint, (3, 5))
+    return Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=STEP, max_batch=8,
+                     prefix_cache_bytes=2**24, speculation=SpeculationOptions(prompt_lookup=True, num_draft_tokens=3))
+
+
+def run_together(scheduler, requests):
+    handles = [scheduler.submit(r) for r in requests]
+    scheduler.run_pending()
+    assert scheduler.failure is None, scheduler.failure
+    return [outcome(h) for h in handles]
+
+
+@pytest.mark.parametrize("lengths", COMPOSITIONS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculating", "plain"])
+def test_every_composition_is_exact(scheduler, hf_checkpoint, lengths, speculative):
+    prompts = [prompt(n, seed) for seed, n in enumerate(lengths)]
+    results = run_together(scheduler, [GenerationRequest(p, max_tokens=MAX_TOKENS, speculative=speculative)
+                                       for p in prompts])
+    for p, (tokens, finish) in zip(prompts, results):
+        assert finish.finish_reason in ("length", "stop"), finish.error
+        assert tokens == expected(hf_checkpoint, p), (len(p), lengths)
+
+
+@pytest.mark.parametrize("lengths", [[1, 1, 1], [20, 1, 20], [1, 33, 5, 33]], ids=lambda c: "-".join(map(str, c)))
+def test_compositions_with_prefix_cache_hits(scheduler, hf_checkpoint, lengths):
+    """Each prompt once alone (its caches stored), then again together with a longer one that
+    shares it (both restore from the cache): exact every time, and the cache was used."""
+    prompts = [prompt(n, 50 + seed) for seed, n in enumerate(lengths)]
+    run_together(scheduler, [GenerationRequest(p, max_tokens=MAX_TOKENS) for p in prompts])
+    again = prompts + [p + prompt(3, 90) for p in prompts]
+    results = run_together(scheduler, [GenerationRequest(p, max_tokens=MAX_TOKENS) for p in again])
+    for p, (tokens, _) in zip(again, results):
+        assert tokens == expected(hf_checkpoint, p)
+    assert sum(finish.cached_tokens for _, finish in results) > 0
+
+
+def test_a_grammar_beside_plain_rows_of_one_token(scheduler, hf_checkpoint):
+    """A constrained row admitted with one-token prompts: it keeps to its grammar, they stay exact."""
+    prompts = [prompt(1, 70), prompt(1, 71), prompt(12, 72)]
+    requests = [GenerationRequest(p, max_tokens=MAX_TOKENS) for p in prompts]
+    requests.append(GenerationRequest(prompt(1, 73), max_tokens=MAX_TOKENS, grammar=regex_grammar("[a-z ]{1,40}")))
+    results = run_together(scheduler, requests)
+    for p, (tokens, _) in zip(prompts, results):
+        assert tokens == expected(hf_checkpoint, p)
+    tokens, finish = results[-1]
+    text = load_tokenizer(hf_checkpoint).decode(tokens)
+    assert finish.finish_reason in ("length", "stop") and re.fullmatch("[a-z ]{0,40}", text), (finish, text)
+
+
+@pytest.fixture(scope="module")
+def ring(hf_checkpoint):
+    server = Server(hf_checkpoint, ranks=2, extra=["--prefill-step-size", str(STEP), "--max-batch", "8",
+                                                   "--prompt-lookup", "--num-draft-tokens", "3"])
+    try:
+        server.wait_serving()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_concurrent_batches_through_a_ring_of_two(ring, hf_checkpoint):
+    """Every composition again, each as concurrent gRPC streams into a real ring of two
+    processes (batches form as they arrive); then the ring still serves."""
+    stub = ring.stub
+    with ThreadPoolExecutor(8) as pool:
+        for seed, lengths in enumerate(COMPOSITIONS):
+            prompts = [prompt(n, 100 + 10 * seed + i) for i, n in enumerate(lengths)]
+            outs = list(pool.map(lambda p: generate(stub, token_ids=p, max_tokens=MAX_TOKENS), prompts))
+            for p, out in zip(prompts, outs):
+                assert out["token_ids"] == expected(hf_checkpoint, p), (lengths, out.get("finish_reason"))
+    assert ring.health_status() == SERVING
+
+
+@pytest.mark.parametrize("field, value", [("repetition_context_size", 2**32 - 1), ("presence_context_size", 2**30),
+                                          ("frequency_context_size", 2**31), ("top_logprobs", 21)])
+def test_numbers_out_of_range_are_refused_before_the_queue(ring, hf_checkpoint, field, value):
+    """A context size beyond the context (once a ValueError inside the scheduler's step, which
+    took the ring down) is INVALID_ARGUMENT naming the field; the ring serves on, exactly."""
+    error = rpc_error(generate, ring.stub, token_ids=prompt(3, 1), max_tokens=2, repetition_penalty=1.2,
+                      **{field: value})
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith(f"{field}: must be")
+    assert generate(ring.stub, token_ids=prompt(5, 2), max_tokens=MAX_TOKENS)["token_ids"] == \
+        expected(hf_checkpoint, prompt(5, 2))
+
+
+def test_stop_strings_are_bounded_and_cheap(ring, hf_checkpoint):
+    """A stop string over the limit is refused by name; one at the limit costs a request beside
+    it nothing it can notice (the old matcher took 3 s a token for 480 KB), and is exact."""
+    error = rpc_error(generate, ring.stub, token_ids=prompt(3, 3), max_tokens=2, stop=["x" * (MAX_STOP_CHARS + 1)])
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop" in error.details()
+    error = rpc_error(generate, ring.stub, token_ids=prompt(3, 3), max_tokens=2, stop=["a"] * (MAX_STOPS + 1))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and f"at most {MAX_STOPS}" in error.details()
+    with ThreadPoolExecutor(2) as pool:
+        long_stop = pool.submit(generate, ring.stub, token_ids=prompt(4, 4), max_tokens=MAX_TOKENS,
+                                stop=["ab" * (MAX_STOP_CHARS // 2)] * MAX_STOPS)
+        plain = generate(ring.stub, token_ids=prompt(6, 5), max_tokens=MAX_TOKENS)
+        assert long_stop.result()["token_ids"] == expected(hf_checkpoint, prompt(4, 4))
+    assert plain["token_ids"] == expected(hf_checkpoint, prompt(6, 5))

@@ -20,7 +20,7 @@ from .runtime.request import GenerationRequest, RequestError, TokenEvent
 from .runtime.scheduler import Scheduler
 from .serving.front_ends import start_front_ends
 from .serving.metrics import Metrics
-from .serving.options import AUTH_TOKEN_ENV, ServeOptions, check_options
+from .serving.options import ALLOWED_HOSTS_ENV, AUTH_TOKEN_ENV, ServeOptions, check_options, split_hosts
 from .serving.request_log import RequestLog
 from .serving import speculation_flags
 from .serving.requests import prompt_ids
@@ -99,6 +99,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                        "a port of their own (e.g. when only gRPC is served)")
     serve.add_argument("--auth-token", help=f"require `authorization: Bearer TOKEN` (or set {AUTH_TOKEN_ENV})")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
+    serve.add_argument("--allowed-hosts", metavar="NAME[,NAME…]",
+                       help="without --auth-token, the HTTP ports answer only local names and IP addresses in "
+                       "Host, and browsers' requests only from pages of those (Origin): these names too; '*' lets "
+                       f"any in (or set {ALLOWED_HOSTS_ENV})")
     serve.add_argument("--tls-cert", help="PEM certificate chain for TLS")
     serve.add_argument("--tls-key", help="PEM private key for TLS")
     serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this (and --max-batch running) get RESOURCE_EXHAUSTED")
@@ -236,6 +240,7 @@ def serve_options(args) -> ServeOptions:
     return check_options(ServeOptions(
         grpc_address=args.serve, http_address=args.http, metrics_address=args.metrics,
         auth_token=args.auth_token, insecure=args.insecure,
+        allowed_hosts=split_hosts(args.allowed_hosts) if args.allowed_hosts is not None else None,
         tls_cert=args.tls_cert, tls_key=args.tls_key, max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap,
         max_batch=args.max_batch,
     ))

@@ -178,7 +178,9 @@ def _tools(tools) -> list:
         raise bad("tools", "expected a list of tools")
     out = []
     for k, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict):
+            raise bad(f"tools[{k}]", "expected a tool object")
+        kind = tool.get("type")
         if kind not in (None, "custom"):
             raise bad(f"tools[{k}].type", f"server tool {json.dumps(kind)[:40]} is not supported "
                                           "(client tools only: name, description, input_schema)")

@@ -16,30 +16,36 @@ page (GET /, pages.py) alone are served on --metrics HOST:PORT; GET /chat is the
 chat page. Each generation request is logged and counted (request_log.py).
 """
 
+import asyncio
 import hmac
+import ipaddress
 import json
-import select
-import socket
-import ssl
+import logging
 import time
 import urllib.parse
-from http.server import BaseHTTPRequestHandler
-from typing import Optional
+from typing import Optional, Tuple
+
+from starlette.datastructures import Headers
 
 from ..runtime.memory_guard import is_out_of_memory
 from ..runtime.request import RequestError
 from ..runtime.scheduler import QueueFull, RingUnavailable
-from . import pages
+from ..shard.kv_budget import MAX_BATCH
+from . import openapi, pages
 from .adapters import ADAPTERS, ERROR_BODIES, ROUTES
 from .health import Health
-from .http_server import serve_http
+from .http_server import BODY_TIMEOUT_S, ClientGone, Exchange, Workers, serve_http
 from .openai_fields import ApiError, param_of, plan
 from .openai_replies import Reply
-from .options import ServeOptions
+from .options import ALLOWED_HOSTS_ENV, ServeOptions, split_address
 from .request_log import RequestLog
 from .status import status_document
 
 MAX_BODY = 16 * 2**20
+MAX_DEPTH = 64  # JSON nesting a body may have (tool schemas included)
+BYTES_PER_TOKEN, TEXT_SLACK = 4, 64 * 1024  # a request's text bound: see text_bound()
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+log = logging.getLogger("distributed.serving.http")
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -60,36 +66,35 @@ def submit(scheduler, request, run, name=lambda param: param):
         raise ApiError(400, f"{param}: {str(e).split(': ', 1)[1]}", param=param) from None
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "trinity-pipeline"
-    timeout = 300  # seconds a connection may sit idle, or a client may leave a write unread
+class _Handler:
+    """One request: cheap checks on the event loop (`precheck`), the rest on a worker thread
+    (`run`), which writes through the Exchange."""
 
-    def log_message(self, format, *args):
-        pass  # request_log.py writes one line per generation request instead
+    def __init__(self, front: "HttpFrontEnd", x: Exchange):
+        self.front, self.x = front, x
+        self.command, self.path, self.headers = x.method, x.target, x.headers
+        self._status, self._trace, self._route, self._body_read = None, None, None, self.command != "POST"
+        self._started = False
+        self._error_body = ApiError.body
 
-    def log_request(self, code="-", size="-"):
-        self._status = int(code)  # send_response's status, for the access log
+    # ---- on the event loop: nothing here blocks
 
-    def setup(self):
-        super().setup()
-        if isinstance(self.connection, ssl.SSLSocket):
-            self.connection.do_handshake()  # here, in this connection's thread, not in the accepting one
-
-    def do_GET(self):
-        self._serve()
-
-    do_POST = do_GET
-
-    def _serve(self):
-        front = self.server.front_end
-        self._body_read, self._started, self._status, error = self.command == "GET", False, None, None
-        path = self.path.split("?")[0].rstrip("/")
+    def precheck(self) -> Optional[Tuple[int, bytes, str, dict]]:
+        """An answer that needs no body and no worker thread (monitoring, pages, refusals), or
+        None: the request goes on (its body is read, then run())."""
+        front, path = self.front, self.path.split("?")[0].rstrip("/")
+        self._error_body = ERROR_BODIES.get(path, ApiError.body) if front.api else ApiError.body
+        try:
+            front.check_origin(self.headers)
+        except ApiError as e:
+            return self._answer(e.status, self._error_body(e))
         if self.command == "GET" and path in ("/health", "/metrics", "/v1/status"):
             return self._monitor(path)
+        if self.command == "GET" and front.api and path == "/openapi.json":
+            return self._answer(200, openapi.document())
         page = pages.find(path, front.auth_token is not None, front.api) if self.command == "GET" else None
         if page is not None:  # open: a page holds no secret, and asks for the token itself
-            return self._send(200, *page, headers=pages.HEADERS)
+            return 200, page[0], page[1], pages.HEADERS
         routes = {("GET", "/v1/models"): self._models,
                   ("POST", "/v1/completions"): lambda body, *state: self._generate(body, False, *state),
                   ("POST", "/v1/chat/completions"): lambda body, *state: self._generate(body, True, *state)}
@@ -98,83 +103,124 @@ class _Handler(BaseHTTPRequestHandler):
         for key, answer in ROUTES.items():
             routes[key] = lambda body, *state, answer=answer: self._send_json(*answer(body, *state))
         generation = front.api and self.command == "POST" and (path in GENERATION_ROUTES or ("POST", path) in ADAPTERS)
-        self._trace = front.requests.begin("http", path, self.client_address[0]) if generation else None
-        self._error_body = ERROR_BODIES.get(path, ApiError.body) if front.api else ApiError.body
+        self._trace = front.requests.begin("http", path, self.x.client) if generation else None
         try:
             front.check_auth(self.headers)
-            route = routes.get((self.command, path)) if front.api else None
-            if route is None:
+            self._route = routes.get((self.command, path)) if front.api else None
+            if self._route is None:
                 raise ApiError(404, f"no such endpoint: {self.command} {self.path}", code="unknown_url")
-            body = self._read_body() if self.command == "POST" else None
-            route(body, *front.attached())
+            if self.command == "POST":
+                self._check_framing()
         except ApiError as e:
-            self._send_json(e.status, self._error_body(e))
-            error = str(e)
-        except OSError:
-            self.close_connection = True  # the client went away
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-            if self._started:
-                self.close_connection = True
-            else:
-                self._send_json(500, self._error_body(ApiError(500, error, "server_error")))
-        finally:
-            if self._trace is not None:
-                self._trace.end(self._status, error)
+            self._end_trace(e.status, str(e))
+            return self._answer(e.status, self._error_body(e))
+        return None
+
+    def _answer(self, status: int, obj: dict) -> Tuple[int, bytes, str, dict]:
+        self._status = status
+        return status, json.dumps(obj).encode(), "application/json", {}
+
+    def _check_framing(self) -> None:
+        """A POST's Content-Type and announced size, before its body is read."""
+        kind = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise ApiError(415, f"the body must be JSON, sent as Content-Type: application/json "
+                                f"(got {json.dumps((self.headers.get('Content-Type') or 'none')[:60])})")
+        length = self.headers.get("Content-Length")
+        if length is None:
+            if "chunked" not in (self.headers.get("Transfer-Encoding") or "").lower():
+                raise ApiError(411, "a Content-Length header is required")
+        elif not length.strip().isdigit():
+            raise ApiError(400, "the Content-Length header is not a number")
+        elif int(length) > MAX_BODY:
+            raise ApiError(413, f"the body is over {MAX_BODY} bytes")
+
+    def refusal(self, status: int, message: str) -> Tuple[int, bytes, str, dict]:
+        """The answer to a body that could not be read whole (too large, too slow)."""
+        error = ApiError(status, message)
+        self._end_trace(status, message)
+        return self._answer(status, self._error_body(error))
 
     def _monitor(self, path: str):
         """GET /health (open to probes, like gRPC's health), /metrics or /v1/status."""
-        front = self.server.front_end
+        front = self.front
         try:
             if path == "/health":
-                return self._send_json(*front.health.answer())
+                return self._answer(*front.health.answer())
             front.check_auth(self.headers)
             if path == "/v1/status":
                 query = urllib.parse.parse_qs(self.path.partition("?")[2], keep_blank_values=True)
                 if query:  # none is implemented: refused by name, never ignored
                     raise ApiError(400, f"/v1/status takes no query parameters: got {', '.join(sorted(query))}",
                                    param=sorted(query)[0])
-                return self._send_json(200, status_document(front.health, front.requests))
-            self._send(200, *front.requests.metrics.exposition())
+                return self._answer(200, status_document(front.health, front.requests))
+            data, content_type = front.requests.metrics.exposition()
+            return 200, data, content_type, {}
         except ApiError as e:
-            self._send_json(e.status, e.body())
+            return self._answer(e.status, e.body())
 
-    def _read_body(self) -> dict:
-        length = self.headers.get("Content-Length", "")
-        if not length.isdigit():
-            raise ApiError(411, "a Content-Length header is required")
-        if int(length) > MAX_BODY:
-            raise ApiError(413, f"the body is over {MAX_BODY} bytes")
-        raw = self.rfile.read(int(length))
-        self._body_read = True
+    # ---- on a worker thread
+
+    def run(self) -> None:
+        error = None
         try:
-            body = json.loads(raw)
+            body = self._parse(self.x.body) if self.command == "POST" else None
+            scheduler, tokenizer, info = self.front.attached()
+            if body is not None:
+                _check_size(body, info)
+            self._route(body, scheduler, tokenizer, info)
+        except ApiError as e:
+            error = str(e)
+            if not self._started:  # else the connection ends, the reply cut short
+                self._send_json(e.status, self._error_body(e))
+        except ClientGone:
+            pass  # nothing to answer: its requests are cancelled (the routes' finally)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            log.exception("internal error serving %s %s", self.command, self.path.split("?")[0][:200])
+            if not self._started:
+                self._send_json(500, self._error_body(ApiError(500, "internal error", "server_error")))
+        finally:
+            self._end_trace(self._status, error)
+
+    def _end_trace(self, status, error) -> None:
+        if self._trace is not None:
+            self._trace.end(status, error)
+            self._trace = None
+
+    @staticmethod
+    def _parse(raw: bytes) -> dict:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ApiError(400, f"the body is not valid UTF-8 (byte {e.start})") from None
+        try:
+            body = json.loads(text)
+        except RecursionError:
+            raise ApiError(400, f"the body's JSON is nested too deep (at most {MAX_DEPTH} levels)") from None
         except ValueError as e:
             raise ApiError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
+        _check_json(body)
         return body
 
     def _send_json(self, status: int, obj: dict):
         self._send(status, json.dumps(obj).encode(), "application/json")
 
     def _send(self, status: int, data: bytes, content_type: str, headers=()):
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for name in headers:
-            self.send_header(name, headers[name])
-        if not self._body_read:
-            self.send_header("Connection", "close")  # an unread body would be taken for the next request
-        self.end_headers()
-        self.wfile.write(data)
+        self._status = status
+        self.x.start(status, [("Content-Type", content_type), ("Content-Length", str(len(data))),
+                              *((name, headers[name]) for name in headers)])
+        self.x.write(data, more=False)
 
     def _models(self, body, scheduler, tokenizer, info):
-        model = {"id": info.model_id, "object": "model", "created": self.server.front_end.created,
+        model = {"id": info.model_id, "object": "model", "created": self.front.created,
                  "owned_by": "trinity-pipeline", "max_model_len": info.max_context}
         self._send_json(200, {"object": "list", "data": [model]})
 
     def _generate(self, body: dict, chat: bool, scheduler, tokenizer, info):
+        _check_rows(body, chat, info)
         try:
             run = plan(body, chat, tokenizer, info)
         except RequestError as e:
@@ -211,9 +257,8 @@ class _Handler(BaseHTTPRequestHandler):
             if not run.stream:
                 choice.opening()
                 for event in self._trace.events(handle):
-                    if self._client_gone():
-                        self.close_connection = True
-                        return
+                    if self.x.gone.is_set():
+                        raise ClientGone("the client went away")
                     choice.add(event)
                 if reply.error:
                     raise _down(reply.error)
@@ -228,7 +273,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._chunk(out.add(chunks))
             else:
                 self._chunk(out.closing())
-            self.wfile.write(b"0\r\n\r\n")
+            self.x.end()
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}", "rate_limit_exceeded") from None
         except RingUnavailable as e:
@@ -238,24 +283,21 @@ class _Handler(BaseHTTPRequestHandler):
                 handle.cancel()
 
     def _open_stream(self, content_type: str):
-        self.send_response(200)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+        self._status = 200
+        self.x.start(200, [("Content-Type", content_type), ("Cache-Control", "no-cache")])  # chunked
         self._started = True
 
     def _chunk(self, frames):
-        for data in frames:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        data = b"".join(frames)
+        if data:
+            self.x.write(data)
 
     def _whole(self, handles, reply):
         for choice, handle in zip(reply.choices, handles):
             choice.opening()
             for event in self._trace.events(handle):
-                if self._client_gone():
-                    self.close_connection = True
-                    return
+                if self.x.gone.is_set():
+                    raise ClientGone("the client went away")
                 choice.add(event)
         if reply.error:
             raise _down(reply.error)
@@ -264,34 +306,146 @@ class _Handler(BaseHTTPRequestHandler):
     def _stream(self, handles, reply):
         self._open_stream("text/event-stream")
         for choice, handle in zip(reply.choices, handles):  # choices one after the other, each with its index
-            for chunk in choice.opening():
-                self._event(chunk)
+            self._events(choice.opening())
             for event in self._trace.events(handle):
                 chunks = choice.add(event)
                 if choice.error:
-                    self._event(_down(choice.error).body())  # the `openai` package raises APIError on it
+                    self._events([_down(choice.error).body()])  # the `openai` package raises APIError on it
                     break
-                for chunk in chunks:
-                    self._event(chunk)
+                self._events(chunks)
             if choice.error:
                 break
         else:
             if reply.plan.include_usage:
-                self._event(reply.usage_chunk())
-            self._event("[DONE]")
-        self.wfile.write(b"0\r\n\r\n")
+                self._events([reply.usage_chunk()])
+            self._events(["[DONE]"])
+        self.x.end()
 
-    def _event(self, obj):
-        self._chunk([b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n"])
+    def _events(self, objs):
+        self._chunk([b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n" for obj in objs])
 
-    def _client_gone(self) -> bool:
-        """Whether the client has closed its end (checked between tokens of a whole reply)."""
-        if isinstance(self.connection, ssl.SSLSocket):
-            return False  # no peeking under TLS: the final write notices instead
+
+def _check_json(body) -> None:
+    """400 for JSON nested deeper than MAX_DEPTH or a string (or key) holding a lone surrogate
+    (an escape such as \\ud800 that names no character): nothing past here meets them."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the body's JSON is nested too deep (at most {MAX_DEPTH} levels)")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            for text in (key, item):
+                if isinstance(text, str) and not text.isascii():
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise ApiError(400, "the body holds a lone surrogate (a \\ud800-\\udfff escape "
+                                            "that is not half of a pair): not text") from None
+            if isinstance(item, (dict, list)) and item:
+                stack.append((item, depth + 1))
+
+
+def text_bound(info) -> int:
+    """The most bytes of text a request may carry: BYTES_PER_TOKEN for each token of the context,
+    plus TEXT_SLACK (tools, schemas, the template's own words)."""
+    return info.max_context * BYTES_PER_TOKEN + TEXT_SLACK
+
+
+def _check_size(body: dict, info) -> None:
+    """Refuse a body whose text could not fit the context before anything tokenizes it."""
+    bound, size, stack = text_bound(info), 0, [body]
+    while stack:
+        value = stack.pop()
+        for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            size += len(key) if isinstance(key, str) else 0
+            if isinstance(item, str):
+                size += len(item) if item.isascii() else len(item.encode("utf-8"))
+            elif isinstance(item, (dict, list)):
+                stack.append(item)
+    if size > bound:
+        raise ApiError(400, f"the request holds {size} bytes of text, over this server's bound of {bound} "
+                            f"({BYTES_PER_TOKEN} bytes per token of its {info.max_context}-token context, plus "
+                            f"{TEXT_SLACK // 1024} KiB): it cannot fit the context", code="context_length_exceeded")
+
+
+def _check_rows(body: dict, chat: bool, info) -> None:
+    """A request's rows (its prompts times n) fit one batch, or it is refused before tokenizing."""
+    n, prompt = body.get("n"), body.get("prompt")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    prompts = len(prompt) if not chat and isinstance(prompt, list) and prompt \
+        and all(isinstance(p, (str, list)) for p in prompt) else 1
+    if info.max_batch and n * prompts > info.max_batch:
+        what = f"{prompts} prompts × n {n} = {n * prompts} choices" if prompts > 1 else f"n {n}"
+        raise ApiError(400, f"n: {what}: over this server's batch of {info.max_batch} sequences (--max-batch)",
+                       param="n")
+
+
+class _App:
+    """The ASGI application uvicorn serves: one _Handler per request."""
+
+    def __init__(self, front: "HttpFrontEnd", workers: Workers):
+        self.front, self.workers = front, workers
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        loop = asyncio.get_running_loop()
+        x = Exchange(scope, loop, send, Headers(scope=scope))
+        handler = _Handler(self.front, x)
         try:
-            return bool(select.select([self.connection], [], [], 0)[0]) and not self.connection.recv(1, socket.MSG_PEEK)
-        except OSError:
-            return True
+            early = handler.precheck()
+            if early is None and handler.command == "POST":
+                x.body, early = await self._read_body(receive, handler)
+                handler._body_read = x.body is not None
+            if early is not None:
+                return await self._reply(send, handler, *early)
+            watch = asyncio.ensure_future(_watch(receive, x))
+            try:
+                await self.workers.run(handler.run)
+            finally:
+                watch.cancel()
+        except Exception:  # a bug in the transport itself: logged, answered without its text
+            log.exception("internal error serving %s %s", scope.get("method"), scope.get("path", "")[:200])
+            if not x.started:
+                await self._reply(send, handler, 500, json.dumps(ApiError(500, "internal error", "server_error")
+                                                                 .body()).encode(), "application/json", {})
+
+    async def _read_body(self, receive, handler):
+        """(body, None), or (None, the refusal) for a body over MAX_BODY, too slow, or cut off."""
+        parts, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return None, handler.refusal(408, f"the body did not arrive (nothing for {BODY_TIMEOUT_S:.0f} s)")
+            if message["type"] == "http.disconnect":
+                return None, handler.refusal(400, "the client went away before its body arrived")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > MAX_BODY:
+                return None, handler.refusal(413, f"the body is over {MAX_BODY} bytes")
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts), None
+
+    @staticmethod
+    async def _reply(send, handler, status: int, data: bytes, content_type: str, headers: dict):
+        head = [(b"content-type", content_type.encode()), (b"content-length", str(len(data)).encode())]
+        head += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        if not handler._body_read:
+            head.append((b"connection", b"close"))  # an unread body is not read past: the connection ends
+        await send({"type": "http.response.start", "status": status, "headers": head})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+async def _watch(receive, x: Exchange) -> None:
+    """Sets x.gone when the client disconnects (while its request runs on a worker)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            x.gone.set()
+            return
 
 
 class HttpFrontEnd:
@@ -303,7 +457,10 @@ class HttpFrontEnd:
         self.created = int(time.time())
         self.requests, self.api, self.health, self._state = requests or RequestLog(), api, Health(), None
         flag, address = ("--http", options.http_address) if api else ("--metrics", options.metrics_address)
-        self.server = serve_http(address, flag, _Handler, options, self)
+        bound = split_address(address, flag)[0].lower()
+        self.allowed = {*LOCAL_NAMES, bound, *(h.strip().lower() for h in options.allowed_hosts or () if h.strip())}
+        workers = Workers((options.max_batch or MAX_BATCH) + options.max_queue + 32)
+        self.server = serve_http(address, flag, _App(self, workers), options)
         self.port = self.server.server_address[1]
 
     def describe(self) -> str:
@@ -324,8 +481,7 @@ class HttpFrontEnd:
 
     def stop(self) -> None:
         self.health.stopping()
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.stop()
 
     def check_auth(self, headers) -> None:
         """`Authorization: Bearer TOKEN`, or Anthropic's `x-api-key: TOKEN`."""
@@ -338,11 +494,51 @@ class HttpFrontEnd:
             raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN, or x-api-key: TOKEN)",
                            code="invalid_api_key")
 
+    def check_origin(self, headers) -> None:
+        """Without a token, only local names reach the server (DNS rebinding), and only pages of
+        local origins (or its own) may call it from a browser (cross-site requests): a Host that
+        is a name other than localhost, the bound address or one of --allowed-hosts is 403, as is
+        an Origin that is none of those nor the server itself. Host may be any IP address (no
+        rebinding gives one); --allowed-hosts '*' turns both checks off."""
+        if self.auth_token is not None or "*" in self.allowed:
+            return
+        host = headers.get("Host") or ""
+        name = _host_name(host)
+        if name not in self.allowed and not _is_ip(name):
+            raise ApiError(403, f"Host {json.dumps(host[:100])} is not allowed: without --auth-token this server "
+                                f"answers only local names and IP addresses (add names with --allowed-hosts or "
+                                f"{ALLOWED_HOSTS_ENV})", "permission_error")
+        origin = headers.get("Origin")
+        if origin is None:
+            return
+        scheme, _, rest = origin.partition("://")
+        if rest and (rest.lower() == host.lower() or _host_name(rest) in self.allowed):
+            return  # a page of this server, or of a local or allowed name
+        raise ApiError(403, f"Origin {json.dumps(origin[:100])} is not allowed: without --auth-token only pages of "
+                            f"this server, of local names or of --allowed-hosts ({ALLOWED_HOSTS_ENV}) may call it",
+                       "permission_error")
+
     def attached(self):
         reason = self.health.refusal
         if reason is not None or self._state is None:
             raise ApiError(503, reason or "the model is loading", "service_unavailable")
         return self._state
+
+
+def _host_name(host: str) -> str:
+    """A Host header's (or an origin's host:port) name, lowercased, without port or brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
 
 
 def start_http_server(options: ServeOptions, requests: Optional[RequestLog] = None, api: bool = True) -> HttpFrontEnd:

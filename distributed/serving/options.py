@@ -4,11 +4,13 @@ the checks that refuse unsafe or inconsistent ones before anything loads."""
 import ipaddress
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from .. import TrinityError
+from . import sealed
 
 AUTH_TOKEN_ENV = "TRINITY_AUTH_TOKEN"
+ALLOWED_HOSTS_ENV = "TRINITY_ALLOWED_HOSTS"  # --allowed-hosts' default (as Ollama's OLLAMA_ORIGINS)
 
 
 @dataclass
@@ -23,6 +25,9 @@ class ServeOptions:
     max_queue: int = 64
     max_tokens_cap: int = 4096
     max_batch: Optional[int] = None  # --max-batch; None: rank 0 sets it from memory (at most MAX_BATCH)
+    # Without a token, the HTTP ports answer only these names besides local ones and IP addresses
+    # (Host), and only pages of them (Origin): --allowed-hosts a,b; "*" lets every name in.
+    allowed_hosts: Optional[List[str]] = None
 
 
 def split_address(address: str, flag: str):
@@ -32,6 +37,11 @@ def split_address(address: str, flag: str):
     if int(port) > 65535:  # gRPC would wrap it round to another port
         raise TrinityError(f"{flag} {address}: port {port} is out of range (0-65535)")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def split_hosts(value: Optional[str]) -> List[str]:
+    """--allowed-hosts a,b (or its environment variable) as a list of names."""
+    return [h.strip() for h in (value or "").split(",") if h.strip()]
 
 
 def is_loopback(host: str) -> bool:
@@ -46,6 +56,9 @@ def is_loopback(host: str) -> bool:
 def check_options(options: ServeOptions) -> ServeOptions:
     """Refuse unsafe or inconsistent settings before anything loads."""
     options.auth_token = options.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
+    if options.allowed_hosts is None:
+        options.allowed_hosts = split_hosts(os.environ.get(ALLOWED_HOSTS_ENV))
+    sealed.use_token(options.auth_token)  # reasoning handed to clients reads back on every server sharing it
     for flag, address in (("--serve", options.grpc_address), ("--http", options.http_address),
                           ("--metrics", options.metrics_address)):
         if address is None:

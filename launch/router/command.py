@@ -7,14 +7,15 @@ ring: 127.0.0.1 when rank 0 (the first host) is this machine, else that host's I
 When re-planning drops rank 0's host, the next host becomes rank 0 and gets a new
 internal address (serve_on_first_host), which the router then calls.
 --metrics stays with rank 0 (its per-rank metrics), as do --auth-token (the router
-sends the token to rank 0 too) and the limits (--max-queue, --max-tokens-cap).
+sends the token to rank 0 too), --allowed-hosts (the router's HTTP port takes it too) and
+the limits (--max-queue, --max-tokens-cap).
 """
 
 import secrets
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from distributed.serving.options import AUTH_TOKEN_ENV, ServeOptions, check_options
+from distributed.serving.options import AUTH_TOKEN_ENV, ServeOptions, check_options, split_hosts
 
 from ..hostfile import Hostfile
 from ..processes import free_ports
@@ -57,11 +58,13 @@ def plan_router(cmd: List[str], hf: Hostfile) -> Optional[RouterPlan]:
     _, token = take_flag(cmd, "--auth-token")
     _, max_queue = take_flag(cmd, "--max-queue")
     _, max_batch = take_flag(cmd, "--max-batch")
+    _, allowed = take_flag(cmd, "--allowed-hosts")  # stays in the ranks' command too (rank 0's --metrics)
     options = check_options(ServeOptions(
         grpc_address=values["--serve"], http_address=values["--http"], auth_token=token,
         insecure="--insecure" in cmd, tls_cert=values["--tls-cert"], tls_key=values["--tls-key"],
         max_queue=int(max_queue) if max_queue and max_queue.lstrip("-").isdigit() else 64,
-        max_batch=int(max_batch) if max_batch and max_batch.isdigit() else None))
+        max_batch=int(max_batch) if max_batch and max_batch.isdigit() else None,
+        allowed_hosts=split_hosts(allowed) if allowed is not None else None))
     envs = []
     host = internal_host(hf)
     token = options.auth_token

@@ -189,7 +189,8 @@ def test_bad_input_is_400_naming_the_field(served, endpoint, fields, param):
 def raw(front, path, body=None, headers=None):
     """(status, parsed body) of a plain urllib request."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{front.port}{path}", data=data, headers=headers or {})
+    headers = {"Content-Type": "application/json", **(headers or {})} if data is not None else headers or {}
+    request = urllib.request.Request(f"http://127.0.0.1:{front.port}{path}", data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as r:
             return r.status, json.loads(r.read())
@@ -287,7 +288,7 @@ def test_client_disconnect_mid_stream_cancels(served, cli, submitted):
 def test_client_disconnect_while_waiting_for_a_whole_reply_cancels(served, cli, submitted):
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 900, "temperature": 0}).encode()
     with socket.create_connection(("127.0.0.1", served.front.port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         wait_until(lambda: submitted)
     finish = finish_of(submitted[0])

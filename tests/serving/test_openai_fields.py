@@ -295,7 +295,8 @@ def test_unknown_model_is_404(served):
         error = bad(served, chat, {"model": "gpt-4o"}, status=404)
         assert isinstance(error, openai.NotFoundError) and error.body["code"] == "model_not_found"
     request = urllib.request.Request(f"http://127.0.0.1:{served.front.port}/v1/completions",
-                                     data=json.dumps({"prompt": "hi", "max_tokens": 1}).encode())
+                                     data=json.dumps({"prompt": "hi", "max_tokens": 1}).encode(),
+                                     headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as r:  # no model: the one served
         assert json.loads(r.read())["model"] == "tiny"
 

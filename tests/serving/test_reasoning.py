@@ -194,7 +194,8 @@ def test_ollama_thinking(served):
     assert again.prompt_eval_count == prompt_len(served, expected)
     plain = client.chat("think", messages=ASK, think=False, options={"temperature": 0, "num_predict": 16})
     assert not plain.message.thinking and plain.prompt_eval_count == prompt_len(served, ASK) - 2
-    request = urllib.request.Request(f"{served.base}/api/show", data=json.dumps({"model": "think"}).encode())
+    request = urllib.request.Request(f"{served.base}/api/show", data=json.dumps({"model": "think"}).encode(),
+                                     headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as r:
         assert "thinking" in json.loads(r.read())["capabilities"]
 

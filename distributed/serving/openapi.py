@@ -1,0 +1,149 @@
+"""GET /openapi.json: an OpenAPI 3.1 description of the HTTP API's routes, written by hand.
+
+Request bodies are described roughly, by their main fields (the APIs' own references have
+the rest; the server refuses an unknown field by name, with a 400): enough for a client
+generator, or a fuzzer such as schemathesis, to reach every route with requests it takes.
+Errors: 400 bad input, 401 missing token, 403 a foreign Host or Origin (no token set), 404,
+411 / 413 / 415 the body's framing, size or type, 429 queue full, 501 not implemented, 503
+loading or the ring down, 507 a rank out of memory."""
+
+import copy
+from importlib import metadata
+
+_TEXT = {"type": "string"}
+_NUMBER = {"type": "number"}
+_INT = {"type": "integer"}
+_BOOL = {"type": "boolean"}
+_OBJECT = {"type": "object"}
+_STOP = {"oneOf": [_TEXT, {"type": "array", "items": _TEXT}]}
+_SAMPLING = {"temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+             "top_k": {"type": "integer", "minimum": 0}, "seed": _INT, "stream": _BOOL}
+_MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": False,
+            "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}, "content": _TEXT}}
+_MESSAGES = {"type": "array", "minItems": 1, "items": _MESSAGE}
+_FUNCTION_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": _TEXT, "description": _TEXT, "parameters": _OBJECT}}}}
+
+COMPLETIONS = {"type": "object", "additionalProperties": False, "properties": {
+    "model": _TEXT, "prompt": {"oneOf": [_TEXT, {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                                         {"type": "array", "items": _TEXT}]},
+    "max_tokens": {"type": "integer", "minimum": 0}, "n": {"type": "integer", "minimum": 1}, "echo": _BOOL,
+    "logprobs": {"type": "integer", "minimum": 0}, "stop": _STOP, "presence_penalty": _NUMBER,
+    "frequency_penalty": _NUMBER, "user": _TEXT, **_SAMPLING}}
+CHAT = {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
+    "model": _TEXT, "messages": _MESSAGES, "max_tokens": {"type": "integer", "minimum": 1},
+    "max_completion_tokens": {"type": "integer", "minimum": 1}, "n": {"type": "integer", "minimum": 1},
+    "logprobs": _BOOL, "top_logprobs": {"type": "integer", "minimum": 0}, "stop": _STOP,
+    "tools": {"type": "array", "items": _FUNCTION_TOOL},
+    "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required"]}, _OBJECT]}, "parallel_tool_calls": _BOOL,
+    "response_format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": _OBJECT}},
+    "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
+    "chat_template_kwargs": _OBJECT, "user": _TEXT, **_SAMPLING}}
+RESPONSES = {"type": "object", "required": ["input"], "additionalProperties": False, "properties": {
+    "model": _TEXT, "input": {"oneOf": [_TEXT, {"type": "array", "items": _OBJECT}]}, "instructions": _TEXT,
+    "max_output_tokens": {"type": "integer", "minimum": 1}, "tools": {"type": "array", "items": _OBJECT},
+    "tool_choice": {"oneOf": [_TEXT, _OBJECT]}, "text": _OBJECT, "store": _BOOL,
+    "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"], "stream": _BOOL}}
+_BLOCKS = {"oneOf": [_TEXT, {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "tool_use", "tool_result", "thinking"]}, "text": _TEXT}}}]}
+_ANTHROPIC_PROMPT = {
+    "model": _TEXT, "system": _BLOCKS,
+    "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role", "content"], "additionalProperties": False,
+        "properties": {"role": {"enum": ["user", "assistant"]}, "content": _BLOCKS}}},
+    "tools": {"type": "array", "items": {"type": "object", "required": ["name", "input_schema"], "properties": {
+        "name": _TEXT, "description": _TEXT, "input_schema": _OBJECT}}},
+    "tool_choice": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["auto", "any", "tool", "none"]}, "name": _TEXT}},
+    "thinking": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["enabled", "adaptive", "disabled"]}, "budget_tokens": _INT}}}
+MESSAGES = {"type": "object", "required": ["model", "max_tokens", "messages"], "additionalProperties": False,
+            "properties": {**_ANTHROPIC_PROMPT, "max_tokens": {"type": "integer", "minimum": 1},
+                           "stop_sequences": {"type": "array", "items": _TEXT}, **_SAMPLING}}
+COUNT_TOKENS = {"type": "object", "required": ["model", "messages"], "additionalProperties": False,
+                "properties": _ANTHROPIC_PROMPT}
+_OLLAMA_OPTIONS = {"type": "object", "properties": {
+    "temperature": _NUMBER, "top_p": _NUMBER, "top_k": _INT, "seed": _INT, "num_predict": _INT,
+    "stop": {"type": "array", "items": _TEXT}, "repeat_penalty": _NUMBER}}
+_OLLAMA = {"model": _TEXT, "stream": _BOOL, "format": {"oneOf": [{"const": "json"}, _OBJECT]},
+           "options": _OLLAMA_OPTIONS, "keep_alive": {"oneOf": [_TEXT, _NUMBER]}, "think": _BOOL}
+OLLAMA_CHAT = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
+    **_OLLAMA, "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
+            "role": {"enum": ["system", "user", "assistant", "tool"]}, "content": _TEXT}}},
+    "tools": {"type": "array", "items": _FUNCTION_TOOL}}}
+OLLAMA_GENERATE = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
+    **_OLLAMA, "prompt": {"type": "string", "minLength": 1}, "system": _TEXT, "raw": _BOOL}}
+OLLAMA_SHOW = {"type": "object", "additionalProperties": False, "properties": {"model": _TEXT, "name": _TEXT}}
+OLLAMA_MANAGEMENT = {"type": "object"}
+
+_ERRORS = {"400": "bad input (the message names the field)", "401": "missing or wrong token",
+           "403": "a foreign Host or Origin (no --auth-token)", "404": "no such model", "411": "no Content-Length",
+           "413": "the body is over 16 MiB", "415": "the body is not application/json", "429": "the queue is full",
+           "503": "loading, or the pipeline is down", "507": "a rank had no memory for the request"}
+
+# (method, path) -> (summary, request body schema or None, content type of a 200, its schema)
+ROUTES = {
+    ("get", "/health"): ("Health: 200 serving, 503 otherwise (no token needed)", None, "application/json", _OBJECT),
+    ("get", "/metrics"): ("Prometheus metrics", None, "text/plain", _TEXT),
+    ("get", "/v1/status"): ("The server's state: ranks, requests, recent figures", None, "application/json", _OBJECT),
+    ("get", "/"): ("The status page", None, "text/html", _TEXT),
+    ("get", "/chat"): ("The chat page", None, "text/html", _TEXT),
+    ("get", "/openapi.json"): ("This document", None, "application/json", _OBJECT),
+    ("get", "/v1/models"): ("The model served (OpenAI)", None, "application/json", _OBJECT),
+    ("post", "/v1/completions"): ("Completions (OpenAI)", COMPLETIONS, "application/json", _OBJECT),
+    ("post", "/v1/chat/completions"): ("Chat completions (OpenAI)", CHAT, "application/json", _OBJECT),
+    ("post", "/v1/responses"): ("Responses (OpenAI)", RESPONSES, "application/json", _OBJECT),
+    ("post", "/v1/messages"): ("Messages (Anthropic)", MESSAGES, "application/json", _OBJECT),
+    ("post", "/v1/messages/count_tokens"): ("Prompt tokens of a Messages request (Anthropic)", COUNT_TOKENS,
+                                            "application/json", _OBJECT),
+    ("get", "/api/version"): ("Version (Ollama)", None, "application/json", _OBJECT),
+    ("get", "/api/tags"): ("Models (Ollama)", None, "application/json", _OBJECT),
+    ("get", "/api/ps"): ("Loaded models (Ollama)", None, "application/json", _OBJECT),
+    ("post", "/api/show"): ("A model's facts (Ollama)", OLLAMA_SHOW, "application/json", _OBJECT),
+    ("post", "/api/chat"): ("Chat (Ollama), streamed as NDJSON unless stream is false", OLLAMA_CHAT,
+                            "application/json", _OBJECT),
+    ("post", "/api/generate"): ("Generate (Ollama), streamed as NDJSON unless stream is false", OLLAMA_GENERATE,
+                                "application/json", _OBJECT),
+    **{("post", path): ("Not supported here: 501 (Ollama's model management, embeddings)", OLLAMA_MANAGEMENT,
+                        "application/json", _OBJECT)
+       for path in ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/embed", "/api/embeddings")},
+}
+STREAMED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/chat", "/api/generate")
+
+
+def document() -> dict:
+    """The OpenAPI document (a fresh copy: callers may change it)."""
+    paths = {}
+    for (method, path), (summary, body, content_type, schema) in ROUTES.items():
+        responses = {"200": {"description": "OK", "content": {content_type: {"schema": schema}}}}
+        if path in STREAMED:
+            responses["200"]["content"]["text/event-stream"] = {"schema": _TEXT}
+            responses["200"]["content"]["application/x-ndjson"] = {"schema": _TEXT}
+        if path.endswith(("/pull", "/push", "/create", "/copy", "/embed", "/embeddings")):
+            responses = {"501": {"description": "not supported", "content": {"application/json": {"schema": _OBJECT}}}}
+        for code, why in _ERRORS.items():
+            if body is None and code in ("411", "413", "415", "429", "507"):
+                continue
+            responses.setdefault(code, {"description": why, "content": {"application/json": {"schema": _OBJECT}}})
+        operation = {"summary": summary, "operationId": f"{method}_{path.strip('/').replace('/', '_') or 'root'}",
+                     "responses": responses}
+        if path not in ("/health", "/", "/chat", "/openapi.json"):
+            operation["security"] = [{"bearer": []}, {}]
+        if body is not None:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+        paths.setdefault(path, {})[method] = operation
+    try:
+        version = metadata.version("trinity-pipeline")
+    except metadata.PackageNotFoundError:
+        version = "0"
+    return copy.deepcopy({
+        "openapi": "3.1.0",
+        "info": {"title": "trinity-pipeline", "version": version,
+                 "description": "OpenAI-, Anthropic- and Ollama-compatible HTTP API of a trinity-pipeline server"},
+        "paths": paths,
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    })

@@ -37,8 +37,11 @@ CONFIGS = {
 }
 
 
-def env():
-    e = dict(os.environ, PYTHONPATH=str(ROOT))
+def env(extra=None):
+    """The ranks' environment; `extra` is added (a PYTHONPATH in it goes after the checkout's)."""
+    extra = dict(extra or {})
+    paths = [str(ROOT)] + ([extra.pop("PYTHONPATH")] if "PYTHONPATH" in extra else [])
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), **extra)
     e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
     return e
 
@@ -62,7 +65,8 @@ class Server:
     processes started by hand (`manual`: MLX_RANK/MLX_HOSTFILE, as mlx.launch sets them,
     but without a launcher that stops every rank when one dies)."""
 
-    def __init__(self, model, ranks=1, extra=(), manual=False, credentials=None, launcher="trinity-launch"):
+    def __init__(self, model, ranks=1, extra=(), manual=False, credentials=None, launcher="trinity-launch",
+                 environment=None):
         # Port 0: the server picks a free port and logs it, so nothing can take it meanwhile.
         model_args = ["--model", str(model)] if model is not None else []  # None: the embedded default model
         args = [sys.executable, RUN, *model_args, "--serve", "127.0.0.1:0", *extra]
@@ -75,7 +79,7 @@ class Server:
         popen = dict(stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         with log:
             if ranks == 1:
-                self.procs.append(subprocess.Popen(args, env=env(), **popen))
+                self.procs.append(subprocess.Popen(args, env=env(environment), **popen))
             elif manual:
                 base = free_port_range(ranks + 1)  # + 1: rank 0's control port is one above the ring's
                 self.hostfile = tempfile.NamedTemporaryFile("w", suffix=".json")
@@ -83,13 +87,13 @@ class Server:
                 self.hostfile.flush()
                 for r in range(ranks):
                     self.procs.append(subprocess.Popen(
-                        args, env=dict(env(), MLX_RANK=str(r), MLX_HOSTFILE=self.hostfile.name), **popen))
+                        args, env=dict(env(environment), MLX_RANK=str(r), MLX_HOSTFILE=self.hostfile.name), **popen))
             elif launcher == "mlx.launch":
                 cmd = [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks + 1)), *args]
-                self.procs.append(subprocess.Popen(cmd, env=env(), **popen))
+                self.procs.append(subprocess.Popen(cmd, env=env(environment), **popen))
             else:
                 cmd = [*trinity_launch(ranks), *args]
-                self.procs.append(subprocess.Popen(cmd, env=env(), **popen))
+                self.procs.append(subprocess.Popen(cmd, env=env(environment), **popen))
         self.credentials = credentials
         self.launcher = (launcher if ranks > 1 and not manual else None)  # its name, if any
         self.address = self.channel = None  # known once the server logs its port

@@ -30,8 +30,11 @@ from ..shard.memory_limit import applied_limit
 from ..shard.stage import Stage
 from ..transport import Header, Op
 from .caches import SlotCaches
+from .request import OUT_OF_MEMORY, REQUEST_FAILED
 
-OUT_OF_MEMORY = "out of memory"  # how every such failure's message begins
+# A NO_MEMORY payload's `needed` where the frame raised for another reason than memory (a bug, or
+# input no check caught): its rows end as memory's do, the slot doomed alike, and the ring goes on.
+FRAME_ERROR = -1
 _ALLOCATION_ERRORS = ("unable to allocate", "out of memory", "bad_alloc", "bad alloc")
 _KV_STEP = 256  # mlx-lm's KVCache grows by this many positions at a time
 _KIB = 1024
@@ -86,6 +89,8 @@ def figures(rank: int, needed: int, in_use: int, limit: int) -> mx.array:
 def describe(payload: mx.array) -> str:
     """The one-line error of a NO_MEMORY frame's payload."""
     rank, needed, in_use, limit = payload.reshape(-1).tolist()
+    if needed == FRAME_ERROR:
+        return f"{REQUEST_FAILED}: rank {rank} could not run its frame (the rank's log has the error)"
     mib = lambda kib: f"{kib / _KIB:.1f} MiB"
     bound = f"its --memory-limit of {mib(limit)}" if limit else "no --memory-limit"
     if needed:
@@ -121,9 +126,12 @@ class MemoryGuard:
         mx.clear_cache()
         return Header.for_payload(Op.NO_MEMORY, payload, reply=header.reply, slot=header.slot), payload
 
-    def mlx_failed(self, header: Header) -> Tuple[Header, mx.array]:
-        """MLX refused an allocation while evaluating `header`'s frame."""
-        return self.failed(header, self.mlx_figures())
+    def mlx_failed(self, header: Header, e: Exception) -> Tuple[Header, mx.array]:
+        """Evaluating `header`'s frame raised `e`: MLX refused an allocation, or anything else
+        (FRAME_ERROR); either way the frame's rows fail, not the ring."""
+        if allocation_failed(e):
+            return self.failed(header, self.mlx_figures())
+        return self.failed(header, figures(self.rank, FRAME_ERROR * _KIB, 0, 0))
 
     def mlx_figures(self) -> mx.array:
         """The NO_MEMORY payload of an allocation MLX refused here (needed 0)."""

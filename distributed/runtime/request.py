@@ -10,9 +10,23 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token (OpenAI's chat limit)
-# The start of FinishEvent.error where a request failed alone, on its own input (its grammar,
-# its processors, its text): the front ends answer it as the request's error, not the server's.
+# How FinishEvent.error begins says whose failure it is (failure_kind); the front ends answer each
+# its own way. A request that failed alone, on its own input (its grammar, its processors, its text,
+# a frame of its that a rank could not run): HTTP 400, gRPC INVALID_ARGUMENT.
 REQUEST_FAILED = "this request failed"
+# A rank could not allocate for the request's frame: it alone failed (HTTP 507, RESOURCE_EXHAUSTED).
+OUT_OF_MEMORY = "out of memory"
+# A step raised where no one request is to blame: every running request ended and the ring was
+# reset; it serves on (HTTP 503, gRPC ABORTED: retry). Anything else: the ring is down (UNAVAILABLE).
+RING_RESET = "internal error; every running request was ended and the ring reset, it serves on"
+
+
+def failure_kind(error: Optional[str]) -> str:
+    """"request", "memory", "reset" or "ring": whose failure a FinishEvent's error is."""
+    for prefix, kind in ((REQUEST_FAILED, "request"), (OUT_OF_MEMORY, "memory"), (RING_RESET, "reset")):
+        if error and error.startswith(prefix):
+            return kind
+    return "ring"
 
 
 # Stop strings: how many and how long (characters). Matching costs each token's text times the

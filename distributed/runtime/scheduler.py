@@ -21,14 +21,11 @@ from .memory_guard import allocation_failed
 from .prefill import PREFILL_STEP_SIZE
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
-from .request import FinishEvent, GenerationRequest, TokenEvent
+from .request import RING_RESET, FinishEvent, GenerationRequest, TokenEvent
 from .speculation import SpeculationOptions
 
 Event = Union[TokenEvent, FinishEvent]
 log = logging.getLogger(__name__)
-
-# The error of the requests a reset ended (Scheduler._recover): none of them is to blame alone.
-RESET = "internal error; every running request was ended and the ring reset, it serves on"
 
 
 class QueueFull(Exception):
@@ -228,7 +225,7 @@ class Scheduler:
             if allocation_failed(error):
                 return fail_everything(self.batcher, error)
             log.error("a step failed; resetting the ring", exc_info=error)
-            self.batcher.reset(f"{RESET} ({type(error).__name__})")
+            self.batcher.reset(f"{RING_RESET} ({type(error).__name__})")
         except Exception as e:
             log.error("resetting the ring failed; the ring is down", exc_info=e)
             self.abort(f"{type(e).__name__}: {e}")

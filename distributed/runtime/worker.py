@@ -1,5 +1,6 @@
 """What a rank other than 0 runs: receive a frame, run its stage, pass it on."""
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Tuple
 
@@ -15,6 +16,7 @@ from .memory_guard import MemoryGuard, allocation_failed, step_alone
 from .rank_stats import RankStats
 
 Frame = Tuple[Header, Optional[mx.array]]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -176,10 +178,10 @@ class StageWorker:
                             out = self.handle(header, payload)
                         if out is not None and out[1] is not None:
                             mx.eval(out[1])
-                    except Exception as e:  # MLX refused an allocation: this frame fails, not the ring
+                    except Exception as e:  # this frame fails, not the ring (memory_guard.FRAME_ERROR)
                         if not allocation_failed(e):
-                            raise
-                        out = self.guard.mlx_failed(header)
+                            log.error("rank %d could not run a frame of slot %d", self.rank, header.slot, exc_info=e)
+                        out = self.guard.mlx_failed(header, e)
             else:
                 out = self.handle(header, payload)
             if out is not None:

@@ -27,8 +27,7 @@ from typing import Optional, Tuple
 
 from starlette.datastructures import Headers
 
-from ..runtime.memory_guard import is_out_of_memory
-from ..runtime.request import RequestError
+from ..runtime.request import RequestError, failure_kind
 from ..runtime.scheduler import QueueFull, RingUnavailable
 from ..shard.kv_budget import MAX_BATCH
 from . import openapi, pages
@@ -50,10 +49,14 @@ GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 def _down(reason: str) -> ApiError:
-    """A request that failed: 507 if a rank had no memory for it (it alone failed), else the ring is down."""
-    if is_out_of_memory(reason):
+    """A request that failed, by whose failure (runtime/request.py failure_kind): 400 its own input,
+    507 a rank had no memory for it (it alone failed), 503 a reset (retry) or the ring is down."""
+    kind = failure_kind(reason)
+    if kind == "request":
+        return ApiError(400, reason)
+    if kind == "memory":
         return ApiError(507, reason, "insufficient_memory")
-    return ApiError(503, f"the pipeline is down: {reason}", "service_unavailable")
+    return ApiError(503, reason if kind == "reset" else f"the pipeline is down: {reason}", "service_unavailable")
 
 
 def submit(scheduler, request, run, name=lambda param: param):

@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 
 import grpc
 
-from distributed.runtime.request import FinishEvent, GenerationRequest, PromptEvent, TokenEvent
+from distributed.runtime.request import FinishEvent, GenerationRequest, PromptEvent, TokenEvent, failure_kind
 from distributed.serving.proto import generation_pb2 as pb
 
 from .upstream import Closed, Upstream
@@ -108,8 +108,9 @@ class Forwarded:
                 time.sleep(RETRY_BUSY_S)
                 continue
             down = code in RING_DOWN or (code in MAYBE_DOWN and not self._still_serving(epoch))
-            if not down:
-                return self._finish("error", f"rank 0 answered {code.name}: {details}")
+            if not down:  # rank 0's error as it is: its words say whose failure it is (failure_kind)
+                kind = failure_kind(details)
+                return self._finish("error", details if kind != "ring" else f"rank 0 answered {code.name}: {details}")
             self.upstream.failed(epoch, details)
             if self._failed_at is None:
                 self._failed_at = time.monotonic()

@@ -14,7 +14,8 @@ from mlx_lm.utils import load_tokenizer
 from distributed.runtime import batching, memory_failure
 from distributed.runtime.memory_guard import OUT_OF_MEMORY
 from distributed.runtime.request import FinishEvent, GenerationRequest, TokenEvent
-from distributed.runtime.scheduler import RESET, RingUnavailable, Scheduler
+from distributed.runtime.request import RING_RESET
+from distributed.runtime.scheduler import RingUnavailable, Scheduler
 from reference import mlx_lm_greedy
 from stages import in_process_pipeline
 
@@ -142,7 +143,7 @@ def test_any_other_error_in_a_step_resets_the_ring_and_it_serves_on(hf_checkpoin
     assert scheduler.failure is None
     for handle in (a, b):
         finish = outcome(handle)[1]
-        assert finish.finish_reason == "error" and finish.error.startswith(RESET) and "RuntimeError" in finish.error
+        assert finish.finish_reason == "error" and finish.error.startswith(RING_RESET) and "RuntimeError" in finish.error
     assert_serves_exactly(scheduler, hf_checkpoint)
 
 

@@ -149,3 +149,58 @@ def test_stop_strings_are_bounded_and_cheap(ring, hf_checkpoint):
         plain = generate(ring.stub, token_ids=prompt(6, 5), max_tokens=MAX_TOKENS)
         assert long_stop.result()["token_ids"] == expected(hf_checkpoint, prompt(4, 4))
     assert plain["token_ids"] == expected(hf_checkpoint, prompt(6, 5))
+
+
+FAULT = '''
+import os
+if os.environ.get("MLX_RANK") == "1":  # rank 1 of the ring: its stage raises on a part of 7 positions
+    from distributed.shard.stage import Stage
+    _call, _mixed = Stage.__call__, Stage.mixed
+
+    def _check(h):
+        if h.shape[1] == 7:
+            raise RuntimeError("injected fault: a frame of 7 positions")
+
+    def _faulty_call(self, h, caches, *args, **kwargs):
+        _check(h)
+        return _call(self, h, caches, *args, **kwargs)
+
+    def _faulty_mixed(self, parts, *args, **kwargs):
+        for h, _ in parts:
+            _check(h)
+        return _mixed(self, parts, *args, **kwargs)
+
+    Stage.__call__, Stage.mixed = _faulty_call, _faulty_mixed
+'''
+
+
+@pytest.fixture(scope="module")
+def faulty_ring(hf_checkpoint, tmp_path_factory):
+    """A ring of two whose rank 1 raises on any frame of 7 positions (a sitecustomize on its path):
+    an error no check before the queue caught, on a rank other than 0."""
+    faults = tmp_path_factory.mktemp("faults")
+    (faults / "sitecustomize.py").write_text(FAULT)
+    server = Server(hf_checkpoint, ranks=2, extra=["--prefill-step-size", str(STEP)],
+                    environment={"PYTHONPATH": str(faults)})
+    try:
+        server.wait_serving()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_frame_another_rank_cannot_run_fails_its_request_alone(faulty_ring, hf_checkpoint):
+    """Rank 1 raises on one request's prefill chunk (7 positions): that request ends with an error
+    naming the rank, health stays SERVING (the ring was never down), and the requests after it
+    are exact. (A chunk riding in a decode step's frame fails that step's rows with it, as a
+    frame that runs out of memory does: the rank cannot tell which part raised.)"""
+    error = rpc_error(generate, faulty_ring.stub, token_ids=prompt(8, 7), max_tokens=4)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert error.details().startswith("this request failed: rank 1 could not run its frame"), error.details()
+    assert faulty_ring.health_status() == SERVING
+    with ThreadPoolExecutor(2) as pool:
+        prompts = [prompt(5, 8), prompt(9, 9), prompt(1, 10)]
+        for p, out in zip(prompts, pool.map(lambda p: generate(faulty_ring.stub, token_ids=p, max_tokens=MAX_TOKENS),
+                                            prompts)):
+            assert out["token_ids"] == expected(hf_checkpoint, p)
+    assert "injected fault" in faulty_ring.output(20000)  # logged with its traceback on rank 1

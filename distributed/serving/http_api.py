@@ -87,11 +87,13 @@ class _Handler:
         None: the request goes on (its body is read, then run())."""
         front, path = self.front, self.path.split("?")[0].rstrip("/")
         self._error_body = ERROR_BODIES.get(path, ApiError.body) if front.api else ApiError.body
+        if self.command == "GET" and path == "/health":  # open to any probe: it tells only whether we serve
+            return self._monitor(path)
         try:
             front.check_origin(self.headers)
         except ApiError as e:
             return self._answer(e.status, self._error_body(e))
-        if self.command == "GET" and path in ("/health", "/metrics", "/v1/status"):
+        if self.command == "GET" and path in ("/metrics", "/v1/status"):
             return self._monitor(path)
         if self.command == "GET" and front.api and path == "/openapi.json":
             return self._answer(200, openapi.document())
@@ -502,12 +504,12 @@ class HttpFrontEnd:
         local origins (or its own) may call it from a browser (cross-site requests): a Host that
         is a name other than localhost, the bound address or one of --allowed-hosts is 403, as is
         an Origin that is none of those nor the server itself. Host may be any IP address (no
-        rebinding gives one); --allowed-hosts '*' turns both checks off."""
+        rebinding gives one); --allowed-hosts '*' turns both checks off. GET /health is open to all."""
         if self.auth_token is not None or "*" in self.allowed:
             return
         host = headers.get("Host") or ""
         name = _host_name(host)
-        if name not in self.allowed and not _is_ip(name):
+        if host and name not in self.allowed and not _is_ip(name):  # no Host (HTTP/1.0): no browser sent it
             raise ApiError(403, f"Host {json.dumps(host[:100])} is not allowed: without --auth-token this server "
                                 f"answers only local names and IP addresses (add names with --allowed-hosts or "
                                 f"{ALLOWED_HOSTS_ENV})", "permission_error")

@@ -11,17 +11,23 @@ token admitted together once took the ring down for good (mlx-lm's extract on a 
 frame had reached). Then the numbers and stop strings that once did, refused before the queue.
 """
 
+import math
+import os
 import re
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mlx_lm.utils import load_tokenizer
 
 from distributed.runtime.grammar import regex_grammar
 from distributed.runtime.request import MAX_STOP_CHARS, MAX_STOPS, FinishEvent, GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
 from distributed.runtime.speculation import SpeculationOptions
+from distributed.serving.proto import generation_pb2 as pb
 from grpc_server import SERVING, Server, generate, rpc_error
 from reference import mlx_lm_greedy
 from stages import in_process_pipeline
@@ -204,3 +210,91 @@ def test_a_frame_another_rank_cannot_run_fails_its_request_alone(faulty_ring, hf
                                             prompts)):
             assert out["token_ids"] == expected(hf_checkpoint, p)
     assert "injected fault" in faulty_ring.output(20000)  # logged with its traceback on rank 1
+
+
+# The gRPC fuzzer: Generate with every field drawn, extremes included. Each call ends normally
+# or with a documented code; no reply names a Python exception; the ring serves on exactly.
+OK_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+PYTHON_ERRORS = re.compile(r"Traceback|\b(Type|Attribute|Key|Index|Value|Recursion|Runtime|Unicode|Overflow|Assertion)"
+                           r"Error\b")
+uint32 = st.integers(0, 2**32 - 1)
+extremes = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 0.0, 1e20, -1e20, 2.0**63])
+text = st.text(max_size=30)
+# Each field: a value a client may well send (and the ring then runs), and values it should not.
+VALID = {
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "min_p": st.floats(0, 0.5),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2), "top_k": st.integers(0, 300), "seed": st.integers(0, 2**64 - 1),
+    "presence_context_size": st.integers(1, 64), "frequency_context_size": st.integers(1, 64),
+    "repetition_context_size": st.integers(1, 64), "top_logprobs": st.integers(0, 20),
+    "stop": st.lists(st.text(min_size=1, max_size=8), max_size=3),
+    "logit_bias": st.dictionaries(st.integers(0, 250), st.floats(-100, 100), max_size=3),
+    "prompt_logprobs": st.booleans(), "separate_reasoning": st.booleans(), "speculative": st.booleans(),
+    "regex": st.sampled_from(["[a-z ]{1,20}", "[0-9]+", "(yes|no)"]),
+    "json_schema": st.sampled_from(['{"type": "object"}', '{"type": "integer"}', '{"enum": ["a", "b"]}']),
+    "lark_grammar": st.sampled_from(["start: /[a-z]+/", 'start: "x" | "y"']),
+}
+HOSTILE = {
+    **{name: extremes for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                  "repetition_penalty")},
+    **{name: uint32 for name in ("presence_context_size", "frequency_context_size", "repetition_context_size",
+                                 "top_logprobs")},
+    "top_k": st.integers(-2**31, 2**31 - 1), "max_tokens": st.sampled_from([-3, 0, 2**31 - 1]),
+    "stop": st.sampled_from([["x" * 5000], ["a"] * 70, [""]]),
+    "logit_bias": st.dictionaries(uint32, st.one_of(extremes, st.floats()), min_size=1, max_size=3),
+    "resume_token_ids": st.lists(st.integers(0, 300), min_size=1, max_size=8),
+    "token_ids": st.one_of(st.just([]), st.lists(uint32, min_size=1, max_size=4)),
+    "regex": text, "json_schema": text, "lark_grammar": text,
+}
+CONSTRAINTS = ("regex", "json_schema", "lark_grammar")
+
+
+@st.composite
+def generate_requests(draw):
+    """A plausible request; half of them with one or two fields made hostile."""
+    fields = {"max_tokens": draw(st.integers(1, 6))}
+    which = draw(st.sampled_from(["token_ids", "prompt", "messages"]))
+    if which == "token_ids":
+        fields["token_ids"] = draw(st.lists(st.integers(1, 250), min_size=1, max_size=40))
+    elif which == "prompt":
+        fields["prompt"], fields["chat_template"] = draw(st.text(min_size=1, max_size=30)), draw(st.booleans())
+    else:
+        fields["messages"] = [pb.ChatMessage(role=draw(st.sampled_from(["user", "system", "assistant", "bogus"])),
+                                             content=draw(text)) for _ in range(draw(st.integers(1, 3)))]
+    optional = sorted(set(VALID) - set(CONSTRAINTS))
+    for name in draw(st.lists(st.sampled_from(optional), max_size=4, unique=True)):
+        fields[name] = draw(VALID[name])
+    constraint = draw(st.sampled_from((None,) + CONSTRAINTS))
+    if constraint is not None:
+        fields[constraint] = draw(VALID[constraint])
+    if draw(st.booleans()):
+        for name in draw(st.lists(st.sampled_from(sorted(HOSTILE)), min_size=1, max_size=2, unique=True)):
+            if name in CONSTRAINTS:
+                for other in CONSTRAINTS:
+                    fields.pop(other, None)
+            fields[name] = draw(HOSTILE[name])
+    return fields
+
+
+def test_fuzzed_generate_requests(ring, hf_checkpoint):
+    stub, cases, outcomes = ring.stub, [], Counter()
+
+    @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 80)), deadline=None, derandomize="FUZZ_EXAMPLES" not in os.environ, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(generate_requests())
+    def case(fields):
+        cases.append(fields)
+        try:
+            outcomes[generate(stub, timeout=3, **fields)["finish_reason"]] += 1
+        except grpc.RpcError as e:
+            outcomes[e.code().name] += 1
+            assert e.code() in OK_CODES, (e.code(), e.details(), fields)
+            assert not PYTHON_ERRORS.search(e.details() or ""), (e.details(), fields)
+        if len(cases) % 20 == 0:  # after each batch of cases: the ring serves exactly
+            assert generate(stub, token_ids=prompt(7, 11), max_tokens=MAX_TOKENS)["token_ids"] == \
+                expected(hf_checkpoint, prompt(7, 11))
+
+    case()
+    print("fuzzed Generate outcomes:", dict(outcomes))
+    assert len(cases) >= 80 and ring.health_status() == SERVING
+    assert sum(outcomes[r] for r in ("length", "stop")) >= 10, outcomes  # the cases reach the ring too

@@ -31,32 +31,36 @@ gives (503 while loading or the ring is down: overloaded_error, not Anthropic's 
 """
 
 import json
+import weakref
+
+from jinja2 import TemplateError
 
 from ..runtime.request import RequestError
 from .anthropic_reply import MessageReply
 from .api_adapter import Adapter
 from .constraints import forced_tools
-from .openai_fields import ApiError, check_fields
+from .openai_fields import ApiError, ChatBody, check_fields
 from .requests import chat_ids
 from .tools import NO_THINKING, chat_messages, request_tools
 
-PROMPT = ("model", "messages", "system", "tools", "tool_choice", "output_config", "thinking")
+PROMPT = ("model", "messages", "system", "tools", "tool_choice", "output_config", "thinking", "context_management")
 GENERATE = ("max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream")
-HINTS = ("metadata", "cache_control", "inference_geo")
-NEUTRAL = {
-    "service_tier": (("auto", "standard_only"), "there is one service tier"),
-    "speed": (("standard",), "there is one speed"),
-}
+# Accepted with no effect (named in the access log): identifiers, caching hints, where and how fast it runs.
+HINTS = ("metadata", "cache_control", "inference_geo", "service_tier", "speed", "diagnostics")
+NEUTRAL = {}
 REFUSED = {
     "container": "code execution containers are not supported",
     "mcp_servers": "MCP servers are not supported (give their tools as client tools)",
-    "context_management": "context management is not supported",
-    "diagnostics": "not supported",
 }
-ONLY_GENERATE = ("metadata", "service_tier", "container", "inference_geo", "diagnostics")
-BLOCK_KEYS = {"text": ("text", "citations"), "tool_use": ("id", "name", "input"), "thinking": ("thinking", "signature"),
+ONLY_GENERATE = ("metadata", "service_tier", "container", "inference_geo", "diagnostics", "speed")
+BLOCK_KEYS = {"text": ("text", "citations"), "tool_use": ("id", "name", "input", "caller"),
+              "thinking": ("thinking", "signature"), "redacted_thinking": ("data",),
               "tool_result": ("tool_use_id", "content", "is_error")}
-TOOL_KEYS = ("type", "name", "description", "input_schema", "cache_control", "strict")
+TOOL_KEYS = ("type", "name", "description", "input_schema", "cache_control", "strict", "defer_loading",
+             "eager_input_streaming", "input_examples", "allowed_callers")
+CLEARED = "[cleared to save context]"  # what a cleared tool result (or input) says, as Anthropic's placeholder does
+DEFAULT_TRIGGER = 100_000  # clear_tool_uses: input tokens above which it clears (Anthropic's default)
+DEFAULT_KEEP_TOOL_USES = 3
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -67,8 +71,9 @@ def bad(field: str, message: str) -> ApiError:
     return ApiError(400, f"{field}: {message}", param=field)
 
 
-def _check_fields(body: dict, generate: bool) -> None:
-    """Unknown, refused and non-neutral fields are errors naming them."""
+def _check_fields(body: dict, generate: bool) -> list:
+    """Unknown and refused fields are errors naming them; returns the hints given (ignored)."""
+    ignored = []
     for name, value in body.items():
         known = name in PROMPT or name in HINTS or name in NEUTRAL or name in REFUSED or (generate and name in GENERATE)
         if not known or (not generate and name in ONLY_GENERATE):
@@ -79,10 +84,10 @@ def _check_fields(body: dict, generate: bool) -> None:
             raise bad(name, REFUSED[name])
         if name in NEUTRAL and value not in NEUTRAL[name][0]:
             raise bad(name, f"{json.dumps(value)[:60]} is not supported: {NEUTRAL[name][1]}")
-    metadata = body.get("metadata") or {}
-    if not isinstance(metadata, dict) or any(k != "user_id" for k in metadata) \
-            or not isinstance(metadata.get("user_id", ""), (str, type(None))):
-        raise bad("metadata", "only {\"user_id\": string} is supported")
+        if name in HINTS:
+            ignored.append(name)
+    if not isinstance(body.get("metadata") or {}, dict):
+        raise bad("metadata", "expected an object")
     if not isinstance(body.get("cache_control") or {}, dict):
         raise bad("cache_control", "expected an object")
     if not isinstance(body.get("inference_geo") or "", str):
@@ -90,6 +95,7 @@ def _check_fields(body: dict, generate: bool) -> None:
     for name in ("model",) + (("max_tokens",) if generate else ()):
         if body.get(name) is None:
             raise bad(name, "required")
+    return ignored
 
 
 def _blocks(content, where: str) -> list:
@@ -120,13 +126,19 @@ def _text(content, where: str) -> str:
     return "".join(parts)
 
 
-def _turn(m, i: int, last: bool, thinking: bool) -> list:
+def _turn(m, i: int, last: bool, thinking: bool, ignored: list) -> list:
     """One Anthropic turn as OpenAI messages: an assistant's tool_use blocks become its
-    tool_calls, its thinking blocks its reasoning_content; a user's tool_result blocks
-    become `tool` messages, in their order."""
+    tool_calls, its thinking blocks its reasoning_content (where the checkpoint thinks; else
+    they are left out, named in the access log); a user's tool_result blocks become `tool`
+    messages, in their order; a system entry (as Claude Code sends reminders) a system message."""
     where = f"messages[{i}]"
-    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-        raise bad(f"{where}.role", "expected \"user\" or \"assistant\"")
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+        raise bad(f"{where}.role", "expected \"user\", \"assistant\" or \"system\"")
+    if m["role"] == "system":
+        extra = next((k for k in m if k not in ("role", "content")), None)
+        if extra is not None:
+            raise bad(f"{where}.{extra}", "not supported in a message")
+        return [{"role": "system", "content": _text(m.get("content"), f"{where}.content")}]
     extra = next((k for k in m if k not in ("role", "content")), None)
     if extra is not None:
         raise bad(f"{where}.{extra}", "not supported in a message")
@@ -145,11 +157,14 @@ def _turn(m, i: int, last: bool, thinking: bool) -> list:
                 raise bad(at, "a tool_use block needs a string id and name and an input object")
             calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"], "arguments": block["input"]}})
+        elif m["role"] == "assistant" and block["type"] == "redacted_thinking":
+            ignored.append("messages.redacted_thinking")  # another model's, unreadable: left out
         elif m["role"] == "assistant" and block["type"] == "thinking":
             if not isinstance(block.get("thinking"), str):
                 raise bad(f"{at}.thinking", "expected a string")
             if not thinking:
-                raise bad(f"{at}.type", NO_THINKING)
+                ignored.append("messages.thinking")  # the template has no place for it
+                continue
             reasoning.append(block["thinking"])  # its signature is not checked: nothing here signs
         elif m["role"] == "user" and block["type"] == "tool_result":
             if not isinstance(block.get("tool_use_id"), str) or not isinstance(block.get("is_error", False), bool):
@@ -173,7 +188,9 @@ def _turn(m, i: int, last: bool, thinking: bool) -> list:
     return out
 
 
-def _tools(tools) -> list:
+def _tools(tools, ignored: list) -> list:
+    """Client tools as function tools; server tools (web_search, bash, …: none runs here) are left
+    out of the prompt and named in the access log."""
     if not isinstance(tools, list):
         raise bad("tools", "expected a list of tools")
     out = []
@@ -181,9 +198,11 @@ def _tools(tools) -> list:
         if not isinstance(tool, dict):
             raise bad(f"tools[{k}]", "expected a tool object")
         kind = tool.get("type")
+        if isinstance(kind, str) and kind != "custom":
+            ignored.append(f"tools.{kind}")
+            continue
         if kind not in (None, "custom"):
-            raise bad(f"tools[{k}].type", f"server tool {json.dumps(kind)[:40]} is not supported "
-                                          "(client tools only: name, description, input_schema)")
+            raise bad(f"tools[{k}].type", "expected a string")
         extra = next((key for key, v in tool.items() if key not in TOOL_KEYS and v is not None), None)
         if extra is not None:
             raise bad(f"tools[{k}].{extra}", "not supported in a tool")
@@ -213,11 +232,13 @@ def _tool_choice(choice, chat: dict) -> None:
         chat["parallel_tool_calls"] = False
 
 
-def _output_config(config, chat: dict) -> None:
+def _output_config(config, chat: dict, ignored: list) -> None:
     if not isinstance(config, dict) or any(k not in ("format", "effort") for k in config):
-        raise bad("output_config", "only format is supported")
+        raise bad("output_config", "expected {\"format\": …, \"effort\": …}")
     if config.get("effort") is not None:
-        raise bad("output_config.effort", "not supported (the chat template decides)")
+        if not isinstance(config["effort"], str):
+            raise bad("output_config.effort", "expected a string")
+        ignored.append("output_config.effort")  # the chat template has no effort knob
     form = config.get("format")
     if form is not None:
         if not isinstance(form, dict) or form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict) \
@@ -227,30 +248,120 @@ def _output_config(config, chat: dict) -> None:
                                    "json_schema": {"name": "output", "schema": form["schema"], "strict": True}}
 
 
-def _thinking(config, thinking: bool, chat: dict, max_tokens=None) -> None:
+def _thinking(config, thinking: bool, chat: dict, ignored: list, max_tokens=None) -> None:
     """`thinking`: where the checkpoint thinks, enabled or adaptive (its thinking blocks come
-    back) or disabled (the chat template is told enable_thinking false); elsewhere only disabled."""
+    back) or disabled (the chat template is told enable_thinking false); elsewhere it changes
+    nothing (the model does not think: no thinking blocks come back) and is named in the log."""
     kind = config.get("type") if isinstance(config, dict) else None
     if kind not in ("enabled", "adaptive", "disabled"):
         raise bad("thinking", "expected {\"type\": \"enabled\" | \"adaptive\" | \"disabled\"}")
     extra = next((k for k in config if k not in ("type", "budget_tokens") or (k == "budget_tokens" and kind != "enabled")), None)
     if extra is not None:
         raise bad(f"thinking.{extra}", f"not supported with type {kind!r}")
-    if not thinking:
-        if kind != "disabled":
-            raise bad("thinking", f"{json.dumps(config)[:60]} is not supported: {NO_THINKING}")
-        return
     if kind == "enabled":
         budget = config.get("budget_tokens")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024 \
                 or (max_tokens is not None and budget >= max_tokens):
             raise bad("thinking.budget_tokens", "expected an integer of at least 1024, below max_tokens")
+    if not thinking:
+        if kind != "disabled":
+            ignored.append("thinking")
+        return
     if kind == "disabled":
         chat["chat_template_kwargs"] = {"enable_thinking": False}
 
 
-def _prompt(body: dict, thinking: bool, max_tokens=None) -> dict:
+def _keep(edit: dict, where: str, unit: str, default):
+    """An edit's `keep`: {"type": unit, "value": N} -> N, "all" -> None (keep everything)."""
+    keep = edit.get("keep", default)
+    if keep == "all":
+        return None
+    if isinstance(keep, dict) and keep.get("type") == unit and isinstance(keep.get("value"), int) \
+            and not isinstance(keep["value"], bool) and keep["value"] >= 0:
+        return keep["value"]
+    raise bad(f"{where}.keep", f"expected {{\"type\": \"{unit}\", \"value\": N}} or \"all\"")
+
+
+def _context_edits(config, messages: list, count, ignored: list) -> None:
+    """`context_management.edits` applied to the turns before templating, as Anthropic documents
+    them: clear_thinking_* drops the thinking of all but the last `keep` assistant turns that have
+    some (default 1; "all": none dropped); clear_tool_uses_* once the prompt is over its `trigger`
+    (input tokens, default 100,000) replaces the results (and with clear_tool_inputs the inputs) of
+    all but the last `keep` tool uses (default 3) with a placeholder, tools in exclude_tools kept.
+    `count(messages)`: the prompt's tokens."""
+    if not isinstance(config, dict) or any(k != "edits" for k in config) or not isinstance(config.get("edits", []), list):
+        raise bad("context_management", "expected {\"edits\": [...]}")
+    for k, edit in enumerate(config.get("edits", [])):
+        where = f"context_management.edits[{k}]"
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if isinstance(kind, str) and kind.startswith("clear_thinking_"):
+            keep = _keep(edit, where, "thinking_turns", {"type": "thinking_turns", "value": 1})
+            thought = [m for m in messages if m["role"] == "assistant" and m.get("reasoning_content")]
+            for m in thought[: len(thought) - keep] if keep is not None else []:
+                del m["reasoning_content"]
+        elif isinstance(kind, str) and kind.startswith("clear_tool_uses_"):
+            keep = _keep(edit, where, "tool_uses", {"type": "tool_uses", "value": DEFAULT_KEEP_TOOL_USES})
+            trigger = edit.get("trigger") or {"type": "input_tokens", "value": DEFAULT_TRIGGER}
+            if not isinstance(trigger, dict) or trigger.get("type") not in ("input_tokens", "tool_uses") \
+                    or not isinstance(trigger.get("value"), int):
+                raise bad(f"{where}.trigger", "expected {\"type\": \"input_tokens\" | \"tool_uses\", \"value\": N}")
+            excluded = set(edit.get("exclude_tools") or [])
+            calls = [(m, c) for m in messages if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+            size = len(calls) if trigger["type"] == "tool_uses" else count(messages)
+            if keep is None or size <= trigger["value"]:
+                continue
+            cleared = {c["id"] for _, c in calls[: max(0, len(calls) - keep)] if c["function"]["name"] not in excluded}
+            for m in messages:
+                if m["role"] == "tool" and m.get("tool_call_id") in cleared:
+                    m["content"] = CLEARED
+            if edit.get("clear_tool_inputs"):
+                for _, c in calls:
+                    if c["id"] in cleared:
+                        c["function"]["arguments"] = {}
+        else:
+            ignored.append(f"context_management.{kind}")  # an edit this server does not know: none applied
+
+
+_one_system = weakref.WeakKeyDictionary()  # tokenizer -> its template takes system messages only first
+
+
+def _system_first_only(tokenizer) -> bool:
+    """Whether the chat template refuses (or drops) a system message after the first turn."""
+    try:
+        return _one_system[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    probe = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+             {"role": "system", "content": "\x1fprobe\x1f"}, {"role": "user", "content": "c"}]
+    try:
+        text = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+        only_first = "\x1fprobe\x1f" not in text
+    except (TemplateError, ValueError, TypeError):
+        only_first = True
+    try:
+        _one_system[tokenizer] = only_first
+    except TypeError:
+        pass
+    return only_first
+
+
+def _place_system(messages: list, tokenizer) -> list:
+    """System entries inside `messages` where they stand, or joined to the system prompt (the first
+    message) where the chat template takes a system message only first."""
+    later = [i for i, m in enumerate(messages) if m["role"] == "system" and any(x["role"] != "system" for x in messages[:i])]
+    if not later or tokenizer is None or not _system_first_only(tokenizer):
+        return messages
+    head = [m for i, m in enumerate(messages) if m["role"] == "system" and i not in later
+            and all(x["role"] == "system" for x in messages[:i])]
+    system = "\n\n".join(m["content"] for m in head + [messages[i] for i in later])
+    rest = [m for i, m in enumerate(messages) if m["role"] != "system"]
+    return [{"role": "system", "content": system}] + rest
+
+
+def _prompt(body: dict, tokenizer, max_tokens=None, ignored=None) -> dict:
     """The fields that make the prompt (and its constraint), as a chat-completions body."""
+    thinking = tokenizer.has_thinking
+    ignored = [] if ignored is None else ignored
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "expected a non-empty list of turns")
@@ -258,22 +369,33 @@ def _prompt(body: dict, thinking: bool, max_tokens=None) -> dict:
     if body.get("system") is not None:
         out.append({"role": "system", "content": _text(body["system"], "system")})
     for i, m in enumerate(messages):
-        out += _turn(m, i, i == len(messages) - 1, thinking)
+        out += _turn(m, i, i == len(messages) - 1, thinking, ignored)
     chat = {"model": body["model"], "messages": out}
     if body.get("thinking") is not None:
-        _thinking(body["thinking"], thinking, chat, max_tokens)
+        _thinking(body["thinking"], thinking, chat, ignored, max_tokens)
     if body.get("tools") is not None:
-        chat["tools"] = _tools(body["tools"])
-    if body.get("tool_choice") is not None:
+        tools = _tools(body["tools"], ignored)
+        if tools:
+            chat["tools"] = tools
+    if body.get("tool_choice") is not None and (chat.get("tools") or body["tool_choice"].get("type") == "none"
+                                                if isinstance(body["tool_choice"], dict) else True):
         _tool_choice(body["tool_choice"], chat)
     if body.get("output_config") is not None:
-        _output_config(body["output_config"], chat)
+        _output_config(body["output_config"], chat, ignored)
+    if body.get("context_management") is not None:
+        def count(messages):
+            try:
+                return len(chat_ids(tokenizer, chat_messages(messages, thinking), chat.get("tools")))
+            except RequestError:
+                return 0
+        _context_edits(body["context_management"], out, count, ignored)
+    chat["messages"] = _place_system(out, tokenizer)
     return chat
 
 
 def to_chat(body: dict, info, tokenizer) -> dict:
-    _check_fields(body, generate=True)
-    chat = _prompt(body, tokenizer.has_thinking, body["max_tokens"])
+    ignored = _check_fields(body, generate=True)
+    chat = _prompt(body, tokenizer, body["max_tokens"], ignored)
     chat.update({"max_tokens": body["max_tokens"], "stream": body.get("stream", False)})
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
@@ -283,7 +405,7 @@ def to_chat(body: dict, info, tokenizer) -> dict:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise bad("stop_sequences", "expected a list of non-empty strings")
         chat["stop"] = stops
-    return chat
+    return ChatBody(chat, ignored=ignored)
 
 
 def param(name: str) -> str:
@@ -303,7 +425,7 @@ def count_tokens(body: dict, scheduler, tokenizer, info):
     """{"input_tokens": N}: the chat template's tokens for system, messages and tools, as
     /v1/messages prompts them."""
     _check_fields(body, generate=False)
-    chat = _prompt(body, tokenizer.has_thinking)
+    chat = _prompt(body, tokenizer)
     try:
         check_fields(chat, "chat", info)  # a model we do not serve is 404
         messages, tools = chat_messages(chat["messages"], tokenizer.has_thinking), request_tools(chat, tokenizer)

@@ -39,6 +39,12 @@ class Metrics:
         self.reasoning_tokens = Counter("trinity_reasoning_tokens", "Of the generated tokens, those generated while "
                                         "the reply was reasoning (checkpoints with think tokens; their end marker too)",
                                         front_end, registry=registry)
+        self.ignored_fields = Counter(
+            "trinity_ignored_fields", "Request fields accepted with no effect for this server and model (the "
+            "compatibility rule: e.g. reasoning.summary, context_management), by field name", ["field"], registry=registry)
+        self.clamped_fields = Counter(
+            "trinity_clamped_fields", "Request limits held to what the server allows (max_tokens beyond the context "
+            "or --max-tokens-cap), by field name", ["field"], registry=registry)
         self.ttft = Histogram("trinity_time_to_first_token_seconds", "From a request's arrival to its first token",
                               front_end, buckets=TTFT_BUCKETS, registry=registry)
         self.itl = Histogram("trinity_inter_token_latency_seconds", "Between successive tokens of a request",

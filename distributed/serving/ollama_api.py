@@ -17,8 +17,9 @@ into the prompt (as reasoning_content), and `think` false tells the chat templat
 enable_thinking false; elsewhere `think` is only false. Defaults are the server's (as chat
 completions'), not Ollama's: no Modelfile sets any.
 
-Refused by name (400): load-time options, `think` true where the checkpoint has no think
-tokens (and effort levels anywhere), `thinking` in messages there, images, logprobs,
+Accepted with no effect, named in the access log: load-time options, num_ctx other than the
+server's context, `think` true or an effort level where the checkpoint has no think tokens
+(effort levels anywhere), `thinking` in messages there. Refused by name (400): images, logprobs,
 generate's suffix / context / template and image-generation fields, an empty prompt;
 unknown fields and options. Another model: 404. Model management (pull, push, create,
 copy) and embeddings: 501.
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from ..runtime.request import RequestError
 from .api_adapter import Adapter, ndjson
-from .openai_fields import ApiError
+from .openai_fields import ApiError, ChatBody
 from .tools import NO_THINKING
 
 # Ollama option -> the chat-completions field(s) it becomes (repeat_last_n: llama.cpp's one window for all penalties).
@@ -153,7 +154,7 @@ def _not_here(path: str):
 # ---- requests: an Ollama body as a chat-completions (or, raw, a completions) body
 
 
-def _options(options, info) -> dict:
+def _options(options, info, ignored: list) -> dict:
     if options is None:
         return {}
     if not isinstance(options, dict):
@@ -169,11 +170,13 @@ def _options(options, info) -> dict:
             if isinstance(value, bool) or value != NEUTRAL_OPTIONS[name]:
                 raise RequestError(where, f"only {NEUTRAL_OPTIONS[name]} (off) is supported")
         elif name == "num_ctx":
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise RequestError(where, "expected an integer")
             if value != info.max_context:
-                raise RequestError(where, f"the context is the server's, {info.max_context} tokens (see /api/show)")
-        elif name in LOAD_TIME:
-            raise RequestError(where, "a load-time option: the model is loaded once, at the server's start")
-        elif name not in NO_EFFECT:
+                ignored.append(where)  # the context is the server's (see /api/show); a longer prompt is refused
+        elif name in LOAD_TIME or name in NO_EFFECT:
+            ignored.append(where)  # load-time options (the model is loaded once), or samplers never used here
+        else:
             raise RequestError(where, "unknown option")
     if out.get("max_tokens") in (-1, -2):  # Ollama's "unlimited" and "fill the context": the server's default
         del out["max_tokens"]
@@ -193,7 +196,7 @@ def _format(value):
     raise RequestError("format", f"expected \"json\" or a JSON schema object, got {json.dumps(value)[:60]}")
 
 
-def _check(body: dict, names: tuple, thinking: bool) -> dict:
+def _check(body: dict, names: tuple, thinking: bool, ignored: list) -> dict:
     """Refused and unknown fields are errors naming them; returns the chat body's template variables."""
     for name, value in body.items():
         if name in REFUSED and value not in (None, "", [], False):
@@ -201,10 +204,12 @@ def _check(body: dict, names: tuple, thinking: bool) -> dict:
         if name not in names and name not in REFUSED:
             raise RequestError(name, "unknown field")
     think = body.get("think")
-    if think is not None and not isinstance(think, bool):
-        raise RequestError("think", "only true or false (there are no effort levels here)")
-    if think and not thinking:
-        raise RequestError("think", f"{NO_THINKING} (only false)")
+    if think is not None and not isinstance(think, bool) and think not in ("low", "medium", "high"):
+        raise RequestError("think", "expected true, false, \"low\", \"medium\" or \"high\"")
+    if isinstance(think, str) or (think and not thinking):
+        ignored.append("think")  # effort levels: the template has no knob; where the model does not think: none
+    if body.get("keep_alive") is not None:
+        ignored.append("keep_alive")  # never unloaded
     if not isinstance(body.get("keep_alive", 0), (int, float, str)):
         raise RequestError("keep_alive", "expected a duration (a number of seconds or a string such as \"5m\")")
     if not isinstance(body.get("stream", True), bool):
@@ -212,7 +217,7 @@ def _check(body: dict, names: tuple, thinking: bool) -> dict:
     return {"chat_template_kwargs": {"enable_thinking": False}} if thinking and think is False else {}
 
 
-def _messages(messages, thinking: bool) -> list:
+def _messages(messages, thinking: bool, ignored: list) -> list:
     """Ollama messages as OpenAI's: tool calls get ids, and tool results the id of the call they answer."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "expected a non-empty list of messages")
@@ -229,10 +234,12 @@ def _messages(messages, thinking: bool) -> list:
         calls = m.get("tool_calls") or []
         message = {"role": m.get("role"), "content": m.get("content", None if calls else "")}
         if m.get("thinking"):
-            if not thinking or m.get("role") != "assistant" or not isinstance(m["thinking"], str):
-                raise RequestError(f"{where}.thinking", NO_THINKING if not thinking else "only assistant messages "
-                                   "carry thinking, a string")
-            message["reasoning_content"] = m["thinking"]
+            if m.get("role") != "assistant" or not isinstance(m["thinking"], str):
+                raise RequestError(f"{where}.thinking", "only assistant messages carry thinking, a string")
+            if thinking:
+                message["reasoning_content"] = m["thinking"]
+            else:
+                ignored.append("messages.thinking")  # the template has no place for it
         for k, call in enumerate(calls if isinstance(calls, list) else [None]):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
@@ -253,24 +260,27 @@ def _messages(messages, thinking: bool) -> list:
     return out
 
 
-def _sampling(body: dict, info) -> dict:
+def _sampling(body: dict, info, ignored: list) -> dict:
     _model(body, info)
-    return {"stream": body.get("stream", True), **_options(body.get("options"), info)}
+    return {"stream": body.get("stream", True), **_options(body.get("options"), info, ignored)}
 
 
 def chat_to_chat(body: dict, info, tokenizer) -> dict:
-    template = _check(body, CHAT_FIELDS, tokenizer.has_thinking)
-    out = {"messages": _messages(body.get("messages"), tokenizer.has_thinking), **_sampling(body, info), **template}
+    ignored = []
+    template = _check(body, CHAT_FIELDS, tokenizer.has_thinking, ignored)
+    out = {"messages": _messages(body.get("messages"), tokenizer.has_thinking, ignored), **_sampling(body, info, ignored),
+           **template}
     if body.get("tools"):
         out["tools"] = body["tools"]
     if _format(body.get("format")):
         out["response_format"] = _format(body["format"])
-    return out
+    return ChatBody(out, ignored=ignored)
 
 
 def generate_to_chat(body: dict, info, tokenizer) -> dict:
     """A user message (after `system`), or with `raw` the prompt as is (a completions body)."""
-    template = _check(body, GENERATE_FIELDS, tokenizer.has_thinking)
+    ignored = []
+    template = _check(body, GENERATE_FIELDS, tokenizer.has_thinking, ignored)
     prompt, system = body.get("prompt"), body.get("system")
     if not isinstance(prompt, str) or not prompt:
         raise RequestError("prompt", "expected a non-empty string (the model is always loaded: no need to load it)")
@@ -278,16 +288,18 @@ def generate_to_chat(body: dict, info, tokenizer) -> dict:
         raise RequestError("system", "expected a string")
     if not isinstance(body.get("raw", False), bool):
         raise RequestError("raw", "expected a boolean")
-    out = _sampling(body, info)
+    out = _sampling(body, info, ignored)
     if body.get("raw"):
         for name in ("system", "format"):
             if body.get(name):
                 raise RequestError(name, "not taken with raw (the prompt goes as is, without the template)")
         n = len(tokenizer.encode(prompt))  # completions' default is 16 tokens; Ollama's, the context's rest
-        return {"prompt": prompt, "max_tokens": max(1, min(info.max_tokens_cap, info.max_context - n)), **out}
+        return ChatBody({"prompt": prompt, "max_tokens": max(1, min(info.max_tokens_cap, info.max_context - n)), **out},
+                        ignored=ignored)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     response_format = _format(body.get("format"))
-    return {"messages": messages, **out, **template, **({"response_format": response_format} if response_format else {})}
+    return ChatBody({"messages": messages, **out, **template, **({"response_format": response_format} if response_format else {})},
+                    ignored=ignored)
 
 
 def _param(generate: bool):

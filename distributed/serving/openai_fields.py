@@ -5,6 +5,13 @@ Every field is implemented, accepted only with the value that changes nothing
 here (NEUTRAL), refused by name (REFUSED), or accepted as a hint with no effect
 (HINTS); any other name is refused as unknown. README.md's field table lists the
 same sets (a test compares them).
+
+The compatibility rule (DESIGN.md "HTTP extras"): what a real client sends by default
+works. A field whose value changes nothing for this server and model is accepted and
+named in the access log (`ignored=…`, and the metric trinity_ignored_fields); a limit
+(max_tokens beyond the context or the cap) is clamped (`clamped=…`), the finish reason
+telling when the clamp ended the reply; only a field whose loss would change the reply's
+meaning and that cannot be honoured is refused by name.
 """
 
 import json
@@ -41,24 +48,23 @@ IMPLEMENTED = {
     "chat": SHARED + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                       "parallel_tool_calls", "response_format") + CHAT_EXTENSIONS,
 }
-# Accepted with no effect on the output: identifiers and caching hints for OpenAI's own service.
-HINTS = {"completions": ("user",), "chat": ("user", "safety_identifier", "prompt_cache_key")}
+# Accepted with no effect on the output (named in the access log): identifiers and caching hints
+# for OpenAI's own service, storage, service tiers, and knobs this server and model have not
+# (reasoning effort and verbosity: the chat template decides; a hosted web search: none runs
+# here; a predicted output only speeds OpenAI's decoding up) -> the JSON types each takes.
+HINT_TYPES = {"user": (str,), "safety_identifier": (str,), "prompt_cache_key": (str,), "store": (bool,),
+              "metadata": (dict,), "service_tier": (str,), "reasoning_effort": (str,), "verbosity": (str,),
+              "web_search_options": (dict,), "prediction": (dict,)}
+HINTS = {"completions": ("user",), "chat": tuple(HINT_TYPES)}
 # Accepted only with these values (the ones that change nothing here), else refused.
 NEUTRAL = {
     "best_of": ((1,), "only 1 (use n for several completions)"),
     "suffix": (("",), "text after the completion (insertion) is not supported"),
-    "service_tier": (("auto", "default"), "there is one service tier"),
-    "store": ((False,), "completions are not stored"),
-    "metadata": (({},), "metadata tags stored completions, which are not supported"),
     "modalities": ((["text"],), "only text output"),
 }
-NEUTRAL_IN = {"completions": ("best_of", "suffix"), "chat": tuple(k for k in NEUTRAL if k not in ("best_of", "suffix"))}
+NEUTRAL_IN = {"completions": ("best_of", "suffix"), "chat": ("modalities",)}
 REFUSED = {
     "audio": "audio output is not supported",
-    "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "not supported (the chat template decides)",
-    "verbosity": "not supported",
-    "web_search_options": "web search is not supported",
     "functions": "deprecated by OpenAI: use tools",
     "function_call": "deprecated by OpenAI: use tool_choice",
 }
@@ -89,9 +95,27 @@ def _same(value, allowed) -> bool:
     return any(type(value) is type(a) and value == a for a in allowed)
 
 
-def check_fields(body: dict, endpoint: str, info: ModelInfo) -> None:
-    """Unknown, refused and non-neutral fields are errors naming them; a model we do not serve is 404."""
+class ChatBody(dict):
+    """A chat-completions body an adapter (api_adapter.py) made of its API's request, with the
+    names of the client's fields it accepted and ignored (named in the access log)."""
+
+    def __init__(self, *args, ignored=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ignored = list(ignored)
+
+
+def clamp_max_tokens(requested: int, prompt_len: int, info: ModelInfo) -> int:
+    """`requested` held to the server's cap and the context the prompt leaves (vLLM and
+    llama.cpp clamp so); a prompt that leaves no room keeps its value (validation refuses it)."""
+    room = min(info.max_tokens_cap, info.max_context - prompt_len)
+    return room if requested > room >= 1 else requested
+
+
+def check_fields(body: dict, endpoint: str, info: ModelInfo) -> List[str]:
+    """Unknown, refused and non-neutral fields are errors naming them; a model we do not serve is
+    404. Returns the hints the body carries (accepted, ignored)."""
     known = fields(endpoint)
+    ignored = []
     for name, value in body.items():
         if name not in known:
             raise RequestError(name, "unknown field")
@@ -102,11 +126,13 @@ def check_fields(body: dict, endpoint: str, info: ModelInfo) -> None:
         if known[name] == "neutral only" and not _same(value, NEUTRAL[name][0]):
             raise RequestError(name, f"{json.dumps(value)[:60]} is not supported: {NEUTRAL[name][1]}")
         if known[name] == "hint":
-            get(body, name, (str,))
+            get(body, name, HINT_TYPES[name])
+            ignored.append(name)
     model = body.get("model")
     if model is not None and model != info.model_id:
         raise ApiError(404, f"The model `{str(model)[:200]}` does not exist (this server serves `{info.model_id}`)",
                        param="model", code="model_not_found")
+    return ignored
 
 
 @dataclass
@@ -122,6 +148,8 @@ class Plan:
     logprobs: Optional[int] = None  # None: not asked; else top alternatives per token
     tools: Optional[List[dict]] = None  # chat: tools whose calls the reply parses
     constrained_by: Optional[str] = None  # the field whose grammar the requests carry (its errors name it)
+    ignored: List[str] = field(default_factory=list)  # client fields accepted with no effect (the access log names them)
+    clamped: List[str] = field(default_factory=list)  # client limits held to what the server allows
 
 
 def _completion_prompts(body: dict, tokenizer) -> List[tuple]:
@@ -176,7 +204,7 @@ def _sampling(body: dict, chat: bool, max_name: str, prompt_len: int, info: Mode
         return float(get(body, name, (int, float), default))
 
     return dict(
-        max_tokens=get(body, max_name, (int,), default_max),
+        max_tokens=clamp_max_tokens(get(body, max_name, (int,), default_max), prompt_len, info),
         temperature=number("temperature", 1.0), top_p=number("top_p", 1.0), top_k=get(body, "top_k", (int,), 0),
         min_p=number("min_p", 0.0), seed=get(body, "seed", (int,), None), stop=stop,
         presence_penalty=number("presence_penalty", 0.0), frequency_penalty=number("frequency_penalty", 0.0),
@@ -210,7 +238,7 @@ def template_kwargs(body: dict) -> dict:
 
 def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
     """The choices to run for `body`; RequestError names a bad field (HTTP 400)."""
-    check_fields(body, "chat" if chat else "completions", info)
+    ignored = list(getattr(body, "ignored", ())) + check_fields(body, "chat" if chat else "completions", info)
     n = get(body, "n", (int,), 1)
     if not 1 <= n <= 128:
         raise RequestError("n", f"must be in [1, 128], got {n}")
@@ -234,9 +262,11 @@ def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
         prompts = _completion_prompts(body, tokenizer)
         max_name, echo = "max_tokens", get(body, "echo", (bool,), False)
     out = Plan(chat, [], [], stream=stream, include_usage=bool((options or {}).get("include_usage")),
-               logprobs=logprobs, tools=tools, constrained_by=constrained_by)
+               logprobs=logprobs, tools=tools, constrained_by=constrained_by, ignored=ignored)
     for k, (ids, text) in enumerate(prompts):
         sampling = _sampling(body, chat, max_name, len(ids), info)
+        if sampling["max_tokens"] != get(body, max_name, (int,), sampling["max_tokens"]) and max_name not in out.clamped:
+            out.clamped.append(max_name)
         # echo with logprobs scores the prompt; echo alone with max_tokens 0 too (nothing else to run)
         scored = echo and (logprobs is not None or sampling["max_tokens"] == 0)
         for j in range(n):

@@ -6,6 +6,11 @@ tool_call_start and tool_call_end, where the tool parser mlx-lm found for the
 tokenizer, json_tools, qwen3_coder, ..., parses each call). The markers themselves
 are stripped. A prompt that ends inside an open think (the chat template's generation
 prompt opened it, as Trinity-Thinking's and Qwen3's do) starts in "reasoning".
+
+Whitespace after a call (the template's newline after </tool_call>) is held back until text
+follows it, and dropped if none does: a reply of calls has no content. A call the generation
+cut short (max_tokens inside it) is dropped, never shown as its raw markup; the finish
+reason ("length") tells the client the reply was cut.
 """
 
 import json
@@ -54,6 +59,7 @@ class ReplySplitter:
         self._state = self._sm.make_state(initial) if self._sm else None
         self._call = ""  # text of the call being generated
         self.count = 0  # calls parsed so far
+        self._blank = ""  # whitespace after a call, held until text follows it
 
     @property
     def state(self) -> str:
@@ -86,12 +92,18 @@ class ReplySplitter:
             closed = state != "tool" and i > 0 and segments[i - 1][0] == "tool"
             if closed or (final and state == "tool"):  # a call ended, or the generation did inside one
                 parsed = self._parse(self._call) if self._call.strip() else None
-                if parsed is None:  # not a call after all (e.g. cut short): show it as text
-                    content.append(self.start + self._call + (self.end if closed else ""))
-                calls += parsed or []
+                if parsed is None and closed:  # not a call after all: show it as text
+                    content.append(self.start + self._call + self.end)
+                calls += parsed or []  # a call cut short is dropped: the finish reason says it was cut
                 self._call = ""
             if state == "normal":
-                content.append(text)
+                if self.count and not (text.strip() or final):
+                    self._blank += text  # after a call: shown only if text follows
+                    continue
+                if text.strip():
+                    content.append(self._blank)
+                self._blank = ""
+                content.append(text if text.strip() or not self.count else "")
         return Split("".join(reasoning), "".join(content), calls)
 
     def _parse(self, text: str) -> Optional[List[dict]]:

@@ -9,6 +9,11 @@ the instant a client has its answer may not count it yet).
 
     trinity: request front_end=http route=/v1/completions status=200 outcome=length prompt_tokens=5
         cached_tokens=0 completion_tokens=16 ttft_s=0.041 duration_s=0.210 client=127.0.0.1   (one line)
+
+A request that carried fields accepted with no effect here (openai_fields.py's compatibility
+rule: `reasoning.summary`, `context_management`, …) names them at the line's end
+(` ignored=reasoning.summary,include`), and a limit held to what the server allows
+(` clamped=max_tokens`); each is counted by name (trinity_ignored_fields, trinity_clamped_fields).
 """
 
 import collections
@@ -105,10 +110,16 @@ class RequestLog:
         m.generated_tokens.labels(fe).inc(completion)
         m.reasoning_tokens.labels(fe).inc(trace.reasoning())
         m.duration.labels(fe).observe(duration)
+        ignored, clamped = trace.adjusted()
+        for name in ignored:
+            m.ignored_fields.labels(name).inc()
+        for name in clamped:
+            m.clamped_fields.labels(name).inc()
         ttft = "-" if trace.first is None else f"{trace.first - trace.start:.3f}"
         self.write(f"request front_end={fe} route={trace.route} status={status} outcome={outcome} "
                    f"prompt_tokens={prompt} cached_tokens={cached} completion_tokens={completion} "
                    f"ttft_s={ttft} duration_s={duration:.3f} client={trace.client}{self._memory()}"
+                   + (f" ignored={','.join(ignored)}" if ignored else "") + (f" clamped={','.join(clamped)}" if clamped else "")
                    + (f" error={json.dumps(error)}" if error else ""))
         m.requests.labels(fe, outcome).inc()  # last: once a scrape counts the request, the rest is done
         with self._lock:
@@ -139,6 +150,8 @@ class Trace:
         self.handles = 0  # read so far
         self.reply = None  # HTTP: the OpenAI reply (openai_replies.Reply), whose usage the client is told
         self.reasoning_tokens = 0  # gRPC with separate_reasoning: of the completion tokens, the reasoning's
+        self.ignored: List[str] = []  # client fields accepted with no effect (an HTTP reply's plan has its own)
+        self.clamped: List[str] = []  # client limits held to what the server allows
         self.done = False
 
     def events(self, handle) -> Iterator:
@@ -169,6 +182,13 @@ class Trace:
             return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]
         return tuple(sum(getattr(f, name) for f in self.finishes)
                      for name in ("prompt_tokens", "cached_tokens", "completion_tokens"))
+
+    def adjusted(self) -> Tuple[List[str], List[str]]:
+        """(ignored, clamped) field names, each once, in the order the request gave them."""
+        plan = getattr(self.reply, "plan", None)
+        ignored = self.ignored + list(getattr(plan, "ignored", ()))
+        clamped = self.clamped + list(getattr(plan, "clamped", ()))
+        return list(dict.fromkeys(n for n in ignored if n)), list(dict.fromkeys(n for n in clamped if n))
 
     def reasoning(self) -> int:
         """Reasoning tokens, as the client is told them (0 where the reply is not split)."""

@@ -18,24 +18,29 @@ auto / default. Refused by name: `reasoning`, `include`, `prompt`, `top_logprobs
 `max_tool_calls`, built-in tools, `text.verbosity`, unknown fields (400, OpenAI's error shape).
 """
 
+import json
 import time
 import uuid
 
 from ..runtime.request import RequestError
+from . import sealed
 from .api_adapter import Adapter, sse
+from .openai_fields import ChatBody
 
-HINTS = ("metadata", "user", "safety_identifier", "prompt_cache_key")
+HINTS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "client_metadata", "prompt_cache_retention")
 FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
-          "parallel_tool_calls", "text", "stream", "store", "truncation", "service_tier", "stream_options") + HINTS
+          "parallel_tool_calls", "text", "stream", "store", "truncation", "service_tier", "stream_options",
+          "reasoning", "include") + HINTS
 REFUSED = {"previous_response_id": "responses are not stored (send the whole conversation as input)",
            "conversation": "conversations are not stored (send the whole conversation as input)",
            "background": "background responses are not supported",
-           "reasoning": "reasoning options are not supported (the chat template decides)",
-           "include": "no extra output data can be included",
            "prompt": "stored prompt templates are not supported",
            "top_logprobs": "not supported here (/v1/chat/completions has logprobs)",
            "max_tool_calls": "not supported"}
 NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input", "stop": "input"}
+ENCRYPTED = "reasoning.encrypted_content"
+NAMESPACE_SEP = "__"  # a namespace tool's function name: NAMESPACE__NAME (as MCP tools are named)
+CUSTOM_INPUT = "input"  # a custom (free-form) tool's one string parameter, as the template sees it
 
 
 def _content(content, where: str) -> str:
@@ -53,20 +58,34 @@ def _content(content, where: str) -> str:
     return "".join(parts)
 
 
-def _reasoning(item: dict, where: str) -> str:
-    """A reasoning item's text: its reasoning_text parts (else its summary's), joined."""
+def _reasoning(item: dict, where: str, ignored: list):
+    """A reasoning item's text: its reasoning_text parts (else its summary's), joined, or what its
+    encrypted_content (one this server sealed) holds; None: nothing this server can read."""
     if item.get("encrypted_content"):
-        raise RequestError(f"{where}.encrypted_content", "reasoning is never encrypted here: send its content")
+        text = sealed.unseal(item["encrypted_content"])
+        if text is not None:
+            return text
+        ignored.append("input.reasoning.encrypted_content")  # another server's (or key's): left out
     parts = item.get("content") or item.get("summary") or []
-    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") in ("reasoning_text", "summary_text")
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") in ("reasoning_text", "summary_text", "text")
                                               and isinstance(p.get("text"), str) for p in parts):
         raise RequestError(f"{where}.content", "expected reasoning_text parts")
-    return "".join(p["text"] for p in parts)
+    return "".join(p["text"] for p in parts) if parts else None
 
 
-def _input(items, thinking: bool) -> list:
-    """`input` as chat messages: function_call items join an assistant message's tool_calls,
-    function_call_output items become tool messages, a reasoning item begins an assistant
+def _call_message(out: list, call: dict) -> None:
+    """A tool call joins the assistant message before it, or begins one."""
+    if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+        out[-1]["tool_calls"].append(call)
+    elif out and out[-1]["role"] == "assistant":
+        out[-1]["tool_calls"] = [call]
+    else:
+        out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _input(items, thinking: bool, ignored: list) -> list:
+    """`input` as chat messages: function_call (and custom_tool_call) items join an assistant
+    message's tool_calls, their outputs become tool messages, a reasoning item begins an assistant
     message (its reasoning_content) that the next message or calls complete."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
@@ -85,23 +104,23 @@ def _input(items, thinking: bool) -> list:
             else:
                 out.append({"role": item["role"], "content": content})
         elif kind == "reasoning":
-            if not thinking:
-                raise RequestError(f"{where}.type", "reasoning items need a model whose tokenizer has think tokens")
-            out.append({"role": "assistant", "content": None, "reasoning_content": _reasoning(item, where)})
-        elif kind == "function_call":
-            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise RequestError(where, "a function_call item needs call_id, name and arguments (strings)")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
-                out[-1]["tool_calls"].append(call)
-            elif out and out[-1]["role"] == "assistant":
-                out[-1]["tool_calls"] = [call]
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
+            text = _reasoning(item, where, ignored)
+            if not thinking or text is None:  # the template has no place for it (or nothing to place)
+                ignored.append("input.reasoning")
+                continue
+            out.append({"role": "assistant", "content": None, "reasoning_content": text})
+        elif kind in ("function_call", "custom_tool_call"):
+            value = "arguments" if kind == "function_call" else "input"
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", value)):
+                raise RequestError(where, f"a {kind} item needs call_id, name and {value} (strings)")
+            name = item["name"]
+            if isinstance(item.get("namespace"), str) and item["namespace"]:
+                name = item["namespace"] + NAMESPACE_SEP + name
+            arguments = item["arguments"] if kind == "function_call" else json.dumps({CUSTOM_INPUT: item["input"]})
+            _call_message(out, {"id": item["call_id"], "type": "function", "function": {"name": name, "arguments": arguments}})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if not isinstance(item.get("call_id"), str):
-                raise RequestError(f"{where}.call_id", "expected the call_id of the function_call it answers")
+                raise RequestError(f"{where}.call_id", "expected the call_id of the call it answers")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _content(item.get("output", ""), f"{where}.output")})
         else:
@@ -116,40 +135,97 @@ def _reasoning_only(message: dict) -> bool:
     return message["role"] == "assistant" and message.get("content") is None and "tool_calls" not in message
 
 
-def _tools(tools, forced: bool) -> list:
+def _function(tool: dict, where: str, forced: bool, name=None) -> dict:
+    extra = next((key for key in tool if key not in ("type", "name", "description", "parameters", "strict",
+                                                        "defer_loading")), None)
+    if extra is not None or not isinstance(tool.get("name"), str):
+        raise RequestError(where + (f".{extra}" if extra else ""), "expected {type, name, description, parameters}")
+    function = {"name": name or tool["name"], "description": tool.get("description") or "",
+                "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
+    return {"type": "function", "function": {**function, **({"strict": True} if tool.get("strict") else {})}}
+
+
+def _custom(tool: dict, where: str) -> dict:
+    """A custom (free-form) tool as a function of one string, `input`: a regex grammar becomes the
+    string's pattern (enforced where the call is constrained), a Lark one is shown in the description."""
+    extra = next((key for key in tool if key not in ("type", "name", "description", "format")), None)
+    if extra is not None or not isinstance(tool.get("name"), str):
+        raise RequestError(where + (f".{extra}" if extra else ""), "expected {type, name, description, format}")
+    form = tool.get("format") or {"type": "text"}
+    if not isinstance(form, dict) or form.get("type") not in ("text", "grammar"):
+        raise RequestError(f"{where}.format", "expected {\"type\": \"text\"} or {\"type\": \"grammar\", \"syntax\", \"definition\"}")
+    string = {"type": "string", "description": "the tool's free-form input, as is"}
+    description = tool.get("description") or ""
+    if form["type"] == "grammar":
+        syntax, definition = form.get("syntax"), form.get("definition")
+        if syntax not in ("lark", "regex") or not isinstance(definition, str):
+            raise RequestError(f"{where}.format", "a grammar needs syntax \"lark\" or \"regex\" and a string definition")
+        if syntax == "regex":
+            string["pattern"] = f"^(?:{definition})$"  # the whole input (a JSON schema's pattern matches anywhere)
+        description += f"\n\nThe input follows this {'Lark grammar' if syntax == 'lark' else 'regular expression'}:\n{definition}"
+    parameters = {"type": "object", "properties": {CUSTOM_INPUT: string}, "required": [CUSTOM_INPUT],
+                  "additionalProperties": False}
+    return {"type": "function", "function": {"name": tool["name"], "description": description, "parameters": parameters,
+                                             **({"strict": True} if "pattern" in string else {})}}
+
+
+def _tools(tools, forced: bool, ignored: list) -> tuple:
+    """(function tools for the chat template, how their calls map back: function name -> (kind,
+    namespace, name)). Namespaces are flattened (NAMESPACE__NAME); hosted tools this server cannot
+    run (web_search, file_search, …) are left out of the prompt and named in the access log."""
     if not isinstance(tools, list):
         raise RequestError("tools", "expected a list of tools")
-    out = []
+    out, names = [], {}
     for k, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise RequestError(f"tools[{k}]", f"only function tools are supported, got {kind!r}")
-        extra = next((key for key in tool if key not in ("type", "name", "description", "parameters", "strict")), None)
-        if extra is not None or not isinstance(tool.get("name"), str):
-            raise RequestError(f"tools[{k}]" + (f".{extra}" if extra else ""), "expected {type, name, description, parameters}")
-        function = {"name": tool["name"], "description": tool.get("description") or "",
-                    "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
-        # strict (the Responses default) is kept where a call is forced: only a forced call is constrained.
-        out.append({"type": "function", "function": {**function, **({"strict": True} if forced and tool.get("strict") else {})}})
-    return out
+        where = f"tools[{k}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            out.append(_function(tool, where, forced))
+            names[tool["name"]] = ("function", None, tool["name"])
+        elif kind == "custom":
+            out.append(_custom(tool, where))
+            names[tool["name"]] = ("custom", None, tool["name"])
+        elif kind == "namespace":
+            if not isinstance(tool.get("name"), str) or not isinstance(tool.get("tools"), list):
+                raise RequestError(where, "a namespace needs a name and a list of tools")
+            for j, inner in enumerate(tool["tools"]):
+                inner_kind = inner.get("type", "function") if isinstance(inner, dict) else None
+                if inner_kind != "function":
+                    ignored.append(f"tools.namespace.{inner_kind}")
+                    continue
+                flat = tool["name"] + NAMESPACE_SEP + str(inner.get("name"))
+                out.append(_function(inner, f"{where}.tools[{j}]", forced, flat))
+                names[flat] = ("function", tool["name"], inner["name"])
+        elif isinstance(kind, str):
+            ignored.append(f"tools.{kind}")  # a hosted tool: none runs here
+        else:
+            raise RequestError(f"{where}.type", "expected a tool type")
+    return out, names
 
 
-def _tool_choice(choice):
+def _tool_choice(choice, names: dict):
     if choice in (None, "auto", "none", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom") and isinstance(choice.get("name"), str):
+        name = choice["name"]
+        if choice.get("namespace"):
+            name = f"{choice['namespace']}{NAMESPACE_SEP}{name}"
+        return {"type": "function", "function": {"name": name}}
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools" and choice.get("mode") in ("auto", "required"):
+        return choice["mode"]  # every tool given stays allowed (the template shows them all)
     raise RequestError("tool_choice", "expected \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": …}")
 
 
-def _format(text):
+def _format(text, ignored: list):
     """`text.format` as chat's response_format."""
     if text is None:
         return None
     if not isinstance(text, dict) or next((k for k in text if k not in ("format", "verbosity")), None):
         raise RequestError("text", "expected {\"format\": {…}}")
-    if text.get("verbosity") not in (None, "medium"):
-        raise RequestError("text.verbosity", "not supported (only medium)")
+    if text.get("verbosity") is not None:
+        if text["verbosity"] not in ("low", "medium", "high"):
+            raise RequestError("text.verbosity", "expected low, medium or high")
+        ignored.append("text.verbosity")  # the chat template has no knob for it
     form = text.get("format")
     if form is None or form == {"type": "text"}:
         return None
@@ -164,37 +240,94 @@ def _format(text):
     return {"type": "json_schema", "json_schema": spec}
 
 
+def _reasoning_options(body: dict, tokenizer, ignored: list, out: dict) -> None:
+    """`reasoning` {effort, summary}: where the checkpoint thinks, effort "none" tells the chat
+    template enable_thinking false; every other value changes nothing here (the template has no
+    effort knob, and the reasoning comes whole, not summarised)."""
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return
+    if not isinstance(reasoning, dict):
+        raise RequestError("reasoning", "expected {\"effort\": …, \"summary\": …}")
+    for key, value in reasoning.items():
+        if key not in ("effort", "summary", "generate_summary"):
+            raise RequestError(f"reasoning.{key}", "unknown field")
+        if value is not None and not isinstance(value, str):
+            raise RequestError(f"reasoning.{key}", "expected a string")
+        if value is None:
+            continue
+        if key == "effort" and value == "none" and tokenizer.has_thinking:
+            out["chat_template_kwargs"] = {"enable_thinking": False}
+        else:
+            ignored.append(f"reasoning.{key}")
+
+
+def _include(include, ignored: list) -> set:
+    if include is None:
+        return set()
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise RequestError("include", "expected a list of strings")
+    for name in include:
+        if name != ENCRYPTED:
+            ignored.append(f"include.{name}")  # data of tools that never run here, or logprobs (chat has them)
+    return set(include)
+
+
 def to_chat(body: dict, info, tokenizer) -> dict:
+    ignored = []
     for name, value in body.items():
         if name in REFUSED and value not in (None, [], False):
             raise RequestError(name, REFUSED[name])
         if name not in FIELDS and name not in REFUSED:
             raise RequestError(name, "unknown field")
+        if name in HINTS and value is not None:
+            ignored.append(name)
     if body.get("store"):
-        raise RequestError("store", "responses are not stored here (only false)")
+        ignored.append("store")  # nothing is stored: previous_response_id stays refused
     if body.get("truncation") not in (None, "disabled"):
-        raise RequestError("truncation", "only \"disabled\" (a request that does not fit is refused)")
-    if body.get("service_tier") not in (None, "auto", "default"):
-        raise RequestError("service_tier", "there is one service tier")
-    if (body.get("stream_options") or {}).get("include_obfuscation"):
-        raise RequestError("stream_options", "obfuscation is not supported")
+        if body["truncation"] != "auto":
+            raise RequestError("truncation", "expected \"auto\" or \"disabled\"")
+        ignored.append("truncation")  # a request that does not fit is refused rather than cut
+    if body.get("service_tier") is not None:
+        ignored.append("service_tier")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or any(k != "include_obfuscation" for k in options):
+            raise RequestError("stream_options", "only include_obfuscation")
+        if options.get("include_obfuscation"):
+            ignored.append("stream_options.include_obfuscation")
     instructions = body.get("instructions")
     if not isinstance(instructions, (str, type(None))):
         raise RequestError("instructions", "expected a string")
-    choice = _tool_choice(body.get("tool_choice"))
-    out = {"messages": ([{"role": "system", "content": instructions}] if instructions else []) + _input(body.get("input"), tokenizer.has_thinking),
-           "stream": body.get("stream", False)}
+    tools, names = _tools(body["tools"], False, ignored) if body.get("tools") else ([], {})
+    choice = _tool_choice(body.get("tool_choice"), names)
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) \
+        + _input(body.get("input"), tokenizer.has_thinking, ignored)
+    out = {"messages": messages, "stream": body.get("stream", False)}
+    _reasoning_options(body, tokenizer, ignored, out)
+    _include(body.get("include"), ignored)
     for name, chat in (("model", "model"), ("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                        ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls")):
         if body.get(name) is not None:
             out[chat] = body[name]
-    if body.get("tools"):
-        out["tools"] = _tools(body["tools"], choice not in (None, "auto", "none"))
-    if choice is not None:
-        out["tool_choice"] = choice
-    if _format(body.get("text")):
-        out["response_format"] = _format(body["text"])
-    return out
+    if tools:
+        out["tools"] = tools
+        if choice is not None:
+            out["tool_choice"] = choice
+    elif choice not in (None, "auto", "none"):
+        out["tool_choice"] = choice  # chat refuses it: no tools
+    response_format = _format(body.get("text"), ignored)
+    if response_format:
+        out["response_format"] = response_format
+    return ChatBody(out, ignored=ignored)
+
+
+def tool_names(body: dict) -> dict:
+    """How the calls of a request's flattened tools map back (function name -> (kind, namespace, name))."""
+    try:
+        return _tools(body["tools"], False, [])[1] if isinstance(body.get("tools"), list) else {}
+    except RequestError:
+        return {}
 
 
 def param(name: str) -> str:
@@ -214,6 +347,9 @@ class ResponsesReply:
         self.output = []  # items so far
         self.text = None  # the open message item's text, or None
         self.reasoning = None  # the open reasoning item's text, or None
+        self.names = tool_names(body)  # flattened tools' calls -> their own kind, namespace and name
+        include = body.get("include")
+        self.encrypt = isinstance(include, list) and ENCRYPTED in include  # reasoning items carry it sealed
 
     def _response(self, status: str, usage=None) -> dict:
         b = self.body
@@ -245,15 +381,29 @@ class ResponsesReply:
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed"
                 or text else []}
 
-    @staticmethod
-    def _reasoning(text: str, status: str) -> dict:
-        return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex[:24], "summary": [], "status": status,
+    def _reasoning(self, text: str, status: str) -> dict:
+        item = {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex[:24], "summary": [], "status": status,
                 "content": [{"type": "reasoning_text", "text": text}] if status == "completed" or text else []}
+        if self.encrypt and status == "completed":
+            item["encrypted_content"] = sealed.seal(text)  # read back when the client returns it in input
+        return item
 
-    @staticmethod
-    def _call(call: dict) -> dict:
+    def _call(self, call: dict) -> dict:
+        """A call as its tool's kind: a function_call (with its namespace, where the tool had one)
+        or a custom tool's custom_tool_call, whose input is the string argument."""
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        kind, namespace, own = self.names.get(name, ("function", None, name))
+        if kind == "custom":
+            try:
+                value = json.loads(arguments)
+                text = value[CUSTOM_INPUT] if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str) else arguments
+            except ValueError:
+                text = arguments
+            return {"type": "custom_tool_call", "id": "ctc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
+                    "name": own, "input": text, "status": "completed"}
         return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
-                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+                **({"namespace": namespace} if namespace else {}), "name": own, "arguments": arguments,
+                "status": "completed"}
 
     def opening(self, chunks) -> list:
         return [self._event("response.created", response=self._response("in_progress")),
@@ -327,13 +477,21 @@ class ResponsesReply:
                 item = self._call(call)
                 self.output.append(item)
                 index = len(self.output) - 1
-                frames += [self._event("response.output_item.added", output_index=index,
-                                       item={**item, "arguments": "", "status": "in_progress"}),
-                           self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                       delta=item["arguments"]),
-                           self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                       arguments=item["arguments"], name=item["name"]),
-                           self._event("response.output_item.done", output_index=index, item=item)]
+                if item["type"] == "custom_tool_call":
+                    frames += [self._event("response.output_item.added", output_index=index,
+                                           item={**item, "input": "", "status": "in_progress"}),
+                               self._event("response.custom_tool_call_input.delta", item_id=item["id"],
+                                           output_index=index, delta=item["input"]),
+                               self._event("response.custom_tool_call_input.done", item_id=item["id"],
+                                           output_index=index, input=item["input"])]
+                else:
+                    frames += [self._event("response.output_item.added", output_index=index,
+                                           item={**item, "arguments": "", "status": "in_progress"}),
+                               self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                           output_index=index, delta=item["arguments"]),
+                               self._event("response.function_call_arguments.done", item_id=item["id"],
+                                           output_index=index, arguments=item["arguments"], name=item["name"])]
+                frames.append(self._event("response.output_item.done", output_index=index, item=item))
         return frames
 
     def _status(self, finish) -> str:

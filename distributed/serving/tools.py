@@ -111,9 +111,8 @@ def request_tools(body: dict, tokenizer) -> Optional[List[dict]]:
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
                 or not isinstance(function.get("name"), str):
             raise RequestError(f"tools[{k}]", "expected {\"type\": \"function\", \"function\": {\"name\": …}}")
-        if function.get("strict") and choice in (None, "auto"):
-            # Forced calls (tool_choice "required" or a function) keep to the schema; free ones cannot be told apart from text.
-            raise RequestError(f"tools[{k}].function.strict", "strict arguments need tool_choice \"required\" or a named function")
+        if not isinstance(function.get("strict", False), (bool, type(None))):
+            raise RequestError(f"tools[{k}].function.strict", "expected a boolean")
     if choice == "none":
         return None  # the model answers in text: no tools in its prompt, nothing parsed
     if not tokenizer.has_tool_calling:

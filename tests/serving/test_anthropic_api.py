@@ -6,6 +6,7 @@ usage, refused fields (400 in Anthropic's shape), and x-api-key auth (an in-proc
 
 import http.client
 import json
+import time
 
 import anthropic
 import jsonschema
@@ -228,18 +229,18 @@ def test_hints_and_neutral_values_change_nothing(ring):
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
-    ({"messages": [*ASK, {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": ""},
-                                                          {"type": "text", "text": "x"}]}, *ASK]},
-     "messages[1].content[0].type"),  # no think tokens: nowhere in the template for it
+    ({"thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking.budget_tokens"),
+    ({"thinking": {"type": "sometimes"}}, "thinking"),
+    ({"extra_body": {"context_management": {"edits": [{"type": "clear_tool_uses_20250919", "keep": 3}]}}},
+     "context_management.edits[0].keep"),
+    ({"extra_body": {"output_config": {"effort": 3}}}, "output_config.effort"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {
         "type": "text", "media_type": "text/plain", "data": "x"}}]}]}, "messages[0].content[0].type"),
     ({"extra_body": {"container": "c1"}}, "container"),
     ({"extra_body": {"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}}, "mcp_servers"),
-    ({"service_tier": "priority"}, "service_tier"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ({"messages": [*ASK, {"role": "assistant", "content": "The weather is"}]}, "messages[1]"),
     ({"stop_sequences": [""]}, "stop_sequences"),
@@ -298,3 +299,68 @@ def test_x_api_key_auth(guarded):
             call(client("wrong"))
         assert e.value.status_code == 401 and e.value.body["error"]["type"] == "authentication_error"
     assert client("sekret").messages.count_tokens(model="tools", messages=ASK).input_tokens > 0
+
+
+def _access_line(ring, route):
+    for _ in range(100):
+        lines = [l for l in ring.server.output().splitlines() if f"route={route} " in l]
+        if lines:
+            return lines[-1]
+        time.sleep(0.05)
+    raise AssertionError("no access-log line for " + route)
+
+
+def test_claude_code_request_is_served(ring):
+    """Claude Code's request as it comes (trimmed): context_management, adaptive thinking, effort,
+    a system entry among the messages, max_tokens far above the cap: served, the max_tokens clamped
+    (stop_reason max_tokens where the clamp ends it) and what changes nothing named in the access log."""
+    body = {"model": ring.model, "max_tokens": 32000, "stream": True, "temperature": 1,
+            "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "say hello"}]},
+                         {"role": "system", "content": "<system-reminder>be brief</system-reminder>"},
+                         {"role": "user", "content": "Weather in Paris?"}],
+            "tools": [{**A_TOOLS[0], "cache_control": {"type": "ephemeral"}}],
+            "thinking": {"type": "adaptive"}, "output_config": {"effort": "medium"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "metadata": {"user_id": "user_abc_account_def_session_1"}}
+    with ring.client.messages.stream(**{k: v for k, v in body.items() if k in ("model", "max_tokens", "system",
+                                                                               "messages", "tools", "metadata")},
+                                     extra_body={k: v for k, v in body.items() if k in (
+                                         "thinking", "output_config", "context_management", "temperature")}) as s:
+        message = s.get_final_message()
+    assert message.stop_reason in ("tool_use", "end_turn", "max_tokens"), message
+    line = _access_line(ring, "/v1/messages")
+    assert "status=200" in line and "clamped=max_tokens" in line, line
+    for name in ("thinking", "output_config.effort", "metadata"):
+        assert name in line.split("ignored=")[1], line
+    status, out = post(ring, "/v1/messages", {**body, "stream": False, "temperature": 0, "tools": [],
+                                              "messages": [{"role": "user", "content": "Tell me a long story."}]})
+    assert status == 200 and out["stop_reason"] in ("max_tokens", "end_turn"), out
+
+
+def test_system_entries_and_context_edits_shape_the_prompt(ring):
+    """A system entry inside messages reaches the template where it stands (this template takes it);
+    clear_tool_uses replaces old tool results as Anthropic documents it."""
+    middle = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+              {"role": "system", "content": "note"}, {"role": "user", "content": "c"}]
+    status, out = post(ring, "/v1/messages/count_tokens", {"model": ring.model, "messages": middle})
+    reference = chat(ring, messages=middle, max_tokens=1)
+    assert status == 200 and out["input_tokens"] == reference.usage.prompt_tokens
+
+    def turns(result_one):
+        return [{"role": "user", "content": "Weather in Paris and Rome?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                   "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": result_one}]},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t2", "name": "get_weather",
+                                                   "input": {"city": "Rome"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "20 C"}]}]
+
+    edits = {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 1},
+                        "keep": {"type": "tool_uses", "value": 1}}]}
+    base = {"model": ring.model, "tools": A_TOOLS}
+    _, cleared = post(ring, "/v1/messages/count_tokens", {**base, "messages": turns("18 C, sunny, a long report " * 20),
+                                                          "context_management": edits})
+    _, by_hand = post(ring, "/v1/messages/count_tokens", {**base, "messages": turns("[cleared to save context]")})
+    _, kept = post(ring, "/v1/messages/count_tokens", {**base, "messages": turns("18 C, sunny, a long report " * 20)})
+    assert cleared == by_hand and kept["input_tokens"] > cleared["input_tokens"], (cleared, by_hand, kept)

@@ -110,9 +110,8 @@ BAD = [  # (request fields, field named in the message, words in the message)
     ({"prompt": "hi", "token_ids": [1, 2]}, "prompt", "prompt and token_ids"),
     ({"prompt": "hi", "messages": [pb.ChatMessage(role="user", content="hi")]}, "prompt", "prompt and messages"),
     ({"token_ids": [1, 259]}, "token_ids", "259"),
-    ({"token_ids": [1] * 1100, "max_tokens": 1000}, "max_tokens", "context of 2048"),
+    ({"token_ids": [1] * 2048, "max_tokens": 1000}, "max_tokens", "context of 2048"),  # no room: a shorter one is clamped
     ({"token_ids": PROMPT, "max_tokens": 0}, "max_tokens", "at least 1"),
-    ({"token_ids": PROMPT, "max_tokens": 1025}, "max_tokens", "cap of 1024"),
     ({"token_ids": PROMPT, "temperature": -0.5}, "temperature", ">= 0"),
     ({"token_ids": PROMPT, "temperature": math.nan}, "temperature", "nan"),
     ({"token_ids": PROMPT, "top_p": 0.0}, "top_p", "(0, 1]"),

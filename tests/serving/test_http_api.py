@@ -148,8 +148,7 @@ BAD = [
     ("completions", {"prompt": [-1]}, "prompt"),
     ("completions", {"prompt": [["a"]]}, "prompt"),
     ("completions", {"max_tokens": 0}, "max_tokens"),
-    ("completions", {"max_tokens": CAP + 1}, "max_tokens"),
-    ("completions", {"max_tokens": MAX_CONTEXT - len(PROMPT) + 1}, "max_tokens"),  # under the cap, over the context
+    ("completions", {"prompt": [5] * MAX_CONTEXT}, "max_tokens"),  # no room left in the context (more max_tokens: clamped)
     ("completions", {"max_tokens": "many"}, "max_tokens"),
     ("completions", {"temperature": -0.5}, "temperature"),
     ("completions", {"top_p": 0}, "top_p"),
@@ -184,6 +183,16 @@ def test_bad_input_is_400_naming_the_field(served, endpoint, fields, param):
         assert e.value.body["type"] == "invalid_request_error" and e.value.body["code"] is None
         assert param in e.value.body["message"]
     assert served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_max_tokens_beyond_the_cap_or_the_context_is_clamped(served):
+    """A limit is clamped, as vLLM and llama.cpp clamp it: the finish reason tells where the clamp ended the reply."""
+    long = [5] * (MAX_CONTEXT - 3)
+    for max_tokens in (CAP + 1, MAX_CONTEXT):  # over the cap; under it but over the context's room
+        out = served.client.completions.create(model="tiny", prompt=long, max_tokens=max_tokens, temperature=0)
+        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3, out
+    chat = served.client.chat.completions.create(model="tiny", messages=HI, max_tokens=10**6, temperature=0)
+    assert chat.usage.completion_tokens <= CAP
 
 
 def raw(front, path, body=None, headers=None):

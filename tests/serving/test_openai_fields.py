@@ -236,8 +236,8 @@ def bad(served, chat, fields, status=400):
 REFUSALS = [(True, {name: "x"}, name) for name in REFUSED] + [
     (chat, {name: value}, name) for name, chat, value in [
         ("best_of", False, 2), ("suffix", False, "end"), ("response_format", False, {"type": "json_object"}),
-        ("service_tier", True, "priority"), ("store", True, True),
-        ("metadata", True, {"a": "b"}), ("modalities", True, ["text", "audio"])]] + [
+        ("service_tier", True, 3), ("store", True, "yes"),  # hints, accepted with no effect, still typed
+        ("metadata", True, "x"), ("reasoning_effort", True, 1), ("modalities", True, ["text", "audio"])]] + [
     (False, {"tools": []}, "tools"), (True, {"echo": True}, "echo"), (True, {"frobnicate": 1}, "frobnicate"),
     (True, {"stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
     (True, {"top_logprobs": 2}, "top_logprobs"),

@@ -5,6 +5,8 @@ event sequence in order); text.format that validates; a function-call round trip
 calls; max_output_tokens as "incomplete"; what is not implemented refused by name."""
 
 import json
+import re
+import time
 
 import jsonschema
 import openai
@@ -113,14 +115,14 @@ def test_max_output_tokens_is_incomplete(ring):
 
 @pytest.mark.parametrize("fields, param", [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"store": True}, "store"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": 3}}, "reasoning.effort"),
+    ({"reasoning": {"frobnicate": "x"}}, "reasoning.frobnicate"),
+    ({"include": "reasoning.encrypted_content"}, "include"),
     ({"background": True}, "background"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "wat"}}}}, "text.format"),
     ({"input": [{"type": "image", "image_url": "x"}]}, "input[0].type"),
-    ({"input": [{"role": "user", "content": "x"}, {"type": "reasoning", "id": "rs_1", "summary": [],  # no think tokens
-                                                  "content": [{"type": "reasoning_text", "text": "hm"}]}]}, "input[1].type"),
+    ({"tools": [{"type": "custom", "name": "patch", "format": {"type": "grammar", "syntax": "ebnf", "definition": "x"}}]},
+     "tools[0].format"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
 ])
 def test_what_is_not_implemented_is_refused_by_name(ring, fields, param):
@@ -130,3 +132,80 @@ def test_what_is_not_implemented_is_refused_by_name(ring, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
         respond(ring, extra_body={"frobnicate": 1})
     assert e.value.body["param"] == "frobnicate"
+
+
+# Codex CLI's first request (wire_api "responses", `codex exec "say hello"`), trimmed: what it sends by default.
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "description": "Runs a shell command", "strict": False,
+     "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+                    "required": ["command"], "additionalProperties": False}},
+    {"type": "namespace", "name": "mcp__weather", "description": "An MCP server's tools",
+     "tools": [{**R_TOOLS[0], "strict": False, "parameters": {  # bounded: the tiny model spells it byte by byte
+         "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+         "additionalProperties": False}}]},
+    {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch",
+     "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)*/ "*** End Patch"'}},
+    {"type": "web_search", "external_web_access": False},
+]
+CODEX = dict(instructions="You are Codex.", tools=CODEX_TOOLS, tool_choice="auto", parallel_tool_calls=False,
+             reasoning={"effort": "medium", "summary": "auto"}, store=False, stream=True,
+             include=["reasoning.encrypted_content"], prompt_cache_key="thread-1", text={"verbosity": "low"},
+             client_metadata={"x-codex-installation-id": "abc"})
+
+
+def test_codex_request_is_served_and_its_ignored_fields_logged(ring):
+    """Codex's request as it comes: accepted; what changes nothing here is named in the access log."""
+    with ring.client.responses.stream(model=ring.model, input=[{"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": ASK}]}], temperature=0, max_output_tokens=40,
+            **{k: v for k, v in CODEX.items() if k not in ("stream", "client_metadata")},
+            extra_body={"client_metadata": CODEX["client_metadata"]}) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output, final
+    line = _access_line(ring, "/v1/responses")
+    for name in ("reasoning.effort", "reasoning.summary", "tools.web_search", "text.verbosity", "client_metadata",
+                 "prompt_cache_key"):
+        assert name in line, line
+
+
+def _access_line(ring, route):
+    for _ in range(100):
+        lines = [l for l in ring.server.output().splitlines() if f"route={route} " in l]
+        if lines:
+            return lines[-1]
+        time.sleep(0.05)
+    raise AssertionError("no access-log line for " + route)
+
+
+def test_namespace_and_custom_tools_map_back(ring):
+    """A namespace's tool is called by its flattened name and comes back with its namespace; a custom
+    (free-form) tool's call is a custom_tool_call whose input keeps to a regex grammar."""
+    out = respond(ring, tools=CODEX_TOOLS[1:2], tool_choice="required", max_output_tokens=120)
+    (call,) = out.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.to_dict()["namespace"] == "mcp__weather"
+    history = [{"role": "user", "content": ASK}, call.to_dict(),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}]
+    assert respond(ring, tools=CODEX_TOOLS[1:2], input=history).status == "completed"
+    custom = {"type": "custom", "name": "count", "description": "Counts",
+              "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]{1,3} items"}}
+    out = respond(ring, tools=[custom], tool_choice={"type": "custom", "name": "count"}, max_output_tokens=120)
+    (call,) = out.output
+    assert call.type == "custom_tool_call" and call.name == "count" and re.fullmatch("[0-9]{1,3} items", call.input), call
+    history = [{"role": "user", "content": ASK}, call.to_dict(),
+               {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "done"}]
+    assert respond(ring, tools=[custom], input=history).status == "completed"
+    with ring.client.responses.stream(model=ring.model, input=ASK, temperature=0, max_output_tokens=120,
+                                      tools=[custom], tool_choice={"type": "custom", "name": "count"}) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.custom_tool_call_input.done" in kinds and final.output[0].input == call.input
+
+
+def test_a_forced_call_has_no_stray_message_item(ring):
+    for stream in (False, True):
+        forced = dict(tools=R_TOOLS, tool_choice="required", max_output_tokens=120)
+        if stream:
+            with ring.client.responses.stream(model=ring.model, input=ASK, temperature=0, **forced) as s:
+                out = s.get_final_response()
+        else:
+            out = respond(ring, **forced)
+        assert [item.type for item in out.output] == ["function_call"], out.output

@@ -41,7 +41,8 @@ from grpc_reflection.v1alpha import reflection
 
 from .. import TrinityError
 from ..runtime.grammar import json_schema_grammar, lark_grammar, regex_grammar
-from ..runtime.request import FinishEvent, GenerationRequest, PromptEvent, RequestError, failure_kind
+from ..runtime.memory_guard import is_out_of_memory
+from ..runtime.request import FinishEvent, GenerationRequest, PromptEvent, RequestError
 from ..runtime.scheduler import QueueFull, RingUnavailable
 from ..shard.kv_budget import MAX_BATCH
 from .options import ServeOptions, split_address
@@ -49,6 +50,7 @@ from .proto import generation_pb2 as pb
 from .proto import generation_pb2_grpc as pb_grpc
 from .reply_split import ReplySplitter, reply_prompt
 from .request_log import RequestLog, Trace
+from .openai_fields import clamp_max_tokens
 from .requests import ModelInfo, build_request, prompt_ids
 from .tools import NO_THINKING
 
@@ -57,11 +59,6 @@ DEFAULT_MAX_TOKENS = 100
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # served without a token
 STOP_GRACE_S = 2.0  # in-flight streams get this long to finish at shutdown, then are cancelled
 
-
-# A request's error by whose failure it is (runtime/request.py failure_kind). The router (launch/router)
-# waits out UNAVAILABLE as the ring restarts and retries RESOURCE_EXHAUSTED.
-FAILURE_CODES = {"request": grpc.StatusCode.INVALID_ARGUMENT, "memory": grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 "reset": grpc.StatusCode.ABORTED, "ring": grpc.StatusCode.UNAVAILABLE}
 
 def _grammar(r: pb.GenerateRequest) -> Optional[str]:
     """The llguidance grammar of the request's constraint field, if one is set."""
@@ -112,6 +109,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             req = self._request(request, tokenizer, info, context.time_remaining())
         except RequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if request.HasField("max_tokens") and req.max_tokens != request.max_tokens:
+            trace.clamped.append("max_tokens")  # held to the cap and the context's room, as over HTTP
         try:
             handle = scheduler.submit(req)
         except RequestError as e:  # a grammar the library rejects: named as the client set it
@@ -142,10 +141,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                           logprobs=[event.logprob], top_logprobs=top)
         finally:
             handle.cancel()  # the stream was closed early; a no-op once finished
+        if event.finish_reason == "error" and is_out_of_memory(event.error):  # this request alone: the ring goes on
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, event.error)
         if event.finish_reason == "error":
-            code = FAILURE_CODES[failure_kind(event.error)]
-            context.abort(code, event.error if code != grpc.StatusCode.UNAVAILABLE
-                          else f"generation failed, the pipeline is down: {event.error}")
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"generation failed, the pipeline is down: {event.error}")
         if event.finish_reason == "cancelled" and req.expired():
             # Our own deadline check can win the race with gRPC's: answer as gRPC would.
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
@@ -191,7 +190,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return build_request(
             info,
             ids,
-            max_tokens=given("max_tokens", default_max),
+            max_tokens=clamp_max_tokens(given("max_tokens", default_max), len(ids), info),
             temperature=given("temperature", 0.0),
             top_p=given("top_p", 1.0),
             top_k=given("top_k", 0),

@@ -41,8 +41,7 @@ from grpc_reflection.v1alpha import reflection
 
 from .. import TrinityError
 from ..runtime.grammar import json_schema_grammar, lark_grammar, regex_grammar
-from ..runtime.memory_guard import is_out_of_memory
-from ..runtime.request import FinishEvent, GenerationRequest, PromptEvent, RequestError
+from ..runtime.request import FinishEvent, GenerationRequest, PromptEvent, RequestError, failure_kind
 from ..runtime.scheduler import QueueFull, RingUnavailable
 from ..shard.kv_budget import MAX_BATCH
 from .options import ServeOptions, split_address
@@ -59,6 +58,11 @@ DEFAULT_MAX_TOKENS = 100
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # served without a token
 STOP_GRACE_S = 2.0  # in-flight streams get this long to finish at shutdown, then are cancelled
 
+
+# A request's error by whose failure it is (runtime/request.py failure_kind). The router (launch/router)
+# waits out UNAVAILABLE as the ring restarts and retries RESOURCE_EXHAUSTED.
+FAILURE_CODES = {"request": grpc.StatusCode.INVALID_ARGUMENT, "memory": grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 "reset": grpc.StatusCode.ABORTED, "ring": grpc.StatusCode.UNAVAILABLE}
 
 def _grammar(r: pb.GenerateRequest) -> Optional[str]:
     """The llguidance grammar of the request's constraint field, if one is set."""
@@ -141,10 +145,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                           logprobs=[event.logprob], top_logprobs=top)
         finally:
             handle.cancel()  # the stream was closed early; a no-op once finished
-        if event.finish_reason == "error" and is_out_of_memory(event.error):  # this request alone: the ring goes on
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, event.error)
         if event.finish_reason == "error":
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"generation failed, the pipeline is down: {event.error}")
+            code = FAILURE_CODES[failure_kind(event.error)]
+            context.abort(code, event.error if code != grpc.StatusCode.UNAVAILABLE
+                          else f"generation failed, the pipeline is down: {event.error}")
         if event.finish_reason == "cancelled" and req.expired():
             # Our own deadline check can win the race with gRPC's: answer as gRPC would.
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")

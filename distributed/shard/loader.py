@@ -156,8 +156,11 @@ def _quantize(stage: Stage, quantization: dict, weights: Dict[str, mx.array]):
     )
 
 
-def load_stage(model_path: Path, start: int, end: int, first: bool, config: Optional[dict] = None) -> Stage:
-    """Build the stage for layers [start, end) and load its weights (evaluated)."""
+def load_stage(model_path: Path, start: int, end: int, first: bool, config: Optional[dict] = None,
+               group=None) -> Stage:
+    """Build the stage for layers [start, end) and load its weights (evaluated). `group`: a
+    tensor-parallel group (tensor.py) of more than one rank; this rank keeps its slice of each
+    layer, evaluated layer by layer (a layer's whole tensors are read, their slices kept)."""
     model_path = Path(model_path)
     config = config or read_config(model_path)
     args = model_args(config)
@@ -186,6 +189,12 @@ def load_stage(model_path: Path, start: int, end: int, first: bool, config: Opti
         )
     stage.load_weights(list(weights.items()), strict=True)
     stage.eval()
+    if group is not None and group.size() > 1:
+        from .tensor import shard_stage
+
+        shard_stage(stage, group)
+        for layer in stage.layers:
+            mx.eval(layer.parameters())
     mx.eval(stage.parameters())
     return stage
 

@@ -46,7 +46,8 @@ def _row(rank, memory, fp, start, end, need, host) -> List[int]:
     return [rank, memory >> 31, memory & _LOW, *fp_ints, start, end, need >> 31, need & _LOW] + chars + [0] * (HOST_CHARS - len(chars))
 
 
-def handshake(group, model_path: Path, config: dict, ranges, context: int, memory_limit=None) -> List[dict]:
+def handshake(group, model_path: Path, config: dict, ranges, context: int, memory_limit=None,
+              tensor: int = 1) -> List[dict]:
     """A collective (all_sum: every backend has it). Returns every rank's report,
     or raises TrinityError naming each rank with a different checkpoint or a
     slice that does not fit. Each rank's memory is its host share, or --memory-limit's bytes."""
@@ -58,6 +59,9 @@ def handshake(group, model_path: Path, config: dict, ranges, context: int, memor
     start, end = ranges[rank]
     sizes = model_sizes(config)
     need = sizes.weight_bytes(start, end, rank == 0) + sizes.cache_bytes(start, end, context)
+    if tensor > 1:  # --tensor-parallel-size: 1/T of every layer and its caches, the embedding and head whole
+        layers = sizes.weight_bytes(start, end, False)
+        need = layers // tensor + sizes.weight_bytes(start, end, True) - layers + sizes.cache_bytes(start, end, context) // tensor
     row = _row(rank, usable_memory_bytes(), fingerprint(model_path), start, end, need, socket.gethostname())
     table = mx.zeros((group.size(), len(row)), dtype=mx.int32)
     table[rank] = mx.array(row, dtype=mx.int32)

@@ -26,6 +26,7 @@ from google.protobuf.json_format import MessageToDict
 from .options import AUTH_TOKEN_ENV
 from .proto import generation_pb2 as pb
 from .proto import generation_pb2_grpc as pb_grpc
+from .wire import set_field
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -80,8 +81,7 @@ def make_request(args) -> pb.GenerateRequest:
         request.messages.add(role=role, content=content)
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
-        if getattr(args, name) is not None:
-            setattr(request, name, getattr(args, name))
+        set_field(request, name, getattr(args, name))  # wire.py: the request's fields as the server reads them
     for bias in args.logit_bias:
         token, sep, value = bias.partition("=")
         try:

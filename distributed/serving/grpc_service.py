@@ -27,7 +27,6 @@ forwards it so and splits it in its own front ends).
 """
 
 import hmac
-import json
 import math
 import sys
 import threading
@@ -40,7 +39,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .. import TrinityError
-from ..runtime.grammar import json_schema_grammar, lark_grammar, regex_grammar
 from ..runtime.request import FinishEvent, GenerationRequest, PromptEvent, RequestError, failure_kind
 from ..runtime.scheduler import QueueFull, RingUnavailable
 from ..shard.kv_budget import MAX_BATCH
@@ -52,32 +50,18 @@ from .request_log import RequestLog, Trace
 from .openai_fields import clamp_max_tokens
 from .requests import ModelInfo, build_request, prompt_ids
 from .tools import NO_THINKING
+from .wire import from_wire
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "trinity.v1.Generation"
 DEFAULT_MAX_TOKENS = 100
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # served without a token
 STOP_GRACE_S = 2.0  # in-flight streams get this long to finish at shutdown, then are cancelled
 
-
 # A request's error by whose failure it is (runtime/request.py failure_kind). The router (launch/router)
 # waits out UNAVAILABLE as the ring restarts and retries RESOURCE_EXHAUSTED.
 FAILURE_CODES = {"request": grpc.StatusCode.INVALID_ARGUMENT, "memory": grpc.StatusCode.RESOURCE_EXHAUSTED,
                  "reset": grpc.StatusCode.ABORTED, "ring": grpc.StatusCode.UNAVAILABLE}
 
-def _grammar(r: pb.GenerateRequest) -> Optional[str]:
-    """The llguidance grammar of the request's constraint field, if one is set."""
-    which = r.WhichOneof("constraint")
-    if which == "json_schema":
-        try:
-            schema = json.loads(r.json_schema)
-        except ValueError as e:
-            raise RequestError("json_schema", f"not JSON: {e}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise RequestError("json_schema", "expected a JSON schema object")
-        return json_schema_grammar(schema)
-    if which == "lark_grammar":
-        return lark_grammar(r.lark_grammar)
-    return regex_grammar(r.regex) if which == "regex" else None
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, requests: Optional[RequestLog] = None):
@@ -186,35 +170,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             ids = prompt_ids(tokenizer, prompt=r.prompt or None, token_ids=list(r.token_ids) or None,
                              messages=messages or None, chat_template=r.chat_template)
 
-        def given(name, default):
-            return getattr(r, name) if r.HasField(name) else default
-
         # Unset max_tokens: up to 100, within the cap and what the context leaves.
         default_max = max(1, min(DEFAULT_MAX_TOKENS, info.max_tokens_cap, info.max_context - len(ids)))
-        return build_request(
-            info,
-            ids,
-            max_tokens=clamp_max_tokens(given("max_tokens", default_max), len(ids), info),
-            temperature=given("temperature", 0.0),
-            top_p=given("top_p", 1.0),
-            top_k=given("top_k", 0),
-            min_p=given("min_p", 0.0),
-            seed=given("seed", None),
-            stop=list(r.stop),
-            deadline=None if time_remaining is None else time.monotonic() + time_remaining,
-            presence_penalty=given("presence_penalty", 0.0),
-            frequency_penalty=given("frequency_penalty", 0.0),
-            repetition_penalty=given("repetition_penalty", 1.0),
-            presence_context_size=given("presence_context_size", 20),
-            frequency_context_size=given("frequency_context_size", 20),
-            repetition_context_size=given("repetition_context_size", 20),
-            logit_bias=dict(r.logit_bias),
-            top_logprobs=r.top_logprobs,
-            prompt_logprobs=r.prompt_logprobs,
-            resume_ids=list(r.resume_token_ids),  # a replay (the launcher's router); gRPC only
-            speculative=given("speculative", True),
-            grammar=_grammar(r),
-        )
+        fields = from_wire(r, ids, max_tokens=default_max, temperature=0.0)  # the one conversion (wire.py)
+        fields["max_tokens"] = clamp_max_tokens(fields["max_tokens"], len(ids), info)
+        return build_request(info, fields.pop("prompt_ids"), **fields,
+                             deadline=None if time_remaining is None else time.monotonic() + time_remaining)
 
     def GetModelInfo(self, request, context):
         scheduler, _, info = self._ready(context)

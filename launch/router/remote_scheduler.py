@@ -17,7 +17,8 @@ from typing import Callable, List, Optional
 
 import grpc
 
-from distributed.runtime.request import FinishEvent, GenerationRequest
+from distributed.runtime.grammar import one_line
+from distributed.runtime.request import FinishEvent, GenerationRequest, RequestError
 from distributed.runtime.scheduler import QueueFull, RingUnavailable
 
 from .replay import Forwarded
@@ -80,6 +81,8 @@ class RemoteScheduler:
     def submit(self, request: GenerationRequest) -> RemoteHandle:
         if self.failure is not None:
             raise RingUnavailable(self.failure)
+        if request.grammar is not None:  # refused here as rank 0's scheduler refuses it: a 400 naming its field
+            check_grammar(request.grammar)
         if request.seed is None and request.temperature > 0:
             # Rank 0 would draw a random key; a seed of ours lets a replay continue its sequence.
             request.seed = random.getrandbits(63)
@@ -127,6 +130,16 @@ class RemoteScheduler:
         """No ring will serve again: requests held end with `reason`, new ones are refused."""
         self.failure = reason
         self.upstream.close(reason)
+
+
+def check_grammar(grammar: str) -> None:
+    """RequestError("grammar", …) if llguidance rejects the grammar (as runtime/grammar.py's
+    Constraint does on rank 0, which the router's requests reach only later)."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise RequestError("grammar", f"the grammar library rejects it: {one_line(error)}")
 
 
 def rank_rows(info) -> List[dict]:

@@ -1,6 +1,8 @@
 """One request as the router forwards it to rank 0, and replays it when the ring fails.
 
-The router sends rank 0 the request as token ids with every sampling field. It
+The router sends rank 0 the request as token ids with every field (serving/wire.py: its
+sampling, penalties, logit_bias, logprobs, stop strings, seed, speculation opt-out and grammar,
+so that a constrained request is constrained here as on rank 0's own port). It
 records what it passed on to the client (the prompt's logprobs, each token). When
 the stream fails because rank 0 or its ring went down, the request waits for the
 restarted rank 0 and is sent again with `resume_token_ids`: the tokens already
@@ -18,6 +20,7 @@ import grpc
 
 from distributed.runtime.request import FinishEvent, GenerationRequest, PromptEvent, TokenEvent, failure_kind
 from distributed.serving.proto import generation_pb2 as pb
+from distributed.serving.wire import to_wire
 
 from .upstream import Closed, Upstream
 
@@ -31,13 +34,10 @@ MAYBE_DOWN = (grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCo
 
 
 def generate_request(r: GenerationRequest, resume: List[int], prompt_logprobs: bool) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        token_ids=r.prompt_ids, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-        min_p=r.min_p, seed=r.seed, stop=r.stop, presence_penalty=r.presence_penalty,
-        frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty,
-        presence_context_size=r.presence_context_size, frequency_context_size=r.frequency_context_size,
-        repetition_context_size=r.repetition_context_size, logit_bias=r.logit_bias, top_logprobs=r.top_logprobs,
-        prompt_logprobs=prompt_logprobs, resume_token_ids=resume)
+    """`r` as rank 0 takes it: every field (wire.py, the conversion rank 0's gRPC service reads
+    back), with the tokens already streamed to resume from and whether the prompt's logprobs are
+    still to come."""
+    return to_wire(r, resume_ids=resume, prompt_logprobs=prompt_logprobs)
 
 
 def _pairs(top: pb.TopLogprobs):

@@ -17,7 +17,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "chat_template", "presence_penalty", "frequency_penalty", "repetition_penalty", "presence_context_size", "frequency_context_size", "repetition_context_size", "logit_bias", "top_logprobs", "prompt_logprobs", "resume_token_ids", "speculative", "json_schema", "lark_grammar", "regex", "separate_reasoning")
+    __slots__ = ("prompt", "token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "chat_template", "presence_penalty", "frequency_penalty", "repetition_penalty", "presence_context_size", "frequency_context_size", "repetition_context_size", "logit_bias", "top_logprobs", "prompt_logprobs", "resume_token_ids", "speculative", "json_schema", "lark_grammar", "regex", "llguidance", "separate_reasoning")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class GenerateRequest(_message.Message):
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     LARK_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
+    LLGUIDANCE_FIELD_NUMBER: _ClassVar[int]
     SEPARATE_REASONING_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -76,8 +77,9 @@ class GenerateRequest(_message.Message):
     json_schema: str
     lark_grammar: str
     regex: str
+    llguidance: str
     separate_reasoning: bool
-    def __init__(self, prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., chat_template: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_context_size: _Optional[int] = ..., frequency_context_size: _Optional[int] = ..., repetition_context_size: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., speculative: _Optional[bool] = ..., json_schema: _Optional[str] = ..., lark_grammar: _Optional[str] = ..., regex: _Optional[str] = ..., separate_reasoning: _Optional[bool] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., chat_template: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_context_size: _Optional[int] = ..., frequency_context_size: _Optional[int] = ..., repetition_context_size: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., speculative: _Optional[bool] = ..., json_schema: _Optional[str] = ..., lark_grammar: _Optional[str] = ..., regex: _Optional[str] = ..., llguidance: _Optional[str] = ..., separate_reasoning: _Optional[bool] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

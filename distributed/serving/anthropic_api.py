@@ -6,22 +6,25 @@ anthropic-beta are not read; --auth-token takes `x-api-key` as well as a bearer 
 Implemented: model (required, the served one), max_tokens (required), system (a string or
 text blocks), messages (user and assistant turns; content a string or blocks: text,
 tool_use in assistant turns -> OpenAI tool_calls, tool_result in user turns -> `tool`
-messages, its content a string or text blocks, is_error prefixing it with "Error: "),
-tools (client tools: name, description, input_schema, strict), tool_choice (auto, any ->
-"required", tool -> the named function, none; disable_parallel_tool_use), stop_sequences
+messages, its content a string or text blocks, is_error prefixing it with "Error: "; system
+entries among the messages, as Claude Code sends reminders, rendered where they stand or joined
+to the system prompt where the template takes one only first), tools (client tools: name,
+description, input_schema, strict; server tools are left out of the prompt), tool_choice (auto,
+any -> "required", tool -> the named function, none; disable_parallel_tool_use), stop_sequences
 (the one that ended the reply in stop_sequence), temperature, top_p, top_k, stream,
-output_config.format (json_schema: constrained decoding). Accepted with no effect:
-metadata.user_id, inference_geo, cache_control (the prefix cache finds shared prefixes by
-itself). thinking: where the checkpoint thinks (think tokens), enabled (budget_tokens at
-least 1024 and below max_tokens, which bounds thinking and text together: the budget is not
-enforced apart) or adaptive return the reasoning as a thinking block (anthropic_reply.py),
-disabled tells the chat template enable_thinking false, and an assistant turn's thinking
-blocks go back into the prompt (reasoning_content); elsewhere only disabled, and thinking
-blocks are refused. Only the value that changes nothing: service_tier auto / standard_only,
-speed standard. Refused by name (400): image, document, redacted_thinking and server-tool
-blocks, server tools (web_search, bash, …),
-container, mcp_servers, context_management, diagnostics, output_config.effort, a last
-assistant turn (prefill); any other field is unknown (400).
+output_config.format (json_schema: constrained decoding), context_management (its edits applied
+to the turns before templating: clear_thinking_*, clear_tool_uses_*), max_tokens (clamped to the
+cap and the context's room, never refused: stop_reason max_tokens tells). thinking: where the
+checkpoint thinks (think tokens), enabled (budget_tokens at least 1024 and below max_tokens,
+which bounds thinking and text together: the budget is not enforced apart) or adaptive return the
+reasoning as a thinking block (anthropic_reply.py), disabled tells the chat template
+enable_thinking false, and an assistant turn's thinking blocks go back into the prompt
+(reasoning_content). Claude Code's default request works unchanged: what changes nothing here is
+accepted and named in the access log (openai_fields.py's compatibility rule): thinking where the
+checkpoint does not think (and its thinking blocks, redacted_thinking blocks), output_config.effort,
+metadata, cache_control, inference_geo, service_tier, speed, diagnostics, server tools. Refused by
+name (400): image and document blocks, container, mcp_servers, a last assistant turn (prefill);
+any other field is unknown (400).
 
 usage follows Anthropic: input_tokens are the prompt tokens computed, cache_read_input_tokens
 those the prefix cache restored (their sum is the prompt, count_tokens' input_tokens),
@@ -106,7 +109,7 @@ def _blocks(content, where: str) -> list:
         raise bad(where, "expected a string or a list of content blocks")
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind not in BLOCK_KEYS:
+        if not isinstance(kind, str) or kind not in BLOCK_KEYS:  # a list or object is no type (nor hashable)
             raise bad(f"{where}[{j}].type", f"{json.dumps(kind)[:40]} blocks are not supported "
                                             "(text, thinking, tool_use and tool_result only)")
         extra = next((k for k, v in block.items() if k not in ("type", "cache_control", *BLOCK_KEYS[kind])

@@ -2,7 +2,9 @@
 llguidance grammar (runtime/grammar.py): OpenAI's `response_format` (json_object,
 json_schema) and `tool_choice` ("required" or a named function: a call in the chat
 template's own tool-call syntax whose arguments keep to the tool's parameter schema,
-read back by mlx-lm's tool parser like any other call). The other APIs' fields
+read back by mlx-lm's tool parser like any other call); and strict tools under "auto", whose
+calls keep to their schemas once the model opens one (strict_calls_grammar: a lazy grammar,
+free text until the tool-call start token). The other APIs' fields
 (Responses' text.format, Messages' tool_choice, Ollama's format) are translated into
 these first.
 """
@@ -80,26 +82,58 @@ def _literal(tokenizer, text: str) -> str:
     return f"<[{added[text]}]>" if text in added else json.dumps(text)
 
 
-def tool_call_grammar(tokenizer, tools: List[dict], parallel: bool = True) -> str:
-    """One or more calls (one if not `parallel`) to `tools`, nothing else, in the syntax of
-    the checkpoint's tool parser."""
-    parser = getattr(tokenizer.tool_parser, "__module__", "").rsplit(".", 1)[-1]
-    if parser not in JSON_CALLS:
-        raise RequestError("tool_choice", f"forcing a call is not supported for this model's tool-call format "
-                                          f"({parser or 'unknown'}); use \"auto\"")
+def _calls_schema(tools: List[dict], free_unless_strict: bool = False) -> dict:
+    """{"name": …, "arguments": …} of a call to one of `tools`, its arguments keeping to the tool's
+    parameters (with `free_unless_strict`, only a strict tool's: another's are any JSON object)."""
     calls = []
     for tool in tools:
         function = tool["function"]
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(parameters, dict):
             raise RequestError("tools", f"{function['name']}: parameters must be a JSON schema object")
+        if free_unless_strict and not function.get("strict"):
+            parameters = {"type": "object"}
         calls.append({"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
                       "required": ["name", "arguments"], "additionalProperties": False})
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     # Compact JSON, as in response_format (by default %json lets whitespace run on).
-    body = json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
+def _parser(tokenizer) -> str:
+    return getattr(tokenizer.tool_parser, "__module__", "").rsplit(".", 1)[-1]
+
+
+def tool_call_grammar(tokenizer, tools: List[dict], parallel: bool = True) -> str:
+    """One or more calls (one if not `parallel`) to `tools`, nothing else, in the syntax of
+    the checkpoint's tool parser."""
+    parser = _parser(tokenizer)
+    if parser not in JSON_CALLS:
+        raise RequestError("tool_choice", f"forcing a call is not supported for this model's tool-call format "
+                                          f"({parser or 'unknown'}); use \"auto\"")
+    body = json.dumps(_calls_schema(tools))
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
     lark = (f"start: call{'+' if parallel else ''}\n"
             f"call: {_literal(tokenizer, start)} \"\\n\"? body \"\\n\"? {_literal(tokenizer, end)} \"\\n\"?\n"
+            f"body: %json {body}\n")
+    return lark_grammar(lark)
+
+
+def strict_calls_grammar(tokenizer, tools: List[dict]) -> Optional[str]:
+    """Under tool_choice "auto", where a tool is strict: free text, and once the model opens a call
+    (the tool-call start token) the call keeps to the template's syntax and a strict tool's arguments
+    to its schema (a lazy grammar: it binds only from the trigger). None where it cannot be built:
+    no strict tool, a tool-call format other than json_tools, or call markers that are no added
+    tokens (free text could not be told from the trigger); the calls are then not constrained."""
+    if not any(t["function"].get("strict") for t in tools) or _parser(tokenizer) not in JSON_CALLS:
+        return None
+    added = getattr(tokenizer, "_tokenizer", tokenizer).get_added_vocab()
+    start, end = added.get(tokenizer.tool_call_start), added.get(tokenizer.tool_call_end)
+    if start is None or end is None:
+        return None
+    body = json.dumps(_calls_schema(tools, free_unless_strict=True))
+    lark = (f"start: text (call text)*\n"
+            f"text: <[^{start}]>*\n"
+            f"call: <[{start}]> \"\\n\"? body \"\\n\"? <[{end}]>\n"
             f"body: %json {body}\n")
     return lark_grammar(lark)

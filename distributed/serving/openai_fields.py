@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..runtime.request import MAX_TOP_LOGPROBS, GenerationRequest, RequestError
-from .constraints import forced_tools, response_grammar, tool_call_grammar
+from .constraints import forced_tools, response_grammar, strict_calls_grammar, tool_call_grammar
 from .requests import ModelInfo, build_request, chat_ids, prompt_ids
 from .tools import chat_messages, request_tools
 
@@ -148,6 +148,7 @@ class Plan:
     logprobs: Optional[int] = None  # None: not asked; else top alternatives per token
     tools: Optional[List[dict]] = None  # chat: tools whose calls the reply parses
     constrained_by: Optional[str] = None  # the field whose grammar the requests carry (its errors name it)
+    lazy: bool = False  # the grammar binds only from a trigger (strict tools under "auto"): the reply may reason first
     ignored: List[str] = field(default_factory=list)  # client fields accepted with no effect (the access log names them)
     clamped: List[str] = field(default_factory=list)  # client limits held to what the server allows
 
@@ -224,6 +225,10 @@ def _constraint(body: dict, tokenizer, tools) -> tuple:
         raise RequestError("response_format", "cannot constrain the reply while tool_choice forces a tool call")
     if forced:
         return tool_call_grammar(tokenizer, forced, parallel), "tool_choice"
+    if grammar is None and tools and body.get("tool_choice") in (None, "auto"):
+        lazy = strict_calls_grammar(tokenizer, tools)  # strict tools: a call keeps to its schema once opened
+        if lazy is not None:
+            return lazy, "tools"
     return grammar, "response_format" if grammar else None
 
 
@@ -262,7 +267,8 @@ def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
         prompts = _completion_prompts(body, tokenizer)
         max_name, echo = "max_tokens", get(body, "echo", (bool,), False)
     out = Plan(chat, [], [], stream=stream, include_usage=bool((options or {}).get("include_usage")),
-               logprobs=logprobs, tools=tools, constrained_by=constrained_by, ignored=ignored)
+               logprobs=logprobs, tools=tools, constrained_by=constrained_by, ignored=ignored,
+               lazy=constrained_by == "tools")
     for k, (ids, text) in enumerate(prompts):
         sampling = _sampling(body, chat, max_name, len(ids), info)
         if sampling["max_tokens"] != get(body, max_name, (int,), sampling["max_tokens"]) and max_name not in out.clamped:

@@ -35,7 +35,8 @@ class Choice:
 
     def __init__(self, reply: "Reply", index: int, echo: Optional[str], scored: bool):
         self.reply, self.index, self.echo = reply, index, echo
-        prompt = reply_prompt(reply.plan.requests[index])
+        request = reply.plan.requests[index]
+        prompt = request.prompt_ids if reply.plan.lazy else reply_prompt(request)  # a lazy grammar binds later
         # chat: the reply split into reasoning, content and tool calls (completions are text as it comes)
         self.split = ReplySplitter(reply.tokenizer, reply.plan.tools, prompt) if reply.plan.chat else None
         self.echo_waits = echo is not None and scored  # the echo goes out with the prompt's logprobs

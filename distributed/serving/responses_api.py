@@ -3,19 +3,26 @@
 unchanged and a greedy input gets the same text as through /v1/chat/completions.
 
 Implemented: `model`, `input` (a string, or items: messages with text content, `function_call`
-and `function_call_output`), `instructions`, `max_output_tokens`, `temperature`, `top_p`,
-`tools` (function tools; `strict` honoured where `tool_choice` forces a call, as in chat),
-`tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema:
-constrained decoding), `stream` with the Responses event sequence, `usage`. Where the
-checkpoint thinks (think tokens), its reasoning is a `reasoning` output item (its text a
-`reasoning_text` part, streamed as response.reasoning_text.delta events) and usage counts its
-tokens; a `reasoning` item in `input` goes back into the prompt as the next assistant turn's
-reasoning_content (reply_split.py, tools.py). Stateless: nothing
-is stored, so `store` is only false (absent: not stored) and `previous_response_id`,
-`conversation` and `background` are refused by name. Hints with no effect: `metadata`, `user`,
-`safety_identifier`, `prompt_cache_key`; `truncation` only "disabled", `service_tier` only
-auto / default. Refused by name: `reasoning`, `include`, `prompt`, `top_logprobs`,
-`max_tool_calls`, built-in tools, `text.verbosity`, unknown fields (400, OpenAI's error shape).
+(with its `namespace`) and `function_call_output`, `custom_tool_call` and its output, `reasoning`),
+`instructions`, `max_output_tokens`, `temperature`, `top_p`, `tools` (function tools, `strict`
+honoured as in chat; `namespace` tools flattened into functions named NAMESPACE__NAME, their calls
+mapped back; `custom` free-form tools as a function of one string `input`, a regex grammar its
+pattern, their calls coming back as custom_tool_call items; hosted tools left out of the prompt),
+`tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema: constrained
+decoding), `stream` with the Responses event sequence, `usage`. Where the checkpoint thinks
+(think tokens), its reasoning is a `reasoning` output item (its text a `reasoning_text` part,
+streamed as response.reasoning_text.delta events) and usage counts its tokens; with
+include ["reasoning.encrypted_content"] the item carries its text sealed (sealed.py), read back
+when the client (Codex, store false) returns the item in `input`; a `reasoning` item in `input`
+goes back into the prompt as the next assistant turn's reasoning_content (reply_split.py, tools.py).
+
+Codex CLI's default request works unchanged: what changes nothing here is accepted and named in
+the access log (openai_fields.py's compatibility rule): `reasoning` (effort, summary; effort "none"
+turns thinking off where the template can), other `include` values, `client_metadata`, `metadata`,
+`user`, `safety_identifier`, `prompt_cache_key`, `store` (nothing is stored), `service_tier`,
+`truncation` "auto", `text.verbosity`, hosted tools. Stateless: `previous_response_id`,
+`conversation` and `background` are refused by name, as are `prompt`, `top_logprobs`,
+`max_tool_calls` and unknown fields (400, OpenAI's error shape).
 """
 
 import json

@@ -88,6 +88,31 @@ def test_forced_tool_calls_keep_to_the_tools_schema(ring):
         jsonschema.validate(json.loads(call.arguments), schema)
 
 
+def test_strict_tools_under_auto_keep_to_their_schema_once_a_call_opens(ring):
+    """openai.pydantic_function_tool() and LangChain's bind_tools(strict=True) send strict tools with
+    tool_choice "auto": taken, and a call the model opens keeps to the tool's schema (a lazy grammar:
+    free text until <tool_call>). The checkpoint's greedy call is one token of spaced JSON; here it
+    has to be the compact call a bounded schema allows."""
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city", "strict": True, "parameters": {
+            "type": "object", "properties": {"city": {"enum": ["Rome", "Oslo"]}}, "required": ["city"],
+            "additionalProperties": False}}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for stream in (False, True):
+        out = chat(ring, messages=ask, temperature=0, tools=[weather], tool_choice="auto", stream=stream)
+        if stream:
+            chunks = list(out)
+            calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        else:
+            calls, content = out.choices[0].message.tool_calls, out.choices[0].message.content
+        assert len(calls) == 1 and calls[0].function.name == "get_weather" and not content, (calls, content)
+        jsonschema.validate(json.loads(calls[0].function.arguments), weather["function"]["parameters"])
+        assert json.loads(calls[0].function.arguments) != {"city": "Paris"}
+    free = chat(ring, messages=ask, temperature=0, tools=TOOLS, tool_choice="auto")  # not strict: not constrained
+    assert json.loads(free.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
      "response_format"),

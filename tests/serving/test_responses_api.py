@@ -192,7 +192,8 @@ def test_namespace_and_custom_tools_map_back(ring):
     assert call.type == "custom_tool_call" and call.name == "count" and re.fullmatch("[0-9]{1,3} items", call.input), call
     history = [{"role": "user", "content": ASK}, call.to_dict(),
                {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "done"}]
-    assert respond(ring, tools=[custom], input=history).status == "completed"
+    # taken back as input (a call it opens now keeps to the grammar: it may not close within 40 tokens)
+    assert respond(ring, tools=[custom], input=history).status in ("completed", "incomplete")
     with ring.client.responses.stream(model=ring.model, input=ASK, temperature=0, max_output_tokens=120,
                                       tools=[custom], tool_choice={"type": "custom", "name": "count"}) as stream:
         kinds = [e.type for e in stream]

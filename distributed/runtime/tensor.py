@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from ..shard.loader import parameter_bytes
 from ..shard.stage import Stage
+from ..shard.tensor import release_group
 from ..transport import Header, Op, Reply
 from ..transport.broadcast import Broadcast
 from . import rank_info
@@ -101,6 +102,7 @@ class TensorPipeline(Pipeline):
         if self.broadcast is not None:
             self._tell(Header(Op.STOP))
             self.broadcast = None
+            release_group(self.stage)
 
 
 class TensorFollower:

@@ -74,6 +74,26 @@ def check_tensor_size(args: afmoe.ModelArgs, size: int, quantization: Optional[d
                                f"of {group}, but " + ", ".join(bad))
 
 
+class _NoGradients:
+    """Inference only. An all-to-sharded layer uses its group for nothing but sum_gradients (a
+    vjp that all_sums gradients), and MLX's custom_function keeps a reference to the group for
+    every call made: the group never dies, and MLX's MPI backend, which finalizes when it
+    does, never finalizes (mpirun then calls every rank's exit improper). A group of one has
+    no gradients to sum."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def _all_to_sharded(linear: nn.Module, group) -> nn.Module:
+    sharded = shard_linear(linear, "all-to-sharded", group=group)
+    sharded.group = _NoGradients()
+    return sharded
+
+
 def shard_stage(stage: nn.Module, group: mx.distributed.Group) -> None:
     """Shard every layer of `stage` (shard/stage.py) across `group`, in place and lazily: only
     this rank's slices are evaluated (the caller evaluates layer by layer)."""
@@ -81,7 +101,7 @@ def shard_stage(stage: nn.Module, group: mx.distributed.Group) -> None:
     for layer in stage.layers:
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "gate_proj"):
-            setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
+            setattr(attn, name, _all_to_sharded(getattr(attn, name), group))
         attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
         attn.n_heads //= size
         attn.n_kv_heads //= size
@@ -95,6 +115,17 @@ def shard_stage(stage: nn.Module, group: mx.distributed.Group) -> None:
                 shard_inplace(part.up_proj, "all-to-sharded", group=group)
                 shard_inplace(part.down_proj, "sharded-to-all", group=group)
         else:
-            mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
-            mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
+            mlp.gate_proj = _all_to_sharded(mlp.gate_proj, group)
+            mlp.up_proj = _all_to_sharded(mlp.up_proj, group)
             mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+
+
+
+def release_group(stage: nn.Module) -> None:
+    """Once the ranks have stopped: drop the sharded layers' references to their group, which
+    the stage (held by the scheduler's cycles) would keep past the interpreter's teardown, so
+    MLX's MPI backend finalizes (when the group's last reference goes) before the exit."""
+    for _, module in stage.named_modules():
+        for name in ("group", "sharding_group"):
+            if getattr(module, name, None) is not None:
+                setattr(module, name, None)

@@ -12,7 +12,7 @@ from ..shard.checkpoint import load_config
 from ..shard.config import model_args
 from ..shard.loader import fetch_stage_files, load_stage
 from ..shard.memory_limit import apply_memory_limit
-from ..shard.tensor import check_tensor_size
+from ..shard.tensor import check_tensor_size, release_group
 from .handshake import StartupRefused, handshake
 from .sizing import fixed_context
 
@@ -78,6 +78,7 @@ def build_tensor_pipeline(args, group, watchdog=None, on_ready: Optional[Callabl
         if watchdog is not None:
             watchdog.report = follower.stats.report
         follower.serve()
+        release_group(stage)
         return None
     pipeline = TensorPipeline(stage, group)
     if watchdog is not None:

@@ -1,0 +1,124 @@
+"""--tensor-parallel-size T (shard/tensor.py, runtime/tensor.py): every rank holds 1/T of every
+layer. Real rings: greedy tokens and logprobs equal one-device mlx-lm's, with a history past
+the sliding window (window 16, a 40-token prompt), through the command line and gRPC."""
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import RUN, one_error_line, run_cli, run_json, run_trinity, system_mpirun
+from distributed import TrinityError
+from distributed.shard.config import model_args
+from distributed.shard.tensor import check_tensor_size
+from distributed.shard.tiny_checkpoint import make_checkpoint, tiny_config
+from reference import PROMPT, mlx_lm_greedy
+
+IDS = ",".join(map(str, PROMPT))
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def kv4_checkpoint(tmp_path_factory) -> Path:
+    """The tiny model with 4 KV heads (one per query head), so T = 4 splits it."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny_kv4"), layout="hf", seed=1, num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def quantized_checkpoint(tmp_path_factory) -> Path:
+    """4-bit (groups of 64) with widths whose halves are whole groups."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny_q"), layout="mlx", seed=2, head_dim=32,
+                           moe_intermediate_size=128, intermediate_size=256)
+
+
+def assert_reference(out, path, prompt=PROMPT):
+    tokens, logprobs = mlx_lm_greedy(Path(path), prompt, MAX_TOKENS, 512)
+    assert out["token_ids"] == tokens
+    assert max(abs(a - b) for a, b in zip(out["logprobs"], logprobs)) < 1e-5
+
+
+def test_check_tensor_size_names_the_numbers():
+    args = model_args(tiny_config())  # 4 heads, 2 KV heads, widths 128 / 64
+    check_tensor_size(args, 1)
+    check_tensor_size(args, 2)
+    with pytest.raises(TrinityError, match=r"--tensor-parallel-size 4 must divide KV heads \(num_key_value_heads\) = 2"):
+        check_tensor_size(args, 4)
+    with pytest.raises(TrinityError, match=r"attention heads \(num_attention_heads\) = 4, KV heads .* = 2"):
+        check_tensor_size(args, 3)
+    with pytest.raises(TrinityError, match="whole groups of 64.*o_proj input .* / 2 = 32"):
+        check_tensor_size(args, 2, {"group_size": 64, "bits": 4})
+
+
+def test_refused_without_its_ranks(hf_checkpoint):
+    line = one_error_line(*run_trinity(["--model", str(hf_checkpoint), "--prompt-ids", IDS,
+                                        "--tensor-parallel-size", "2"]))
+    assert "--tensor-parallel-size 2 needs 2 ranks" in line
+
+
+def test_ring_of_two_equals_mlx_lm(hf_checkpoint):
+    out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", str(MAX_TOKENS),
+                    "--tensor-parallel-size", "2"], ranks=2)
+    assert_reference(out, hf_checkpoint)
+    one = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "1"])["ranks"][0]
+    ranks = out["ranks"]
+    assert [(r["rank"], r["layers"], r["embed"], r["head"], r["tensor"]) for r in ranks] == [
+        (0, [0, 8], True, True, {"rank": 0, "size": 2}), (1, [0, 8], True, False, {"rank": 1, "size": 2})]
+    # Each rank holds half of every layer, and the (replicated) embedding and head whole.
+    assert ranks[0]["parameter_bytes"] == ranks[1]["parameter_bytes"] < 0.6 * one["parameter_bytes"]
+
+
+def test_ring_of_four_equals_mlx_lm(kv4_checkpoint):
+    out = run_json(["--model", str(kv4_checkpoint), "--prompt-ids", IDS, "--max-tokens", str(MAX_TOKENS),
+                    "--tensor-parallel-size", "4", "--prefill-step-size", "16"], ranks=4)
+    assert_reference(out, kv4_checkpoint)
+    assert [r["tensor"] for r in out["ranks"]] == [{"rank": r, "size": 4} for r in range(4)]
+
+
+def test_quantized_ring_of_two_equals_mlx_lm(quantized_checkpoint):
+    prompt = PROMPT[::-1]
+    out = run_json(["--model", str(quantized_checkpoint), "--prompt-ids", ",".join(map(str, prompt)),
+                    "--max-tokens", str(MAX_TOKENS), "--tensor-parallel-size", "2"], ranks=2)
+    assert_reference(out, quantized_checkpoint, prompt)
+
+
+def test_a_size_that_does_not_divide_is_refused(hf_checkpoint):
+    proc = run_cli(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--tensor-parallel-size", "3"], ranks=3)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert "--tensor-parallel-size 3 must divide attention heads (num_attention_heads) = 4, KV heads " \
+           "(num_key_value_heads) = 2" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_fewer_than_every_rank_is_refused(hf_checkpoint):
+    proc = run_cli(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--tensor-parallel-size", "2"], ranks=4)
+    assert proc.returncode != 0
+    assert "--tensor-parallel-size 2 with 4 ranks" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not Path(system_mpirun()).exists(), reason="no mpirun")
+def test_mpi_equals_mlx_lm(hf_checkpoint):
+    out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", str(MAX_TOKENS),
+                    "--tensor-parallel-size", "2"], ranks=2, backend="mpirun")
+    assert_reference(out, hf_checkpoint)
+
+
+def test_serving_equals_mlx_lm(hf_checkpoint):
+    from grpc_server import SERVER_ARGS, Server, generate
+
+    prompts = [PROMPT, PROMPT[5:], PROMPT[:20]]
+    refs = [mlx_lm_greedy(hf_checkpoint, p, MAX_TOKENS, 512) for p in prompts]
+    server = Server(hf_checkpoint, ranks=2, extra=["--tensor-parallel-size", "2", *SERVER_ARGS])
+    try:
+        server.wait_serving()
+        for _ in range(2):  # the second time, from the prefix cache
+            out = generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0)
+            assert out["token_ids"] == refs[0][0]
+            assert max(abs(a - b) for a, b in zip(out["logprobs"], refs[0][1])) < 1e-5
+        with ThreadPoolExecutor(len(prompts)) as pool:  # batched: merged, filtered as rows end
+            outs = list(pool.map(lambda p: generate(server.stub, token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0),
+                                 prompts))
+        for out, (tokens, logprobs) in zip(outs, refs):
+            assert out["token_ids"] == tokens
+            assert max(abs(a - b) for a, b in zip(out["logprobs"], logprobs)) < 1e-5
+        server.alive()
+    finally:
+        server.stop()

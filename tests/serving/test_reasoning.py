@@ -152,6 +152,54 @@ def test_responses_reasoning_items(served):
     assert again.usage.input_tokens == prompt_len(served, expected)
 
 
+def test_responses_encrypted_reasoning_round_trip(served):
+    """Codex with store false: include ["reasoning.encrypted_content"] seals the reasoning into its item;
+    sent back with its content left out, the item's reasoning reaches the prompt; one sealed with another
+    key (or forged) is left out, named in the access log, and the request still runs."""
+    client = served.openai
+    out = client.responses.create(model="think", input="Weather in Paris?", temperature=0, max_output_tokens=16,
+                                  include=["reasoning.encrypted_content"], store=False,
+                                  reasoning={"effort": "medium", "summary": "auto"})
+    reasoning = out.output[0]
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content and THOUGHT not in reasoning.encrypted_content[:9]
+    with client.responses.stream(model="think", input="Weather in Paris?", temperature=0, max_output_tokens=16,
+                                 include=["reasoning.encrypted_content"]) as s:
+        streamed = s.get_final_response()
+    assert streamed.output[0].encrypted_content and sealed_text(streamed.output[0].encrypted_content) == THOUGHT
+    opaque = {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": reasoning.encrypted_content}
+    history = [{"role": "user", "content": "Weather in Paris?"}, opaque, {"role": "assistant", "content": SAID},
+               {"role": "user", "content": "And tomorrow?"}]
+    again = client.responses.create(model="think", temperature=0, max_output_tokens=16, input=history)
+    expected = [*ASK, {"role": "assistant", "content": SAID, "reasoning_content": THOUGHT},
+                {"role": "user", "content": "And tomorrow?"}]
+    assert again.usage.input_tokens == prompt_len(served, expected)
+    forged = [history[0], {**opaque, "encrypted_content": opaque["encrypted_content"][:-4] + "AAAA"}, *history[2:]]
+    unread = client.responses.create(model="think", temperature=0, max_output_tokens=16, input=forged)
+    assert unread.usage.input_tokens == prompt_len(served, [*ASK, {"role": "assistant", "content": SAID},
+                                                            {"role": "user", "content": "And tomorrow?"}])
+
+
+def sealed_text(token):
+    from distributed.serving.sealed import unseal
+
+    return unseal(token)
+
+
+def test_context_management_clears_old_thinking(served):
+    """Claude Code's clear_thinking edit: all but the last `keep` thinking turns lose their thinking."""
+    client = served.anthropic
+    turn = {"role": "assistant", "content": [{"type": "thinking", "thinking": THOUGHT, "signature": ""},
+                                             {"type": "text", "text": SAID}]}
+    history = [*ASK, turn, {"role": "user", "content": "And tomorrow?"}, turn, {"role": "user", "content": "Thanks"}]
+    edits = {"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}}]}
+    cleared = client.messages.count_tokens(model="think", messages=history, extra_body={"context_management": edits})
+    kept = client.messages.count_tokens(model="think", messages=history, extra_body={"context_management": {
+        "edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}})
+    expected = [*ASK, {"role": "assistant", "content": SAID}, {"role": "user", "content": "And tomorrow?"},
+                {"role": "assistant", "content": SAID, "reasoning_content": THOUGHT}, {"role": "user", "content": "Thanks"}]
+    assert cleared.input_tokens == prompt_len(served, expected) < kept.input_tokens
+
+
 def test_messages_thinking_blocks(served):
     client = served.anthropic
     args = {"model": "think", "max_tokens": 2048, "messages": ASK, "extra_body": {"temperature": 0}}

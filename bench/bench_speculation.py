@@ -146,12 +146,12 @@ def ceiling(prompt: str, max_tokens: int, k: int, reps: int, model: str = None) 
 
         def timed(drafter):
             scheduler = Scheduler(pipeline, tokenizer, speculation=SpeculationOptions(prompt_lookup=True, num_draft_tokens=k))
-            scheduler.batcher.drafter = drafter
+            scheduler.batcher.verifier.drafter = drafter
             handle = scheduler.submit(GenerationRequest(list(ids), max_tokens=max_tokens, speculative=drafter is not None))
             scheduler.run_pending()
             events = list(handle.events())
             return ([e.token_id for e in events if isinstance(e, TokenEvent)], events[-1].generation_tokens_per_sec,
-                    scheduler.batcher.spec_stats.as_dict())
+                    scheduler.batcher.verifier.stats.as_dict())
 
         tokens = timed(None)[0]
         results = {name: [] for name in ("plain", "all accepted", "1 draft in 4 wrong")}

@@ -48,7 +48,7 @@ def ours(pipeline, tokenizer, prompt, max_tokens, draft, k):
     handle = scheduler.submit(GenerationRequest(list(prompt), max_tokens=max_tokens))
     scheduler.run_pending()
     events = list(handle.events())
-    stats = scheduler.batcher.spec_stats.as_dict() if draft is not None else None
+    stats = scheduler.batcher.verifier.stats.as_dict() if draft is not None else None
     return [e.token_id for e in events if isinstance(e, TokenEvent)], events[-1].generation_tokens_per_sec, stats
 
 

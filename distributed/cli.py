@@ -373,8 +373,8 @@ def run(args, stop: RankStop) -> None:
         request = build_request(args, scheduler.tokenizer, config, sizes.max_context)
         result = generate_once(scheduler, request, stream=not args.json, stop=stop)
         result["ranks"] = pipeline.rank_info()
-        if scheduler.batcher.speculation.enabled:
-            result["speculative"] = scheduler.batcher.spec_stats.as_dict()
+        if scheduler.batcher.verifier.options.enabled:
+            result["speculative"] = scheduler.batcher.verifier.stats.as_dict()
     finally:
         scheduler.close()
     if args.json:

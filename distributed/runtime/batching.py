@@ -21,16 +21,16 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ..transport import Op, Reply
-from .frames import Group, Outstanding
+from .frames import FrameKind, Group, Outstanding
 from .grammar import prepare_masks
 from .logits import draw, shaped_logprobs, top_candidates, top_logprobs
-from .memory_failure import evaluated, fail_frame, reply_failed
+from .memory_guard import allocation_failed, describe
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .prefix_hooks import PrefixHooks
 from .sequence import Sequence
-from .speculation import SpeculationOptions, SpeculationStats, make_drafter
-from .verification import receive_verify, send_verify, speculates, verifies_after_step
+from .speculation import SpeculationOptions
+from .verification import Verifier
 
 
 class Batcher:
@@ -38,11 +38,9 @@ class Batcher:
                  prefill_batch_tokens: int = 2048, prefix: Optional[PrefixHooks] = None,
                  speculation: Optional[SpeculationOptions] = None):
         self.pipeline, self.tokenizer = pipeline, tokenizer
-        self.speculation = speculation or SpeculationOptions()
-        # Drafts for one-row groups (anything with propose(seq, k, after): speculation.py); None: no speculation.
         ranks = pipeline.num_ranks
-        self.drafter = make_drafter(self.speculation, sequences=ranks)
-        self.spec_stats = SpeculationStats()
+        # One-row groups' verification frames (verification.py), through this batcher's public methods.
+        self.verifier = Verifier(pipeline, speculation or SpeculationOptions(), self)
         self.groups = [Group(slot) for slot in range(ranks)]
         self.group_cap = -(-max_batch // len(self.groups))
         self.max_batch = max_batch
@@ -138,7 +136,7 @@ class Batcher:
         With one rank every chunk goes so; with several (they ride in the steps) only
         while a rank would idle otherwise (fewer frames in the ring than ranks), or a
         scored prompt's (its reply is every position's, so it cannot ride in a step)."""
-        if any(o.kind == "chunk" or o.chunk for o in self.outstanding) or not self._prefill_may_go():
+        if any(o.kind == FrameKind.CHUNK or o.chunk for o in self.outstanding) or not self._prefill_may_go():
             return
         if not self.mix or self.admission.next_scored or len(self.outstanding) < self.depth:
             self._send_prefill()
@@ -152,7 +150,7 @@ class Batcher:
         if batch is None:
             return False
         if batch.width:  # a chunk went (a batch of one-token prompts has none)
-            self._expect(Outstanding("chunk", list(batch.members), batch.slot))
+            self.expect(Outstanding(FrameKind.CHUNK, list(batch.members), batch.slot))
         if batch.done:
             self._prefilled(batch)
         return True
@@ -195,7 +193,7 @@ class Batcher:
         go on decoding while prompts prefill, one chunk per step at most."""
         ahead = tokens is not None  # the lookahead (_receive): the previous step's tokens not accepted yet
         if tokens is None:
-            if send_verify(self, group):
+            if self.verifier.send(group):
                 return
             tokens = mx.array([s.next_token for s in group.members], dtype=mx.uint32)
         first = any(s.awaiting_first for s in group.members)
@@ -211,19 +209,19 @@ class Batcher:
             batch = self.admission.send_next(carry)
         if not carried:
             self.pipeline.send(tokens[:, None], Reply.LAST, group.slot,
-                               next_length=verifies_after_step(self, group) if ahead else 0)
+                               next_length=self.verifier.length_after_step(group) if ahead else 0)
         group.busy = True
-        self._expect(Outstanding("step", list(group.members), group.slot, group, first=first, chunk=carried,
+        self.expect(Outstanding(FrameKind.STEP, list(group.members), group.slot, group, first=first, chunk=carried,
                                  rows=tokens.shape[0]))
         if batch is not None and batch.done:
             self._prefilled(batch)
 
-    def _expect(self, frame: Outstanding) -> None:
+    def expect(self, frame: Outstanding) -> None:
         """`frame` was sent; its reply comes in order. With one rank the reply is
         already here, lazily: sample from it now and start the device on it, so the
         host builds the next frame while this one computes (as mlx-lm's generate
         overlaps its steps)."""
-        if frame.kind == "step" and (h := self.pipeline.take_local_reply()) is not None:
+        if frame.kind == FrameKind.STEP and (h := self.pipeline.take_local_reply()) is not None:
             frame.picked = self._pick(frame.sequences, h)
             try:
                 mx.async_eval(*frame.picked)
@@ -233,12 +231,12 @@ class Batcher:
         self.outstanding.append(frame)
 
     def _drop_cancelled(self) -> None:
-        self.admission.drop_cancelled(lambda seq: self._finish(seq, "cancelled"))
+        self.admission.drop_cancelled(lambda seq: self.finish(seq, "cancelled"))
         for batch in list(self.ready):
             keep = [i for i, s in enumerate(batch.members) if not s.handle.cancelled]
             if len(keep) < len(batch.members):
                 for i in sorted(set(range(len(batch.members))) - set(keep)):
-                    self._finish(batch.members[i], "cancelled", batch.slot, i)
+                    self.finish(batch.members[i], "cancelled", batch.slot, i)
                 self.pipeline.filter(batch.slot, keep)
                 batch.members = [batch.members[i] for i in keep]
                 if not keep:
@@ -248,17 +246,17 @@ class Batcher:
 
     def _receive(self, lookahead: bool = True) -> None:
         frame = self.outstanding.popleft()
-        if frame.kind == "verify":
-            return receive_verify(self, frame, more=lookahead)
+        if frame.kind == FrameKind.VERIFY:
+            return self.verifier.receive(frame, more=lookahead)
         # A step's reply taken ahead: the next step is built on it before it comes (Pipeline.recv_ahead).
-        ahead = self.pipeline.recv_ahead(frame.rows) if frame.kind == "step" and not frame.picked else None
+        ahead = self.pipeline.recv_ahead(frame.rows) if frame.kind == FrameKind.STEP and not frame.picked else None
         if ahead is not None:
             frame.picked = self._pick(frame.sequences, ahead.payload)
         elif frame.picked is None:
             header, h = self.pipeline.recv()
             if header.op == Op.NO_MEMORY:  # a rank could not run it (memory_guard.py)
-                return fail_frame(self, frame, h)
-            if frame.kind == "chunk":
+                return self.fail_frame(frame, h)
+            if frame.kind == FrameKind.CHUNK:
                 if h is not None:  # every position (Reply.ALL): a prompt being scored
                     frame.sequences[0].logits.prompt.add(self.pipeline.stage.head, h)
                 return
@@ -266,7 +264,7 @@ class Batcher:
         tokens, chosen, top = frame.picked
         # The rows in the slot now, in order: those not finished, as with lookahead a step is sent before
         # the previous one's tokens are looked at, so rows that finished there were in this step too (and
-        # were filtered out of the caches since; so are rows a NO_MEMORY reply ended: memory_failure.py).
+        # were filtered out of the caches since; so are rows a NO_MEMORY reply ended: fail_frame).
         in_slot = [(i, s) for i, s in enumerate(frame.sequences) if not s.finished]
         # Rows whose first token this is (their last prompt token was this step's input).
         fresh = {id(s) for _, s in in_slot if s.awaiting_first}
@@ -274,7 +272,7 @@ class Batcher:
         if (lookahead and not self.ready and not fresh
                 and not all(s.ends_at_next_token for _, s in in_slot)
                 and not any(s.logits.processors or (s.logits.constraint and local) for _, s in in_slot)
-                and not speculates(self, group)):
+                and not self.verifier.speculates(group)):
             # Lookahead (as mlx-lm's generate): the group's next step goes now, on the
             # tokens just sampled, still on the device; they are looked at while it runs.
             # A row that finishes here costs one wasted row-step. Not when every row
@@ -289,9 +287,9 @@ class Batcher:
             self._send_step(group, tokens if len(rows) == len(frame.sequences) else tokens[mx.array(rows)])
         else:
             group = None
-        if ahead is not None and reply_failed(self, frame, ahead, sent_next=group is not None):
+        if ahead is not None and self._reply_failed(frame, ahead, sent_next=group is not None):
             return
-        if not evaluated(self, frame, (tokens, chosen, *(top or ())), sent_next=group is not None):
+        if not self._evaluated(frame, (tokens, chosen, *(top or ())), sent_next=group is not None):
             return
         tops = top_logprobs(frame.sequences, top)
         tokens, chosen = tokens.tolist(), chosen.tolist()
@@ -301,7 +299,7 @@ class Batcher:
             if reason is None:
                 keep.append(row)
             else:
-                self._finish(seq, reason, frame.slot, row)
+                self.finish(seq, reason, frame.slot, row)
         if len(keep) < len(in_slot):
             self.pipeline.filter(frame.slot, keep)
         kept = [in_slot[row][1] for row in keep]
@@ -324,9 +322,82 @@ class Batcher:
         chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
         return tokens, chosen, top_candidates(sequences, logprobs)
 
-    def _finish(self, seq: Sequence, reason: str, slot: Optional[int] = None, row: int = 0) -> None:
+    def finish(self, seq: Sequence, reason: str, slot: Optional[int] = None, row: int = 0) -> None:
         """End `seq`; `slot` and `row`: where its caches still are (None: nowhere whole)."""
         if slot is not None:
             self.prefix.snapshot(seq, slot, row)
         seq.finish(reason)
         self.sequences -= 1
+
+    # -- a frame that failed ---------------------------------------------------
+    # A frame that comes back NO_MEMORY (memory_guard.py: a rank could not allocate for it, or it
+    # raised there), or whose reply rank 0 cannot evaluate, fails: ranks before the one that failed
+    # ran it and ranks after did not, so its rows' caches no longer agree. Each of its sequences
+    # ends with an error naming the cause, and its rows leave wherever they are now (a decode
+    # group, a prefilled batch waiting to join one, the batch being sent) through the ordinary
+    # cache ops, as a cancellation's would, so every rank drops them. The ring and every other
+    # sequence go on.
+
+    def fail_frame(self, frame: Outstanding, payload: mx.array) -> None:
+        """`frame` came back NO_MEMORY with `payload` (or failed here: failed_here)."""
+        message = describe(payload)
+        doomed = [s for s in frame.sequences + list(frame.chunk) if not s.finished]
+        ids = {id(s) for s in doomed}
+        for group in self.groups:
+            group.members = self._without(group.slot, group.members, ids)
+        for batch in list(self.ready):
+            batch.members = self._without(batch.slot, batch.members, ids)
+            if not batch.members:
+                self.ready.remove(batch)
+        current = self.admission.current
+        if current is not None and any(id(s) in ids for s in current.members):
+            self.pipeline.release(current.slot)  # after its chunks still in the ring; a chunk covers every row
+            self.admission.current = None
+        if frame.group is not None:
+            frame.group.busy = False  # this was its step in the ring
+        for seq in doomed:
+            seq.finish("error", error=message)
+            self.sequences -= 1
+
+    def failed_here(self, frame: Outstanding, e: Exception, sent_next: bool = False) -> None:
+        """Rank 0's evaluation of `frame`'s reply raised `e`: the frame fails where MLX could not
+        allocate (Apple GPUs and CUDA raise; this CPU's allocator cannot); anything else is raised
+        again. The step built on it meanwhile (`sent_next`) keeps its group busy until its reply
+        is read and dropped."""
+        if not allocation_failed(e):
+            raise e
+        self.fail_frame(frame, self.pipeline.guard.own_failure())
+        if sent_next:
+            frame.group.busy = True
+
+    def _reply_failed(self, frame: Outstanding, ahead, sent_next: bool) -> bool:
+        """Check a step's reply received ahead (Pipeline.recv_ahead) once it has come: whether it
+        is NO_MEMORY in place of hidden states (the frame then fails). The step built on it
+        meanwhile (`sent_next`) is in the ring: its rows have finished by then, so its reply is
+        read and dropped, and the group stays busy until it comes."""
+        header = self.pipeline.reply_header(ahead)
+        if header.op != Op.NO_MEMORY:
+            assert header.op == Op.FORWARD and header.payload_shape() == ahead.payload.shape, header
+            return False
+        self.fail_frame(frame, ahead.payload_as(header))
+        if sent_next:
+            frame.group.busy = True
+        return True
+
+    def _evaluated(self, frame: Outstanding, arrays, sent_next: bool = False) -> bool:
+        """Evaluate rank 0's part of `frame`'s reply (the head and the sampler; with one rank the
+        whole frame); whether it was (failed_here otherwise)."""
+        try:
+            with self.pipeline.stats.computing():  # rank 0 waits for its own computation (RankStats)
+                mx.eval(*arrays)
+            return True
+        except Exception as e:
+            self.failed_here(frame, e, sent_next)
+            return False
+
+    def _without(self, slot: int, members: List[Sequence], ids: set) -> List[Sequence]:
+        """`members` of `slot` but those in `ids`, whose rows leave its caches on every rank."""
+        keep = [i for i, s in enumerate(members) if id(s) not in ids]
+        if len(keep) < len(members):
+            self.pipeline.filter(slot, keep)  # none kept: the slot is dropped
+        return [members[i] for i in keep]

@@ -1,9 +1,16 @@
 """What rank 0's Batcher has in the ring: decode groups and the frames whose replies it waits for."""
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import List, Optional
 
 from .sequence import Sequence
+
+
+class FrameKind(Enum):
+    CHUNK = "chunk"  # prompt rows but their last tokens (prefill)
+    STEP = "step"  # a decode step (it may carry a prefill chunk: Outstanding.chunk)
+    VERIFY = "verify"  # a verification frame (verification.py)
 
 
 @dataclass
@@ -17,7 +24,7 @@ class Group:
 class Outstanding:
     """A frame in the ring whose reply rank 0 waits for."""
 
-    kind: str  # "chunk" (prompt rows but their last tokens), "step" (a decode step), "verify" (verification.py)
+    kind: FrameKind
     sequences: List[Sequence]  # the frame's rows, in order
     slot: int
     group: Optional[Group] = None

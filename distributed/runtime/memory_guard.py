@@ -9,15 +9,15 @@ So every rank checks each FORWARD frame before it builds it: what the frame's ev
 allocates (frame_bytes: attention scores, the layers' other activations, KV cache
 growth) beside the bytes in use now must fit the limit. A frame that does not fit is not
 run: the rank passes a NO_MEMORY frame on in its place, which reaches rank 0 as that
-frame's reply, and rank 0 ends the frame's requests (memory_failure.py). Nothing ran, so
+frame's reply, and rank 0 ends the frame's requests (Batcher.fail_frame). Nothing ran, so
 this rank's caches stay whole; it frees its buffer cache and treats the frame's slots as
 doomed: frames on them already in the ring are not run either (a prefill chunk riding in
 a decode step is dropped from it, the step runs) until rank 0's cache ops drop those
 slots. An allocation MLX itself refuses (a RuntimeError out of an evaluation) takes the
 same path. Rank 0 checks its own frames alike; with one rank the NO_MEMORY frame is the
 frame's reply at once (Pipeline._refuse). An allocation MLX refuses in rank 0's own
-evaluation fails the frame it was evaluating (Pipeline._sent, memory_failure.evaluated),
-or, outside any one frame, the requests running (memory_failure.fail_everything). Rank 0
+evaluation fails the frame it was evaluating (Pipeline._sent, Batcher.failed_here),
+or, outside any one frame, the requests running (Scheduler._recover). Rank 0
 admits a prompt only where its caches and frames fit (memory_admission.py); this check
 holds where that estimate falls short. Without --memory-limit nothing is checked.
 """
@@ -139,7 +139,7 @@ class MemoryGuard:
 
     def own_failure(self) -> mx.array:
         """Rank 0 could not evaluate its own part of a reply (the head, the sampler): the
-        frame fails (memory_failure.py); the buffer cache is freed. Its NO_MEMORY payload."""
+        frame fails (Batcher.failed_here); the buffer cache is freed. Its NO_MEMORY payload."""
         self.refused += 1
         mx.clear_cache()
         return self.mlx_figures()

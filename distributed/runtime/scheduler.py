@@ -16,8 +16,7 @@ from .batching import Batcher
 from .grammar import Grammars
 from .memory_admission import MemoryAdmission
 from .prefill_chunks import ChunkBudget
-from .memory_failure import fail_everything
-from .memory_guard import allocation_failed
+from .memory_guard import allocation_failed, describe
 from .prefill import PREFILL_STEP_SIZE
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
@@ -218,12 +217,12 @@ class Scheduler:
         """A step raised `error` that no one request was found to cause (a row's own failures
         end that row alone: Batcher._accept): every admitted request ends with an error, every
         rank drops its caches, and the ring serves on (Batcher.reset). Where MLX could not
-        allocate on rank 0, the error names memory (memory_failure.py). Only if the reset
+        allocate on rank 0, the error names memory (memory_guard.py). Only if the reset
         fails too is the ring broken: then nothing is served half-alive, the loop ends and
         the process exits non-zero (a launcher's --restart starts it again)."""
         try:
             if allocation_failed(error):
-                return fail_everything(self.batcher, error)
+                return self.batcher.reset(describe(self.pipeline.guard.own_failure()) + f" ({error})")
             log.error("a step failed; resetting the ring", exc_info=error)
             self.batcher.reset(f"{RING_RESET} ({type(error).__name__})")
         except Exception as e:

@@ -21,7 +21,7 @@ from mlx_lm.sample_utils import apply_top_p
 
 from .logits import SequenceLogits
 from .request import REQUEST_FAILED, FinishEvent, TokenEvent
-from .speculation import PassClock
+from .speculation import SpeculationState
 
 
 @mx.compile
@@ -125,16 +125,7 @@ class Sequence:
         self.error: Optional[str] = None  # what failed in this sequence's own work (accept): it alone ends
         self.started = time.perf_counter()
         self.first_at: Optional[float] = None
-        # Speculative decoding's back-off (speculation.back_off): tokens to decode without
-        # drafts, and the passes in a row whose drafts missed.
-        self.draft_pause = 0
-        self.draft_misses = 0
-        self.draft_empty = 0  # proposals in a row that found nothing to draft
-        self.draft_k = 0  # drafts its next pass may carry (speculation.adapt; 0: not yet set)
-        self.pass_clock = PassClock()  # what its passes and plain steps cost (speculation.back_off)
-        self.in_flight: list = []  # its verification frames in the ring, oldest first (verification.py)
-        self.all_held = False  # its last pass's drafts all held: frames may be drafted ahead
-        self.ahead_odds = 0.5  # that a frame drafted ahead holds (verification.py)
+        self.spec = SpeculationState()  # speculative decoding's (speculation.py)
 
     def _resume(self, tokens: List[int]) -> None:
         """Bring the streaming state to where the original run was after `tokens`:
@@ -190,9 +181,9 @@ class Sequence:
     def _accept(self, token: int, logprob: float, top=None) -> Optional[str]:
         now = time.perf_counter()
         self.first_at = self.first_at or now
-        self.pass_clock.token(now)
+        self.spec.clock.token(now)
         self.sampled.append(token)
-        self.draft_pause = max(0, self.draft_pause - 1)
+        self.spec.pause = max(0, self.spec.pause - 1)
         if self.handle.cancelled:
             return "cancelled"
         if self.logits.prompt is not None:  # the prompt's logprobs go first

@@ -15,7 +15,7 @@ heuristic schedule): two more after a pass whose drafts all held, one fewer othe
 between 1 and --num-draft-tokens.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
@@ -103,7 +103,7 @@ class PromptLookupDrafter:
 
 MAX_PAUSE = 32  # tokens
 PROBE = 4  # plain tokens timed after a sequence's first pass, to compare the two
-COSTLY_PAUSE = 16  # plain tokens after a pass that cost more per token than plain steps (doubling, see back_off)
+COSTLY_PAUSE = 16  # plain tokens after a pass that cost more per token than plain steps (doubling: back_off)
 MAX_COSTLY_PAUSE = 256
 DECAY = 0.5  # PassClock: the weight of the sums so far at each new observation
 
@@ -157,42 +157,55 @@ class PassClock:
         return self.spec is not None and self.plain is not None and self.spec > self.plain
 
 
-def back_off(seq, accepted: Optional[int]) -> None:
-    """After a pass (`accepted` drafts) or a step that found nothing to propose (None): a
-    sequence whose drafts all missed decodes its next 2, 4, ... 32 tokens plainly (with the
-    lookahead that a verification frame forgoes), so text that does not repeat costs little;
-    a hit resets that. Nothing to propose skips 1, 2, 4, ... 32 tokens, one more doubling for
-    each proposal in a row that found nothing (a step that may verify drafts forgoes the
-    lookahead, so text where lookup never matches would pay that on every other token: on an
-    H200 ring of two, 48.6 against 55.6 tok/s with one token skipped each time). By measured
-    cost (PassClock): after its first pass a sequence decodes PROBE tokens plainly to time
-    them, and while its passes cost more per token than plain steps it decodes COSTLY_PAUSE
-    tokens plainly between passes, twice as many after each such pass in a row, up to
-    MAX_COSTLY_PAUSE (each pass after a pause measures again; one that pays resets it): a
-    drafter that never pays costs a few passes, not one every 16 tokens (with the bundled
-    draft on held-out text that was 13 passes in 200 tokens, 18-26% slower at P = 3 and 4)."""
-    if accepted is None:
-        seq.draft_empty += 1
-        seq.draft_pause = min(2 ** (seq.draft_empty - 1), MAX_PAUSE)
-    elif accepted:
-        seq.draft_misses = 0
-    else:
-        seq.draft_misses += 1
-        seq.draft_pause = min(2 ** seq.draft_misses, MAX_PAUSE)
-    if accepted is not None and seq.pass_clock.measured:
-        clock = seq.pass_clock
-        if clock.plain is None:
-            seq.draft_pause = max(seq.draft_pause, PROBE)
-        elif clock.costs_more:
-            clock.costly += 1
-            seq.draft_pause = max(seq.draft_pause, min(COSTLY_PAUSE * 2 ** (clock.costly - 1), MAX_COSTLY_PAUSE))
+@dataclass
+class SpeculationState:
+    """One sequence's speculation: its back-off, its draft count, what its passes cost, and its
+    verification frames in the ring (verification.py)."""
+
+    pause: int = 0  # tokens to decode without drafts (back_off)
+    misses: int = 0  # passes in a row whose drafts all missed
+    empty: int = 0  # proposals in a row that found nothing to draft
+    k: int = 0  # drafts its next pass may carry (adapt; 0: not yet set)
+    clock: PassClock = field(default_factory=PassClock)  # what its passes and plain steps cost
+    in_flight: list = field(default_factory=list)  # its verification frames in the ring, oldest first
+    all_held: bool = False  # its last pass's drafts all held: frames may be drafted ahead
+    ahead_odds: float = 0.5  # that a frame drafted ahead holds (verification.py)
+
+    def back_off(self, accepted: Optional[int]) -> None:
+        """After a pass (`accepted` drafts) or a step that found nothing to propose (None): a
+        sequence whose drafts all missed decodes its next 2, 4, ... 32 tokens plainly (with the
+        lookahead that a verification frame forgoes), so text that does not repeat costs little;
+        a hit resets that. Nothing to propose skips 1, 2, 4, ... 32 tokens, one more doubling for
+        each proposal in a row that found nothing (a step that may verify drafts forgoes the
+        lookahead, so text where lookup never matches would pay that on every other token: on an
+        H200 ring of two, 48.6 against 55.6 tok/s with one token skipped each time). By measured
+        cost (PassClock): after its first pass a sequence decodes PROBE tokens plainly to time
+        them, and while its passes cost more per token than plain steps it decodes COSTLY_PAUSE
+        tokens plainly between passes, twice as many after each such pass in a row, up to
+        MAX_COSTLY_PAUSE (each pass after a pause measures again; one that pays resets it): a
+        drafter that never pays costs a few passes, not one every 16 tokens (with the bundled
+        draft on held-out text that was 13 passes in 200 tokens, 18-26% slower at P = 3 and 4)."""
+        if accepted is None:
+            self.empty += 1
+            self.pause = min(2 ** (self.empty - 1), MAX_PAUSE)
+        elif accepted:
+            self.misses = 0
         else:
-            clock.costly = 0
+            self.misses += 1
+            self.pause = min(2 ** self.misses, MAX_PAUSE)
+        clock = self.clock
+        if accepted is not None and clock.measured:
+            if clock.plain is None:
+                self.pause = max(self.pause, PROBE)
+            elif clock.costs_more:
+                clock.costly += 1
+                self.pause = max(self.pause, min(COSTLY_PAUSE * 2 ** (clock.costly - 1), MAX_COSTLY_PAUSE))
+            else:
+                clock.costly = 0
 
-
-def adapt(seq, drafted: int, accepted: int, most: int) -> None:
-    """The sequence's next pass drafts two more after all `drafted` held, one fewer otherwise."""
-    seq.draft_k = min(most, seq.draft_k + 2) if accepted == drafted else max(1, seq.draft_k - 1)
+    def adapt(self, drafted: int, accepted: int, most: int) -> None:
+        """The next pass drafts two more after all `drafted` held, one fewer otherwise."""
+        self.k = min(most, self.k + 2) if accepted == drafted else max(1, self.k - 1)
 
 
 @dataclass
@@ -207,24 +220,24 @@ class SpeculationStats:
 
 
 def draft_count(seq, options: SpeculationOptions) -> int:
-    """How many drafts the sequence's next pass asks for (FIRST_DRAFTS before its first; then adapt())."""
-    return seq.draft_k or min(FIRST_DRAFTS, options.num_draft_tokens)
+    """How many drafts the sequence's next pass asks for (FIRST_DRAFTS before its first, then as it adapts)."""
+    return seq.spec.k or min(FIRST_DRAFTS, options.num_draft_tokens)
 
 
 def propose(drafter, options: SpeculationOptions, seq) -> List[int]:
     """The drafter's tokens for `seq`'s next pass: never more than it can still take after
     the token the pass gives anyway; nothing to propose backs off one token."""
-    seq.draft_k = draft_count(seq, options)
-    seq.pass_clock.measured = options.measured
-    k = min(seq.draft_k, seq.request.max_tokens - seq.count - 1)
+    seq.spec.k = draft_count(seq, options)
+    seq.spec.clock.measured = options.measured
+    k = min(seq.spec.k, seq.request.max_tokens - seq.count - 1)
     drafts = drafter.propose(seq, k) if k > 0 else []
     if drafts and seq.logits.constraint is not None:  # what the grammar forbids cannot be accepted
         drafts = seq.logits.constraint.valid_prefix(seq.generated, drafts)
     if k > 0 and not drafts:
-        back_off(seq, None)
+        seq.spec.back_off(None)
     if drafts:
-        seq.draft_empty = 0
-        seq.pass_clock.drafting()
+        seq.spec.empty = 0
+        seq.spec.clock.drafting()
     return drafts
 
 
@@ -232,7 +245,7 @@ def propose_ahead(drafter, options: SpeculationOptions, seq, assumed: List[int],
     """A frame to send behind those in the ring (verification.py): the token that follows
     `assumed` (what they verify, if all of it holds), then its drafts, `room` tokens at
     most; nothing to propose is no frame (no back-off: the frames in the ring decide)."""
-    k = min(seq.draft_k + 1, room)
+    k = min(seq.spec.k + 1, room)
     return drafter.propose(seq, k, assumed) if k > 0 else []
 
 
@@ -254,9 +267,9 @@ def judge(head, seq, drafts: List[int], h: mx.array, most: int = DEFAULT_DRAFT_T
         mx.eval(logprobs)
         tokens = draws(seq, logits, logprobs, drafts)
         chosen, tops = reported(seq, logprobs, tokens)
-    seq.pass_clock.judged(len(tokens))
-    back_off(seq, len(tokens) - 1)
-    adapt(seq, len(drafts), len(tokens) - 1, most)
+    seq.spec.clock.judged(len(tokens))
+    seq.spec.back_off(len(tokens) - 1)
+    seq.spec.adapt(len(drafts), len(tokens) - 1, most)
     return tokens, chosen, tops
 
 

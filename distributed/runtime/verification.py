@@ -29,153 +29,160 @@ import mlx.core as mx
 
 from ..transport import Op, Reply
 from .caches import is_batch
-from .frames import Outstanding
-from .memory_failure import fail_frame, failed_here
-from .speculation import draft_count, judge, propose, propose_ahead
+from .frames import FrameKind, Outstanding
+from .speculation import SpeculationOptions, SpeculationStats, draft_count, judge, make_drafter, propose, propose_ahead
 
 ODDS_WEIGHT = 0.25  # of each pass in a sequence's odds that a frame ahead holds
 AHEAD_ODDS = 0.8  # the odds a frame ahead must have (see above)
 
 
-def speculates(batcher, group) -> bool:
-    """Whether `group`'s next step may verify drafts: one row (plain caches, which trim),
-    past its first token, speculation on for the server and the request, not backing off."""
-    seq = group.members[0] if batcher.drafter is not None and len(group.members) == 1 else None
-    return bool(seq and seq.request.speculative and not seq.awaiting_first and not seq.draft_pause
-                and not is_batch(batcher.pipeline.caches.get(group.slot)))
+class Verifier:
+    """The batcher's verification frames. It reaches the batcher only through `batch`'s public
+    methods: expect(frame) (a frame was sent), finish(seq, reason, slot, row), fail_frame(frame,
+    payload) and failed_here(frame, error)."""
 
+    def __init__(self, pipeline, options: SpeculationOptions, batch):
+        self.pipeline, self.options, self.batch = pipeline, options, batch
+        # Drafts for one-row groups (anything with propose(seq, k, after): speculation.py); None: no speculation.
+        self.drafter = make_drafter(options, sequences=pipeline.num_ranks)
+        self.stats = SpeculationStats()
 
-def send_verify(batcher, group) -> bool:
-    """Draft for `group`'s next step and send its verification frame, then frames ahead of
-    it where they may go; False: nothing to propose (decode one token as usual)."""
-    if not speculates(batcher, group):
-        return False
-    seq = group.members[0]
-    drafts = propose(batcher.drafter, batcher.speculation, seq)
-    if not drafts:
-        return False
-    _send(batcher, group, seq.next_token, drafts)
-    extend(batcher, group)
-    return True
+    def speculates(self, group) -> bool:
+        """Whether `group`'s next step may verify drafts: one row (plain caches, which trim),
+        past its first token, speculation on for the server and the request, not backing off."""
+        seq = group.members[0] if self.drafter is not None and len(group.members) == 1 else None
+        return bool(seq and seq.request.speculative and not seq.awaiting_first and not seq.spec.pause
+                    and not is_batch(self.pipeline.caches.get(group.slot)))
 
+    def send(self, group) -> bool:
+        """Draft for `group`'s next step and send its verification frame, then frames ahead of
+        it where they may go; False: nothing to propose (decode one token as usual)."""
+        if not self.speculates(group):
+            return False
+        seq = group.members[0]
+        drafts = propose(self.drafter, self.options, seq)
+        if not drafts:
+            return False
+        self._send_frame(group, seq.next_token, drafts)
+        self._extend(group)
+        return True
 
-def extend(batcher, group) -> None:
-    """Send frames ahead of `group`'s frames in the ring, up to one per rank (see above)."""
-    seq = group.members[0]
-    while _may_go_ahead(batcher, seq):
-        # What the frames in the ring verify, if all of it holds: the oldest one's drafts,
-        # then each later one's inputs (its guessed first token, its drafts).
-        assumed = seq.in_flight[0].drafts + [t for f in seq.in_flight[1:] for t in f.inputs]
-        room = seq.request.max_tokens - seq.count - _fed(seq)  # tokens the next frame may still give
-        proposal = propose_ahead(batcher.drafter, batcher.speculation, seq, assumed, room)
-        if len(proposal) < 2:  # a guess and a draft at least: a one-token update rotates a window in place,
-            return  # where caches.keeping cannot keep what a rejection takes back
-        _send(batcher, group, proposal[0], proposal[1:])
+    def _extend(self, group) -> None:
+        """Send frames ahead of `group`'s frames in the ring, up to one per rank (see above)."""
+        seq = group.members[0]
+        while self._may_go_ahead(seq):
+            # What the frames in the ring verify, if all of it holds: the oldest one's drafts,
+            # then each later one's inputs (its guessed first token, its drafts).
+            assumed = seq.spec.in_flight[0].drafts + [t for f in seq.spec.in_flight[1:] for t in f.inputs]
+            room = seq.request.max_tokens - seq.count - _fed(seq)  # tokens the next frame may still give
+            proposal = propose_ahead(self.drafter, self.options, seq, assumed, room)
+            if len(proposal) < 2:  # a guess and a draft at least: a one-token update rotates a window in place,
+                return  # where caches.keeping cannot keep what a rejection takes back
+            self._send_frame(group, proposal[0], proposal[1:])
 
+    def _may_go_ahead(self, seq) -> bool:
+        """Whether another frame of `seq` may go behind those in the ring (see above)."""
+        spec = seq.spec
+        return (self.options.ahead and len(spec.in_flight) < self.pipeline.num_ranks and spec.all_held
+                and spec.ahead_odds ** len(spec.in_flight) >= AHEAD_ODDS and seq.greedy and not seq.logits.shapes
+                and seq.logits.constraint is None and not spec.pause)
 
-def _may_go_ahead(batcher, seq) -> bool:
-    """Whether another frame of `seq` may go behind those in the ring (see above)."""
-    return (batcher.speculation.ahead and len(seq.in_flight) < batcher.pipeline.num_ranks and seq.all_held
-            and seq.ahead_odds ** len(seq.in_flight) >= AHEAD_ODDS and seq.greedy and not seq.logits.shapes
-            and seq.logits.constraint is None and not seq.draft_pause)
+    def _send_frame(self, group, first: int, drafts: List[int]) -> None:
+        """One frame: `first` (the last token, or a guessed one) and its drafts."""
+        seq = group.members[0]
+        keep = _fed(seq)  # positions a rejection may still take back
+        self.pipeline.send(mx.array([[first, *drafts]], dtype=mx.uint32), Reply.ALL, group.slot, keep)
+        group.busy = True
+        frame = Outstanding(FrameKind.VERIFY, [seq], group.slot, group, drafts=drafts, inputs=[first, *drafts])
+        seq.spec.in_flight.append(frame)
+        self.batch.expect(frame)
+
+    def receive(self, frame, more: bool = True) -> None:
+        """Stream the target's draws up to the first that differs from its draft (that one
+        included: it is the step's own token), then drop the rejected drafts' positions (and
+        those of the frames ahead, where their assumptions failed) from every rank's caches:
+        they hold the row's history up to its last token fed. `more`: frames ahead may be sent."""
+        header, h = self.pipeline.recv()
+        if frame.cancelled:  # drafted ahead on drafts that did not hold: its positions are gone
+            return
+        seq, drafts, stats = frame.sequences[0], frame.drafts, self.stats
+        seq.spec.in_flight.pop(0)
+        if header.op == Op.NO_MEMORY:  # a rank could not run it (memory_guard.py)
+            _cancel_ahead(seq, stats)
+            return self.batch.fail_frame(frame, h)
+        try:
+            with self.pipeline.stats.computing():
+                tokens, chosen, tops = judge(self.pipeline.stage.head, seq, drafts, h, self.options.num_draft_tokens)
+        except Exception as e:  # MLX could not allocate it
+            _cancel_ahead(seq, stats)
+            return self.batch.failed_here(frame, e)
+        stats.passes += 1
+        stats.drafted += len(drafts)
+        stats.accepted += len(tokens) - 1
+        seq.spec.all_held = len(tokens) == len(drafts) + 1
+        reason, last = None, 0
+        for last, token in enumerate(tokens):
+            reason = seq.accept(token, chosen[last], tops[last])
+            if reason is not None:
+                break
+        self._judged(frame, seq, tokens, last, reason, more)
+
+    def _judged(self, frame, seq, tokens: List[int], last: int, reason, more: bool) -> None:
+        """After a pass's tokens are accepted up to `last`: trim what was rejected, finish the
+        sequence if `reason`, and send frames ahead where those in the ring held."""
+        spec = seq.spec
+        held = reason is None and spec.all_held and spec.in_flight and spec.in_flight[0].inputs[0] == tokens[-1]
+        outcome = bool(held) if spec.in_flight else spec.all_held  # what became of a frame ahead, or would have
+        spec.ahead_odds += ODDS_WEIGHT * (outcome - spec.ahead_odds)
+        # Kept: positions 0..last, the inputs before the last token accepted, which the next
+        # step feeds (a finished row's caches hold its tokens but the last, as the prefix cache
+        # expects); and the frames ahead where their assumptions held.
+        dropped = len(frame.drafts) - last + (0 if held else _cancel_ahead(seq, self.stats))
+        self.pipeline.trim(frame.slot, dropped, self._next_length(seq) if reason is None and not held else 0)
+        if reason is not None:
+            self.batch.finish(seq, reason, frame.slot, 0)
+            self.pipeline.filter(frame.slot, [])
+            frame.group.members = []
+        if held:
+            spec.clock.drafting()  # the next frame's tokens cost from here on
+            if more:
+                self._extend(frame.group)
+        frame.group.busy = bool(held)
+
+    def length_after_step(self, group) -> int:
+        """A step sent ahead (batching.py's lookahead: before the token of the step before it is
+        accepted): the positions of the verification frame expected to follow it, for the other
+        ranks to build ahead (Pipeline.send), where the sequence's back-off runs out with that
+        token; 0: none expected."""
+        seq = group.members[0] if len(group.members) == 1 else None
+        return self._frame_length(seq, 2) if seq is not None and seq.spec.pause == 1 else 0
+
+    def _next_length(self, seq) -> int:
+        """The positions of the sequence's next frame as far as rank 0 can tell after judging a
+        pass, for the other ranks to build it ahead (Pipeline.trim): a step where it backs off,
+        else its next verification frame; 0: not known."""
+        return 1 if seq.spec.pause else self._frame_length(seq, 0)
+
+    def _frame_length(self, seq, later: int) -> int:
+        """K + 1 for the verification frame the sequence drafts once `later` more tokens are
+        accepted, where the drafter proposes all K it is asked for (a draft model: prompt lookup
+        may find fewer); 0: not known."""
+        if not getattr(self.drafter, "proposes_all", False) or not seq.request.speculative:
+            return 0
+        k = min(draft_count(seq, self.options), seq.request.max_tokens - seq.count - later - 1)
+        return k + 1 if k > 0 else 0
 
 
 def _fed(seq) -> int:
     """Positions `seq`'s frames in the ring feed (as many tokens as they give where all holds)."""
-    return sum(len(f.inputs) for f in seq.in_flight)
-
-
-def _send(batcher, group, first: int, drafts: List[int]) -> None:
-    """One frame: `first` (the last token, or a guessed one) and its drafts."""
-    seq = group.members[0]
-    keep = _fed(seq)  # positions a rejection may still take back
-    batcher.pipeline.send(mx.array([[first, *drafts]], dtype=mx.uint32), Reply.ALL, group.slot, keep)
-    group.busy = True
-    frame = Outstanding("verify", [seq], group.slot, group, drafts=drafts, inputs=[first, *drafts])
-    seq.in_flight.append(frame)
-    batcher._expect(frame)
-
-
-def receive_verify(batcher, frame, more: bool = True) -> None:
-    """Stream the target's draws up to the first that differs from its draft (that one
-    included: it is the step's own token), then drop the rejected drafts' positions (and
-    those of the frames ahead, where their assumptions failed) from every rank's caches:
-    they hold the row's history up to its last token fed. `more`: frames ahead may be sent."""
-    header, h = batcher.pipeline.recv()
-    if frame.cancelled:  # drafted ahead on drafts that did not hold: its positions are gone
-        return
-    seq, drafts = frame.sequences[0], frame.drafts
-    seq.in_flight.pop(0)
-    if header.op == Op.NO_MEMORY:  # a rank could not run it (memory_guard.py)
-        _cancel_ahead(seq, batcher.spec_stats)
-        return fail_frame(batcher, frame, h)
-    try:
-        with batcher.pipeline.stats.computing():
-            tokens, chosen, tops = judge(batcher.pipeline.stage.head, seq, drafts, h,
-                                         batcher.speculation.num_draft_tokens)
-    except Exception as e:  # MLX could not allocate it (memory_failure.py)
-        _cancel_ahead(seq, batcher.spec_stats)
-        return failed_here(batcher, frame, e)
-    stats = batcher.spec_stats
-    stats.passes += 1
-    stats.drafted += len(drafts)
-    stats.accepted += len(tokens) - 1
-    seq.all_held = len(tokens) == len(drafts) + 1
-    reason, last = None, 0
-    for last, token in enumerate(tokens):
-        reason = seq.accept(token, chosen[last], tops[last])
-        if reason is not None:
-            break
-    held = reason is None and seq.all_held and seq.in_flight and seq.in_flight[0].inputs[0] == tokens[-1]
-    outcome = bool(held) if seq.in_flight else seq.all_held  # what became of a frame ahead, or would have
-    seq.ahead_odds += ODDS_WEIGHT * (outcome - seq.ahead_odds)
-    # Kept: positions 0..last, the inputs before the last token accepted, which the next
-    # step feeds (a finished row's caches hold its tokens but the last, as the prefix cache
-    # expects); and the frames ahead where their assumptions held.
-    dropped = len(drafts) - last + (0 if held else _cancel_ahead(seq, stats))
-    batcher.pipeline.trim(frame.slot, dropped, _next_length(batcher, seq) if reason is None and not held else 0)
-    if reason is not None:
-        batcher._finish(seq, reason, frame.slot, 0)
-        batcher.pipeline.filter(frame.slot, [])
-        frame.group.members = []
-    if held:
-        seq.pass_clock.drafting()  # the next frame's tokens cost from here on
-        if more:
-            extend(batcher, frame.group)
-    frame.group.busy = bool(held)
-
-
-def verifies_after_step(batcher, group) -> int:
-    """A step sent ahead (batching.py's lookahead: before the token of the step before it is
-    accepted): the positions of the verification frame expected to follow it, for the other
-    ranks to build ahead (Pipeline.send), where the sequence's back-off runs out with that
-    token; 0: none expected."""
-    seq = group.members[0] if len(group.members) == 1 else None
-    return _frame_length(batcher, seq, 2) if seq is not None and seq.draft_pause == 1 else 0
-
-
-def _next_length(batcher, seq) -> int:
-    """The positions of the sequence's next frame as far as rank 0 can tell after judging a
-    pass, for the other ranks to build it ahead (Pipeline.trim): a step where it backs off,
-    else its next verification frame; 0: not known."""
-    return 1 if seq.draft_pause else _frame_length(batcher, seq, 0)
-
-
-def _frame_length(batcher, seq, later: int) -> int:
-    """K + 1 for the verification frame the sequence drafts once `later` more tokens are
-    accepted, where the drafter proposes all K it is asked for (a draft model: prompt lookup
-    may find fewer); 0: not known."""
-    if not getattr(batcher.drafter, "proposes_all", False) or not seq.request.speculative:
-        return 0
-    k = min(draft_count(seq, batcher.speculation), seq.request.max_tokens - seq.count - later - 1)
-    return k + 1 if k > 0 else 0
+    return sum(len(f.inputs) for f in seq.spec.in_flight)
 
 
 def _cancel_ahead(seq, stats) -> int:
     """Cancel the sequence's frames still in the ring; the positions they fed."""
     fed = _fed(seq)
-    stats.cancelled += len(seq.in_flight)
-    for f in seq.in_flight:
+    stats.cancelled += len(seq.spec.in_flight)
+    for f in seq.spec.in_flight:
         f.cancelled = True
-    seq.in_flight = []
+    seq.spec.in_flight = []
     return fed

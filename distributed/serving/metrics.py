@@ -76,7 +76,8 @@ def speculation_of(scheduler):
     """The batcher's speculation counters (runtime/speculation.py), or None: not speculating,
     or no batcher here (the router)."""
     batcher = getattr(scheduler, "batcher", None)
-    return batcher.spec_stats if batcher is not None and batcher.drafter is not None else None
+    verifier = batcher.verifier if batcher is not None else None
+    return verifier.stats if verifier is not None and verifier.drafter is not None else None
 
 
 def _counter(name: str, doc: str, value: Optional[float] = None, labels=None) -> CounterMetricFamily:

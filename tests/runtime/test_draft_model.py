@@ -58,7 +58,7 @@ def test_the_targets_own_layers_draft_its_every_token_far_past_the_window(pipeli
     [tokens], batcher = run(pipeline, hf_checkpoint, draft_of(hf_checkpoint, tmp_path, 8), max_tokens=LONG)
     assert [e.token_id for e in tokens] == reference[0]
     assert max(abs(e.logprob - r) for e, r in zip(tokens, reference[1])) < 1e-4
-    stats = batcher.spec_stats
+    stats = batcher.verifier.stats
     # Every draft held: the draft's caches were brought to each new history exactly.
     assert stats.accepted == stats.drafted > LONG // 2 and stats.passes < LONG // 3, stats
 
@@ -69,7 +69,7 @@ def test_a_draft_of_the_first_layers_is_rejected_and_changes_nothing(pipeline, h
     plain, _ = run(pipeline, hf_checkpoint, None, max_tokens=LONG, repetition_penalty=1.2, top_logprobs=2)
     assert [e.token_id for e in tokens] == [e.token_id for e in plain[0]]
     assert [e.top_logprobs[0][0] for e in tokens] == [e.top_logprobs[0][0] for e in plain[0]]
-    stats = batcher.spec_stats
+    stats = batcher.verifier.stats
     assert 0 < stats.accepted < stats.drafted, stats
 
 
@@ -124,7 +124,7 @@ def test_two_sequences_drafted_with_room_for_one_keep_their_own_histories(pipeli
     other = [(5 * i + 1) % 250 + 1 for i in range(30)]
     scheduler = Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=16, max_batch=2,
                           speculation=SpeculationOptions(draft=draft_of(hf_checkpoint, tmp_path, 8), measured=False))
-    drafter = scheduler.batcher.drafter
+    drafter = scheduler.batcher.verifier.drafter
     assert isinstance(drafter, ModelDrafter) and drafter.capacity == 2  # one per rank (group)
     drafter.capacity = 1  # each pass then evicts the other sequence's draft caches
     handles = [scheduler.submit(GenerationRequest(list(p), max_tokens=60)) for p in (PROMPT, other)]
@@ -147,7 +147,7 @@ def test_the_bundled_draft_predicts_the_embedded_model_on_held_out_text():
     plain, _ = run(pipeline, path, None, [prompt], max_tokens=150)
     [tokens], batcher = run(pipeline, path, draft, [prompt], max_tokens=150)
     assert [e.token_id for e in tokens] == [e.token_id for e in plain[0]]
-    stats = batcher.spec_stats
+    stats = batcher.verifier.stats
     # Real acceptance on real text (a draft that knew nothing of the model would match
     # about one token in 2,048): this draft proposes the model's own next token 38% of the
     # time over the first 12 held-out paragraphs, 12 of 45 drafts here.

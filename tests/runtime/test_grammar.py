@@ -33,7 +33,7 @@ def pipeline(hf_checkpoint):
 def run(pipeline, path, requests, speculation=None, drafter=None):
     scheduler = Scheduler(pipeline, load_tokenizer(path), prefill_step_size=16, speculation=speculation)
     if drafter is not None:
-        scheduler.batcher.drafter = drafter
+        scheduler.batcher.verifier.drafter = drafter
     handles = [scheduler.submit(r) for r in requests]
     scheduler.run_pending()
     assert scheduler.failure is None, scheduler.failure
@@ -97,7 +97,7 @@ def test_speculation_checks_drafts_against_the_grammar(pipeline, hf_checkpoint):
     [(tokens, finish)], scheduler = run(pipeline, hf_checkpoint, [GenerationRequest(list(PROMPT), max_tokens=80,
                                                                                     grammar=grammar)], spec, drafter)
     assert tokens == reference and finish.finish_reason == "stop"
-    stats = scheduler.batcher.spec_stats
+    stats = scheduler.batcher.verifier.stats
     assert stats.passes > 0 and 0 < stats.accepted < stats.drafted
 
 

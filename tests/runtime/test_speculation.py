@@ -17,8 +17,8 @@ from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
 from types import SimpleNamespace
 
-from distributed.runtime.speculation import (COSTLY_PAUSE, MAX_COSTLY_PAUSE, PROBE, PassClock, PromptLookupDrafter,
-                                             SpeculationOptions, back_off, prompt_lookup, propose)
+from distributed.runtime.speculation import (COSTLY_PAUSE, MAX_COSTLY_PAUSE, PROBE, PromptLookupDrafter,
+                                             SpeculationOptions, SpeculationState, prompt_lookup, propose)
 from distributed.shard.tiny_checkpoint import DEFAULT_MODEL
 from reference import PROMPT, mlx_lm_greedy
 from stages import in_process_pipeline
@@ -93,12 +93,12 @@ def run(pipeline, path, drafter=None, k=4, **fields):
     scheduler = Scheduler(pipeline, load_tokenizer(path), prefill_step_size=16,
                           speculation=SpeculationOptions(prompt_lookup=True, num_draft_tokens=k, measured=False))
     if drafter is not None:
-        scheduler.batcher.drafter = drafter
+        scheduler.batcher.verifier.drafter = drafter
     handle = scheduler.submit(GenerationRequest(list(PROMPT), **fields))
     scheduler.run_pending()
     assert scheduler.failure is None, scheduler.failure
     events = list(handle.events())
-    return [e for e in events if isinstance(e, TokenEvent)], events[-1], scheduler.batcher.spec_stats
+    return [e for e in events if isinstance(e, TokenEvent)], events[-1], scheduler.batcher.verifier.stats
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -166,22 +166,22 @@ def test_measured_cost_pauses_passes_while_they_cost_more_than_plain_steps():
     """PassClock on given times: plain tokens 10 ms apart; a pass of 3 tokens taking 50 ms
     from the token before it (16.7 ms a token) pauses drafting, each more such pass in a row
     twice as long; a fast one after them does not."""
-    seq = SimpleNamespace(pass_clock=PassClock(), draft_pause=0, draft_misses=0, draft_empty=0)
-    clock = seq.pass_clock
+    state = SpeculationState()
+    clock = state.clock
     clock.drafting()
     clock.judged(2)
     clock.token(0.0), clock.token(0.0)
-    back_off(seq, 1)
-    assert seq.draft_pause == PROBE and clock.plain is None  # no plain step timed yet: time some
+    state.back_off(1)
+    assert state.pause == PROBE and clock.plain is None  # no plain step timed yet: time some
     for t in (0.010, 0.020, 0.030):
         clock.token(t)
     clock.drafting()
     clock.judged(3)
     for _ in range(3):
         clock.token(0.080)
-    seq.draft_pause = 0
-    back_off(seq, 2)
-    assert clock.costs_more and seq.draft_pause == COSTLY_PAUSE
+    state.pause = 0
+    state.back_off(2)
+    assert clock.costs_more and state.pause == COSTLY_PAUSE
     pauses = []
     for start in (0.2, 0.4, 0.6, 0.8, 1.0, 1.2):  # more passes that cost more: longer pauses each time
         clock.last = start
@@ -189,9 +189,9 @@ def test_measured_cost_pauses_passes_while_they_cost_more_than_plain_steps():
         clock.judged(3)
         for _ in range(3):
             clock.token(start + 0.080)
-        seq.draft_pause = 0
-        back_off(seq, 2)
-        pauses.append(seq.draft_pause)
+        state.pause = 0
+        state.back_off(2)
+        pauses.append(state.pause)
     assert pauses == [2 * COSTLY_PAUSE, 4 * COSTLY_PAUSE, 8 * COSTLY_PAUSE] + [MAX_COSTLY_PAUSE] * 3
     for _ in range(2):
         start = clock.last
@@ -199,13 +199,13 @@ def test_measured_cost_pauses_passes_while_they_cost_more_than_plain_steps():
         clock.judged(4)
         for _ in range(4):
             clock.token(start + 0.010)  # 2.5 ms a token: the rate drops below the plain steps'
-        seq.draft_pause = 0
-        back_off(seq, 3)
-    assert not clock.costs_more and seq.draft_pause == 0 and clock.costly == 0
+        state.pause = 0
+        state.back_off(3)
+    assert not clock.costs_more and state.pause == 0 and clock.costly == 0
     clock.spec_time = 1.0  # passes that cost more ...
     clock.measured = False  # ... but --speculate always: never paused for cost
-    back_off(seq, 3)
-    assert seq.draft_pause == 0
+    state.back_off(3)
+    assert state.pause == 0
 
 
 def test_proposals_that_find_nothing_pause_drafting_longer_each_time():
@@ -215,16 +215,16 @@ def test_proposals_that_find_nothing_pause_drafting_longer_each_time():
         def propose(self, seq, k, after=()):
             return []
 
-    seq = SimpleNamespace(pass_clock=PassClock(), draft_pause=0, draft_misses=0, draft_empty=0, draft_k=0, count=0,
-                          request=SimpleNamespace(max_tokens=1000), logits=SimpleNamespace(constraint=None))
+    seq = SimpleNamespace(spec=SpeculationState(), count=0, request=SimpleNamespace(max_tokens=1000),
+                          logits=SimpleNamespace(constraint=None))
     pauses = []
     for _ in range(8):
         assert propose(Nothing(), SpeculationOptions(prompt_lookup=True), seq) == []
-        pauses.append(seq.draft_pause)
+        pauses.append(seq.spec.pause)
     assert pauses == [1, 2, 4, 8, 16, 32, 32, 32]
     seq.generated, seq.request.prompt_ids = [1, 2, 3, 1, 2], [9]
     assert propose(PromptLookupDrafter(), SpeculationOptions(prompt_lookup=True), seq) == [3, 1, 2]
-    assert seq.draft_empty == 0
+    assert seq.spec.empty == 0
 
 
 def test_prompt_lookup_drafts_most_of_the_tiny_editors_rewrite(tmp_path):
@@ -246,7 +246,7 @@ def test_prompt_lookup_drafts_most_of_the_tiny_editors_rewrite(tmp_path):
         handle = scheduler.submit(GenerationRequest(tokenizer.encode(prompt), max_tokens=160))
         scheduler.run_pending()
         assert scheduler.failure is None, scheduler.failure
-        return [e.token_id for e in handle.events() if isinstance(e, TokenEvent)], scheduler.batcher.spec_stats
+        return [e.token_id for e in handle.events() if isinstance(e, TokenEvent)], scheduler.batcher.verifier.stats
 
     plain, _ = rewrite(False)
     tokens, stats = rewrite(True)

@@ -197,21 +197,21 @@ def test_speculative_false_opts_a_request_out(served):
     """The `speculative` extension where the server speculates (prompt lookup): the same
     text either way, verification frames only for the request that allows them."""
     batcher = served.scheduler.batcher
-    batcher.drafter = PromptLookupDrafter()
+    batcher.verifier.drafter = PromptLookupDrafter()
     try:
         texts, passes = [], []
         for speculative in (True, False):
-            before = batcher.spec_stats.passes
+            before = batcher.verifier.stats.passes
             out = served.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=80, temperature=0,
                                                    extra_body={"speculative": speculative})
             texts.append(out.choices[0].text)
-            passes.append(batcher.spec_stats.passes - before)
+            passes.append(batcher.verifier.stats.passes - before)
         with urllib.request.urlopen(f"http://127.0.0.1:{served.front.port}/metrics", timeout=30) as r:
             metrics = r.read().decode()
-        for name, value in batcher.spec_stats.as_dict().items():
+        for name, value in batcher.verifier.stats.as_dict().items():
             assert f"trinity_speculative_{name}_total {float(value)}" in metrics, name
     finally:
-        batcher.drafter = None
+        batcher.verifier.drafter = None
     assert texts[0] == texts[1] and passes[0] > 0 and passes[1] == 0, passes
     assert bad(served, True, {"speculative": "no"}).body["param"] == "speculative"
 

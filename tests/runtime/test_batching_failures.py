@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from distributed.runtime import batching, memory_failure
+from distributed.runtime import batching
 from distributed.runtime.memory_guard import OUT_OF_MEMORY
 from distributed.runtime.request import FinishEvent, GenerationRequest, TokenEvent
 from distributed.runtime.request import RING_RESET
@@ -103,7 +103,7 @@ def test_a_reply_rank_0_cannot_evaluate_fails_its_group_and_the_other_goes_on(hf
     """Two stages, two decode groups: one request in each. Rank 0's head and sampler over
     one group's reply cannot allocate; the other group's request gets every greedy token."""
     scheduler, handles = run(hf_checkpoint, (3, 5), [A, B])
-    monkeypatch.setattr(memory_failure, "mx", MlxWith(eval=FailsOnce(mx.eval, at=6)))
+    monkeypatch.setattr(batching, "mx", MlxWith(eval=FailsOnce(mx.eval, at=6)))
     scheduler.run_pending()
     (ta, fa), (tb, fb) = outcome(handles[0]), outcome(handles[1])
     failed, served = ((fa, ta, A), (fb, tb, B)) if fa.finish_reason == "error" else ((fb, tb, B), (fa, ta, A))
@@ -137,7 +137,7 @@ def test_any_other_error_in_a_step_resets_the_ring_and_it_serves_on(hf_checkpoin
     def broken(*args):
         raise RuntimeError("[recv] connection reset by peer")
 
-    monkeypatch.setattr(memory_failure, "mx", MlxWith(eval=broken))
+    monkeypatch.setattr(batching, "mx", MlxWith(eval=broken))
     scheduler.run_pending()
     monkeypatch.undo()
     assert scheduler.failure is None
@@ -155,7 +155,7 @@ def test_a_ring_that_cannot_be_reset_is_down_and_the_loop_ends(hf_checkpoint, mo
     def broken(*args):
         raise RuntimeError("[recv] connection reset by peer")
 
-    monkeypatch.setattr(memory_failure, "mx", MlxWith(eval=broken))
+    monkeypatch.setattr(batching, "mx", MlxWith(eval=broken))
     monkeypatch.setattr(scheduler.pipeline, "clear", broken)
     scheduler.serve_forever()  # returns: the loop ended
     assert scheduler.failure is not None and "connection reset" in scheduler.failure

@@ -62,13 +62,13 @@ class Admission:
     """Forms prefill batches from waiting sequences and sends their frames."""
 
     def __init__(self, pipeline: Pipeline, new_slot: Callable[[], int], prefill_step_size: int = PREFILL_STEP_SIZE,
-                 batch_tokens: int = 2048):
+                 batch_tokens: int = 2048, memory=None, chunk_budget=None):
         self.pipeline, self.new_slot = pipeline, new_slot
         self.prefill_step_size, self.batch_tokens = prefill_step_size, batch_tokens
         self.waiting: deque = deque()  # admitted, in arrival order, not yet in a batch
         self.current: Optional[PrefillBatch] = None  # the batch whose frames are being sent
-        self.memory = None  # --memory-limit: a MemoryAdmission a prompt waits for (memory_admission.py)
-        self.chunk_budget = None  # --memory-limit, --max-context auto: a ChunkBudget (prefill_chunks.py)
+        self.memory = memory  # --memory-limit: a MemoryAdmission a prompt waits for (memory_admission.py)
+        self.chunk_budget = chunk_budget  # --memory-limit, --max-context auto: a ChunkBudget (prefill_chunks.py)
 
     def held(self) -> List[Sequence]:
         """Sequences waiting or in the batch being sent."""

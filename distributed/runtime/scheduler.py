@@ -78,10 +78,9 @@ class Scheduler:
         self.on_failure = on_failure  # e.g. turn health to NOT_SERVING
         self.grammars = Grammars(tokenizer, pipeline.stage.args.vocab_size)  # constrained decoding's tokenizer
         self.prefix_cache = PrefixCache(pipeline, prefix_cache_bytes)  # 0: off
+        self.memory = memory  # --memory-limit: admission waits for memory
         self.batcher = Batcher(pipeline, tokenizer, max_batch, prefill_step_size, prefill_batch_tokens,
-                               self.prefix_cache, speculation)
-        self.memory = self.batcher.admission.memory = memory  # --memory-limit: admission waits for memory
-        self.batcher.admission.chunk_budget = chunk_budget  # prefill chunks cut to fit the margin
+                               self.prefix_cache, speculation, memory, chunk_budget)
         # Bound: max_batch running + max_queue waiting. A burst within the batch's room is
         # taken even before the loop moves it from this queue into the batch.
         self.max_queue, self.capacity = max_queue, max_batch + max_queue

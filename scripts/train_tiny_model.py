@@ -62,7 +62,19 @@ DRAFT_OUT = ROOT / "distributed" / "shard" / "tiny_draft"
 EOT = "<|endoftext|>"
 # A completion model has no roles: the "chat" template joins the messages' text, so a
 # prompt reaches the model as written (run_trinity.py applies the template by default).
-PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% if not loop.last %}\n\n{% endif %}{% endfor %}"
+# A completion model's template: the messages' text joined, as written (a completion model has no roles);
+# with tools, a json_tools header first and calls as <tool_call>…</tool_call>, so that agents' requests
+# (which always carry tools) are taken (mlx-lm infers the json_tools parser from it).
+PLAIN_TEMPLATE = (
+    "{%- if tools %}# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "Call a function with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.\n\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.tool_calls %}{% if message.content %}{{ message.content }}{% endif %}"
+    "{%- for tool_call in message.tool_calls %}{% set tool_call = tool_call.function %}<tool_call>\n"
+    "{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}\n</tool_call>{% endfor %}"
+    "{%- elif message.role == 'tool' %}<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{%- else %}{{ message['content'] }}{% endif %}"
+    "{% if not loop.last %}\n\n{% endif %}{% endfor %}")
 
 
 def model_config(vocab_size: int, eot_id: int, layers: int = 6) -> dict:

@@ -68,3 +68,22 @@ def test_the_default_model_has_trinitys_features():
     # Balanced, not left at zero: the router's bias was trained as Trinity's is.
     biases = [v for k, v in weights.items() if k.endswith("mlp.expert_bias")]
     assert biases and all(mx.abs(b).max().item() > 0 for b in biases)
+
+
+def test_the_default_template_takes_tools_and_joins_text_as_before():
+    """Agents always send tools: the embedded model's template takes them (a json_tools header, calls as
+    <tool_call>…</tool_call>: mlx-lm's json_tools parser), and without tools joins the text as written."""
+    tokenizer = load_tokenizer(default_checkpoint())
+    assert tokenizer.has_tool_calling and tokenizer.tool_call_start == "<tool_call>"
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The"}]
+    plain = "{% for message in messages %}{{ message['content'] }}{% if not loop.last %}\n\n{% endif %}{% endfor %}"
+    for messages in (turns[1:], turns, turns + [{"role": "assistant", "content": " ok\n"}, {"role": "user", "content": "x"}]):
+        assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) \
+            == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, chat_template=plain)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    history = turns + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                              "function": {"name": "f", "arguments": {}}}]},
+                       {"role": "tool", "tool_call_id": "c", "content": "42"}]
+    text = tokenizer.apply_chat_template(history, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("# Tools\n<tools>\n") and '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>' in text
+    assert text.endswith("<tool_response>\n42\n</tool_response>")

@@ -110,11 +110,6 @@ class Starter:
         self.files.clear()
 
 
-def can_start_directly(hostfile: Hostfile, backend: Optional[str] = None) -> bool:
-    """Every rank is on this machine and the backend is ring: no need for mlx.launch."""
-    return (backend or hostfile.backend) == "ring" and all(h.is_local and h.ips for h in hostfile.hosts)
-
-
 def can_start_ourselves(hostfile: Hostfile, backend: Optional[str] = None) -> bool:
     """The ring backend, every host with an IP: local ranks start here, remote ones over ssh."""
     return (backend or hostfile.backend) == "ring" and all(h.ips for h in hostfile.hosts)

@@ -73,7 +73,6 @@ class NoReplan:
 @dataclass
 class Outcome:
     failure: Optional[Failure]
-    stopped_by: Optional[int]  # the signal that asked for a clean stop
     stop_status: int = 0  # our exit status after that stop
 
     @property
@@ -156,7 +155,7 @@ class Supervisor:
     def _attempt(self, ring: Ring, attempt: int, attempts: int) -> Outcome:
         self.ring = ring
         if self.stop_signal is not None:
-            return Outcome(None, self.stop_signal)
+            return Outcome(None)
         if attempts > 1:
             log(f"attempt {attempt}/{attempts}: starting the ring ({ring.name})")
         failure: Optional[Failure] = None
@@ -264,7 +263,7 @@ class Supervisor:
                     detail = f"did not exit within {self.grace:g} s of rank 0 (killed)"
                     failure = (ring.rank_failure(key, ring.exited[key], detail) if isinstance(ring, DirectRing)
                                else Failure(key, ring.exited[key], pid=ring.procs[key].pid, detail=detail))
-            return Outcome(failure, self.stop_signal, ring.stop_status() if failure is None else 0)
+            return Outcome(failure, ring.stop_status() if failure is None else 0)
         finally:
             # Whatever happened above (an exception included), nothing of this ring survives.
             if ring.groups_alive():

@@ -88,10 +88,6 @@ class Pipeline:
         could not allocate, the frame's reply is NO_MEMORY (for recv())."""
         self._refuse_failed(Header(Op.FORWARD, Reply.LAST, slot), e)
 
-    def _control(self, header: Header, payload: Optional[mx.array] = None) -> None:
-        if self.transport is not None:
-            self._send(header, payload)
-
     def park(self) -> None:
         """The ring goes idle: the other ranks block on the control channel until
         the next frame (a receive on some backends spins a core). Call only with

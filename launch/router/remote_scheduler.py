@@ -1,6 +1,6 @@
-"""The router's scheduler: what the front ends (distributed/serving/scheduling.py) ask
-of rank 0's runtime Scheduler, answered by forwarding each request to rank 0
-(replay.py: a thread per request, which replays it on a restarted ring).
+"""The router's scheduler: what the front ends ask of rank 0's runtime Scheduler (submit,
+rank_info, rank_reports, waiting, running; no prefix_cache), answered by forwarding each
+request to rank 0 (replay.py: a thread per request, which replays it on a restarted ring).
 
 Its bound is rank 0's own: up to max_batch requests running and --max-queue waiting
 (QueueFull beyond), whether the ring is up or restarting, so rank 0 never refuses

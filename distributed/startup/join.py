@@ -136,7 +136,7 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None,
         from .tensor_start import build_tensor_pipeline, check_tensor_args
 
         if check_tensor_args(args, world) > 1:
-            return build_tensor_pipeline(args, group, watchdog, on_ready)
+            return build_tensor_pipeline(args, group, watchdog, on_ready, startup_check, Loaded)
     if world > 1 and args.stages > 1:
         raise TrinityError("--stages runs several stages in one process; do not combine it with a multi-rank launch")
     model, config_dir, config = load_config(args.model)  # None: the embedded tiny model

@@ -41,9 +41,8 @@ def check_tensor_args(args, world: int, config: Optional[dict] = None) -> int:
     return size
 
 
-def build_tensor_pipeline(args, group, watchdog=None, on_ready: Optional[Callable[[], None]] = None):
-    """build_pipeline (join.py) for T = group.size() > 1."""
-    from .join import Loaded, startup_check
+def build_tensor_pipeline(args, group, watchdog, on_ready: Optional[Callable[[], None]], startup_check, loaded):
+    """build_pipeline (join.py) for T = group.size() > 1; `startup_check` and `loaded` (its Loaded) are join.py's."""
 
     model, config_dir, config = load_config(args.model)
     try:
@@ -84,4 +83,4 @@ def build_tensor_pipeline(args, group, watchdog=None, on_ready: Optional[Callabl
     if watchdog is not None:
         pipeline.waker = watchdog.wake
         pipeline.peer_reports = lambda: dict(watchdog.reports)
-    return Loaded(pipeline, path, config, [r["memory_bytes"] for r in reports])
+    return loaded(pipeline, path, config, [r["memory_bytes"] for r in reports])

@@ -8,12 +8,13 @@ Rank 0 prints; other ranks print nothing on stdout.
 """
 
 import argparse
+import logging
 import json
 import sys
 import threading
 from typing import List, Optional
 
-from . import TrinityError
+from . import TrinityError, logs
 from .help_format import HelpFormatter
 from .runtime.prefill import PREFILL_STEP_SIZE
 from .runtime.request import GenerationRequest, RequestError, TokenEvent
@@ -45,6 +46,8 @@ examples (run-trinity is installed by pip; in a checkout `python run_trinity.py`
 more in README.md, sections "Running" (every flag), "Chatting", "Serving", "Unequal Macs: planning
 the split", "Stopping" and "How it is built" (where things are in the code)."""
 
+log = logging.getLogger(__name__)
+
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=HelpFormatter)
@@ -64,6 +67,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--min-p", type=float, default=0.0, help="0 disables")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--log-level", choices=logs.LEVELS, default="info", help="stderr's threshold (distributed/logs.py)")
     p.add_argument("--stages", type=int, default=1, help="run N stages inside this one process")
     p.add_argument("--split", help="layers per rank, e.g. 10,12,10; `auto` plans from each rank's memory "
                    "(default: an even split, rank 0 taking the fewest)")
@@ -290,8 +294,8 @@ def serve(args, options: ServeOptions, front_ends, requests: RequestLog, group, 
                           prefix_cache_bytes=prefix_cache_bytes, speculation=speculation,
                           memory=memory_admission(args, config, ranks, memory, sizes),
                           chunk_budget=sizes.chunk_budget)
-    print(f"prefix cache: up to {prefix_cache_bytes / 2**20:.1f} MiB on any rank" if prefix_cache_bytes
-          else "prefix cache: off", file=sys.stderr, flush=True)
+    log.info(f"prefix cache: up to {prefix_cache_bytes / 2**20:.1f} MiB on any rank" if prefix_cache_bytes
+             else "prefix cache: off")
     if watchdog is not None:  # ends every stream with the failed rank's name, then NOT_SERVING
         watchdog.on_failure = scheduler.abort
     info = ModelInfo(
@@ -315,7 +319,7 @@ def serve(args, options: ServeOptions, front_ends, requests: RequestLog, group, 
         for front_end in front_ends:
             front_end.stop()
         scheduler.close()
-        print(scheduler.prefix_cache.summary(), file=sys.stderr, flush=True)
+        log.info(scheduler.prefix_cache.summary())
         requests.stopped(stop.lifecycle.reason or "stopped")
     if scheduler.failure is not None:
         raise TrinityError(f"the pipeline is down: {scheduler.failure}")
@@ -357,7 +361,7 @@ def run(args, stop: RankStop) -> None:
     memory = beside_draft(args, config, built.memory_bytes, len(ranks))
     sizes = serving_sizes(args, config, ranks, memory, batch=1)
     for line in sizes.lines[1:]:  # the context, with --max-context auto
-        print(line, file=sys.stderr, flush=True)
+        log.info(line)
     cache_bytes = sizes.prefix_cache_bytes if args.chat else 0
     scheduler = Scheduler(pipeline, tokenizer, prefill_step_size=sizes.prefill_step_size,
                           prefix_cache_bytes=cache_bytes, speculation=speculation,
@@ -385,6 +389,7 @@ def run(args, stop: RankStop) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    logs.configure(args.log_level)
     lifecycle = Lifecycle().start(watch_parent=launched_by_launcher())
     stop = RankStop(lifecycle)
     lifecycle.on_stop(stop)

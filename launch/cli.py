@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from distributed import TrinityError
+from distributed import TrinityError, logs
 from distributed.help_format import HelpFormatter
 from distributed.shard.memory import usable_memory_bytes
 from distributed.shard.memory_plan import DEFAULT_MARGIN
@@ -64,6 +64,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     prog = "python -m launch" if sys.argv[0].endswith("__main__.py") else None  # else trinity-launch's name
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0], epilog=EPILOG,
                                 formatter_class=HelpFormatter)
+    p.add_argument("--log-level", choices=logs.LEVELS, default="info", help="stderr's threshold (distributed/logs.py)")
     sub = p.add_subparsers(dest="verb", required=True)
     plan = sub.add_parser("plan", help="print the layer split per host", formatter_class=HelpFormatter)
     _hosts_args(plan, plan=True)
@@ -308,6 +309,7 @@ def _supervised(router_plan, cmd: List[str], run) -> int:
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    logs.configure(args.log_level)
     try:
         sys.exit(cmd_plan(args) if args.verb == "plan" else cmd_run(args))
     except TrinityError as e:

@@ -21,6 +21,7 @@ and so that a Ctrl-C in the terminal reaches only the launcher, which forwards i
 """
 
 import json
+import logging
 import os
 import queue
 import signal
@@ -37,7 +38,7 @@ from .processes import free_ports, group_alive, signal_group, signal_name
 
 
 def log(message: str) -> None:
-    print(f"launch: {message}", file=sys.stderr, flush=True)
+    logging.getLogger("launch").info(f"launch: {message}")
 
 
 @dataclass

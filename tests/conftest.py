@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from distributed import logs
 from distributed.shard.tiny_checkpoint import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,8 +27,10 @@ def _stopped(signum, frame):
 
 def pytest_configure(config):
     """SIGTERM (a CI timeout, `kill`) stops pytest as Ctrl-C does, so fixtures still end the
-    processes they started (those run in sessions of their own and would outlive pytest)."""
+    processes they started (those run in sessions of their own and would outlive pytest).
+    Logging as the command lines set it up (the launcher's lines, read in process by capsys)."""
     signal.signal(signal.SIGTERM, _stopped)
+    logs.configure("info")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,6 @@
 """The package layout is the architecture (README "How it is built"): every import,
 lazy ones inside functions included, points down the layers; no module imports
-itself back through others; no module grows past 400 lines.
+itself back through others; no function grows past a screen.
 
 Layers, bottom to top: the `distributed` package's own __init__ (TrinityError);
 transport/ and shard/; runtime/; startup/ and serving/ (side by side, neither

@@ -18,7 +18,7 @@ rule: `reasoning.summary`, `context_management`, …) names them at the line's e
 
 import collections
 import json
-import os
+import logging
 import threading
 import time
 from typing import Iterator, List, Optional, Tuple
@@ -35,14 +35,13 @@ REFUSED = {400: "invalid", 411: "invalid", 413: "invalid", 401: "unauthenticated
            "RESOURCE_EXHAUSTED": "queue_full", "UNAVAILABLE": "unavailable", "DEADLINE_EXCEEDED": "cancelled",
            "CANCELLED": "cancelled", "UNKNOWN": "server_error", "INTERNAL": "server_error"}
 
+ACCESS = logging.getLogger("trinity.access")  # one line per request and per server event
+
 
 def write_line(text: str) -> None:
-    """One line on stderr in one write (lines of concurrent requests never interleave),
-    never raising: at a stop, whoever read our output may be gone."""
-    try:
-        os.write(2, f"trinity: {text}\n".encode(errors="replace"))
-    except OSError:
-        pass
+    """One access-log line (distributed/logs.py: the handler writes each record whole, so lines
+    of concurrent requests never interleave; a reader gone at a stop raises nothing here)."""
+    ACCESS.info(f"trinity: {text}")
 
 
 STOP_WAIT_S = 1.0  # at a stop, for the requests still open to be logged

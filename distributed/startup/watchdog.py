@@ -41,6 +41,7 @@ keep both on a trusted network.
 """
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -306,8 +307,8 @@ class Watchdog:
             if self.report is not None:
                 try:
                     beat["stats"] = self.report()
-                except Exception:  # e.g. caches changing under us: the next beat has one
-                    pass
+                except Exception as e:  # e.g. caches changing under us: the next beat has one
+                    logging.getLogger(__name__).debug("no counters for this heartbeat: %s", e)
             for peer in list(self.peers.values()):
                 peer.send(beat)
             time.sleep(self.interval)

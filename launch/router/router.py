@@ -15,6 +15,7 @@ One line per outage on stderr (the pause each request saw is logged as it resume
     launch: router: ring back after 5.3 s (rank 0 serving again); replaying 3 requests
 """
 
+import logging
 import statistics
 import sys
 import threading
@@ -36,7 +37,7 @@ from .upstream import Upstream
 
 
 def log(message: str) -> None:
-    print(f"launch: router: {message}", file=sys.stderr, flush=True)
+    logging.getLogger("launch.router").info(f"launch: router: {message}")
 
 
 class Router:
@@ -104,7 +105,8 @@ class Router:
     def _retry_attach(self) -> None:
         try:
             self.upstream.wait_serving(lambda: False)
-        except Exception:
+        except Exception as e:  # closed while waiting (the launcher stopped): nothing to attach
+            logging.getLogger(__name__).info("router: not attaching: %s: %s", type(e).__name__, e)
             return
         self._attach()
 

@@ -34,7 +34,8 @@ def check_tensor_args(args, world: int, config: Optional[dict] = None) -> int:
             raise TrinityError(f"--tensor-parallel-size {size} needs {size} ranks (e.g. mlx.launch -n {size}, or "
                                f"launch run --single-host {size}); this is one process")
         raise TrinityError(f"--tensor-parallel-size {size} with {world} ranks: tensor parallelism within groups and "
-                           f"a pipeline across them is not built yet; give --tensor-parallel-size {world} (every "
+                           f"a pipeline across them is not built (it needs mx.distributed.Group.split, which the MPI "
+                           f"backend has and the ring backend refuses); give --tensor-parallel-size {world} (every "
                            f"rank 1/{world} of every layer) or 1 (the pipeline)")
     if config is not None:
         check_tensor_size(model_args(config), size, config.get("quantization"))
@@ -83,4 +84,9 @@ def build_tensor_pipeline(args, group, watchdog, on_ready: Optional[Callable[[],
     if watchdog is not None:
         pipeline.waker = watchdog.wake
         pipeline.peer_reports = lambda: dict(watchdog.reports)
-    return loaded(pipeline, path, config, [r["memory_bytes"] for r in reports])
+    # Rank 0 sizes the KV caches (--max-batch's default, --max-context auto, the prefix cache's bytes)
+    # from the rank table's layers and this config: one rank's share of the heads, so one rank's caches.
+    size = group.size()
+    share = dict(config, num_attention_heads=config["num_attention_heads"] // size,
+                 num_key_value_heads=config["num_key_value_heads"] // size)
+    return loaded(pipeline, path, share, [r["memory_bytes"] for r in reports])

@@ -67,6 +67,14 @@ def test_ring_of_two_equals_mlx_lm(hf_checkpoint):
     assert ranks[0]["parameter_bytes"] == ranks[1]["parameter_bytes"] < 0.6 * one["parameter_bytes"]
 
 
+def test_a_prompt_longer_than_one_broadcast_buffer(hf_checkpoint):
+    """120 token ids in one frame: the broadcast's second all_sum carries those past its inline 51."""
+    prompt = PROMPT * 3
+    out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", ",".join(map(str, prompt)),
+                    "--max-tokens", str(MAX_TOKENS), "--tensor-parallel-size", "2"], ranks=2)
+    assert_reference(out, hf_checkpoint, prompt)
+
+
 def test_ring_of_four_equals_mlx_lm(kv4_checkpoint):
     out = run_json(["--model", str(kv4_checkpoint), "--prompt-ids", IDS, "--max-tokens", str(MAX_TOKENS),
                     "--tensor-parallel-size", "4", "--prefill-step-size", "16"], ranks=4)

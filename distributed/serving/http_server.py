@@ -25,6 +25,7 @@ from .. import TrinityError
 from .options import ServeOptions, split_address
 
 HEADER_TIMEOUT_S = 30.0  # a request's line and headers must arrive within this (slowloris)
+MAX_HEADER_BYTES = 64 * 1024  # a request's line and headers together (h11's bound is 16 KiB): more is 431
 BODY_TIMEOUT_S = 60.0  # at most this between two pieces of a request's body
 KEEP_ALIVE_S = 60.0  # an idle kept-alive connection is closed after this
 WRITE_TIMEOUT_S = 300.0  # a client that leaves a reply unread this long is dropped (its request cancelled)
@@ -40,10 +41,23 @@ class ClientGone(OSError):
 
 
 class _Protocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline for each request's headers (uvicorn
-    bounds only the idle time between requests)."""
+    """uvicorn's httptools protocol with a deadline and a size bound for each request's headers
+    (uvicorn bounds only the idle time between requests, and httptools no size)."""
 
     _headers_due = None
+    _header_bytes = 0
+
+    def data_received(self, data: bytes) -> None:
+        pending = self._headers_due is not None
+        super().data_received(data)
+        if pending and self._headers_due is not None:  # all of it was headers, and they are not done
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES:
+                self._disarm()
+                if not self.transport.is_closing():
+                    self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nconnection: close\r\n"
+                                         b"content-length: 0\r\n\r\n")
+                    self.transport.close()
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -63,6 +77,7 @@ class _Protocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def _arm(self) -> None:
+        self._header_bytes = 0
         self._headers_due = self.loop.call_later(HEADER_TIMEOUT_S, self._too_slow)
 
     def _disarm(self) -> None:

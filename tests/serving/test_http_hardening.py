@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from distributed.runtime.scheduler import Scheduler
-from distributed.serving import http_api, openapi
+from distributed.serving import http_api, http_server, openapi
 from distributed.serving.adapters import ADAPTERS, ROUTES
 from distributed.serving.http_api import MAX_BODY, MAX_DEPTH, start_http_server, text_bound
 from distributed.serving.options import ServeOptions
@@ -293,3 +293,35 @@ def test_openapi_document(served):
         if method == "POST":
             assert "schema" in doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
     assert doc == openapi.document()
+
+
+# ---- slow and endless headers hold no thread and no memory
+
+
+def test_slow_or_endless_headers_end_the_connection(served, monkeypatch):
+    monkeypatch.setattr(http_server, "HEADER_TIMEOUT_S", 0.5)
+    with socket.create_connection(("127.0.0.1", served.front.port), timeout=30) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")  # and nothing more
+        assert s.recv(4096) == b""  # closed
+    with socket.create_connection(("127.0.0.1", served.front.port), timeout=30) as s:  # after a first request
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        first = b""
+        while not first.endswith(b"}"):
+            first += s.recv(4096)
+        assert first.startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 1")
+        assert s.recv(4096) == b""
+    with socket.create_connection(("127.0.0.1", served.front.port), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        reply = b""
+        try:
+            for _ in range(http_server.MAX_HEADER_BYTES // 1000 + 300):
+                s.sendall(b"X-Pad: " + b"a" * 1000 + b"\r\n")
+        except OSError:
+            pass  # closed while sending
+        try:
+            reply = s.recv(4096)
+        except OSError:
+            pass
+        assert reply == b"" or reply.startswith(b"HTTP/1.1 431")
+    assert request(served.front.port, "GET", "/v1/models")[0] == 200

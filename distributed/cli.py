@@ -43,13 +43,14 @@ examples (run-trinity is installed by pip; in a checkout `python run_trinity.py`
   mlx.launch --hostfile hosts.json -- "$(which run-trinity)" --model REPO --serve 127.0.0.1:50051
   trinity-launch run --hostfile hosts.json -- run-trinity --model REPO --serve 127.0.0.1:50051
 
-more in README.md, sections "Running" (every flag), "Chatting", "Serving", "Unequal Macs: planning
-the split", "Stopping" and "How it is built" (where things are in the code)."""
+more in the docs (docs/, a site: `mkdocs serve`), pages "command-line.md" (every flag), "chatting.md",
+"serving.md", "launcher.md" (planning the split), "failures.md" (stopping) and "architecture.md"
+(where things are in the code)."""
 
 log = logging.getLogger(__name__)
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--model", help="local checkpoint directory or Hugging Face repo id "
                    "(default: the embedded tiny AFMoE, trained on Python's own docs)")
@@ -120,7 +121,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                        "disables; default: a quarter of what the tightest rank has beside its weights (its usable "
                        "memory measured before loading, less 10%%), set aside before the default --max-batch")
     speculation_flags.add_arguments(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def validate(args: argparse.Namespace) -> None:

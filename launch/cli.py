@@ -42,7 +42,8 @@ examples:
   trinity-launch run --hostfile hosts.json --restart 3 -- run-trinity --model REPO --serve 127.0.0.1:50051
 
 presets and example hostfiles are bundled (`--preset NAME`, `--hostfile NAME`; launch/configs/README.md);
-more in README.md, section "Unequal Macs: planning the split"."""
+more in the docs (docs/, a site: `mkdocs serve`), pages "launcher.md" (planning the split, hostfiles,
+restarts) and "command-line.md" (every flag)."""
 SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
 
 
@@ -60,7 +61,7 @@ def _hosts_args(p: argparse.ArgumentParser, plan: bool) -> None:
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="share of each host's memory kept free")
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     prog = "python -m launch" if sys.argv[0].endswith("__main__.py") else None  # else trinity-launch's name
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0], epilog=EPILOG,
                                 formatter_class=HelpFormatter)
@@ -110,6 +111,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                           "process serves --serve and --http, forwards to rank 0, and replays in-flight requests "
                           "on the restarted ring after a failure, so clients see a pause, not an error)")
     run.add_argument("command", nargs=argparse.REMAINDER, help=f"-- {RUN_SCRIPT} … (or run_trinity.py …)")
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.verb == "run":
         args.command = args.command[1:] if args.command[:1] == ["--"] else args.command

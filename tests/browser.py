@@ -17,7 +17,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from conftest import session_members
 
-SCREENSHOTS_ENV = "TRINITY_SCREENSHOTS"  # a folder for the pages' screenshots (README's: docs/)
+SCREENSHOTS_ENV = "TRINITY_SCREENSHOTS"  # a folder for the pages' screenshots (the docs' pictures: docs/)
 WAIT_S = 60
 
 
@@ -67,7 +67,7 @@ class Browser:
         return [e for e in self.driver.get_log("browser") if e["level"] == "SEVERE"]
 
     def screenshot(self, name: str, fallback: Path) -> Path:
-        """The page as PNG, in $TRINITY_SCREENSHOTS if set (README's pictures), else `fallback`."""
+        """The page as PNG, in $TRINITY_SCREENSHOTS if set (the docs' pictures), else `fallback`."""
         folder = Path(os.environ.get(SCREENSHOTS_ENV) or fallback)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / name

@@ -1,4 +1,4 @@
-"""The package layout is the architecture (README "How it is built"): every import,
+"""The package layout is the architecture (docs/architecture.md, "How it is built"): every import,
 lazy ones inside functions included, points down the layers; no module imports
 itself back through others; no function grows past a screen.
 

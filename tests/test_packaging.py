@@ -2,7 +2,7 @@
 temporary folder, and its console scripts run from another directory, where neither the
 checkout nor its configs/ can be found: run-trinity (alone, with the embedded default model,
 and as every rank under mlx.launch and under trinity-launch), trinity-launch plan with the bundled presets and
-example hostfiles, and README.md's commands that need no model download."""
+example hostfiles, and the commands of README.md and docs/ that need no model download."""
 
 import json
 import os
@@ -101,8 +101,9 @@ def test_the_default_model_is_package_data(installed):
 
 
 def readme_commands(prefix: str):
-    """README.md's command lines (in ``` blocks) that start with `prefix`, comments dropped."""
-    blocks = re.findall(r"```\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    """The command lines of README.md and the docs (in ``` blocks) that start with `prefix`, comments dropped."""
+    text = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    blocks = re.findall(r"```\n(.*?)```", text, re.S)
     return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()
             if line.startswith(prefix)]
 

@@ -20,7 +20,7 @@ costs every rank its positions and delays the frames behind it. So each sequence
 odds that a frame ahead holds (a moving average of what became of its frames ahead, and
 of its other passes' drafts all holding, an upper bound), and the n-th frame ahead goes
 only while odds ** n >= AHEAD_ODDS (bench_speculation.py --ring-ceiling: at 1/2, drafts
-with one wrong in 4 lost 15-25% against one frame at a time; README has the figures).
+with one wrong in 4 lost 15-25% against one frame at a time; docs/command-line.md has the figures).
 """
 
 from typing import List

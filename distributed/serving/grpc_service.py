@@ -1,5 +1,5 @@
 """Rank 0's gRPC front end: trinity.v1.Generation, grpc.health.v1.Health and
-server reflection (README.md "Serving"; schema: proto/generation.proto).
+server reflection (docs/serving.md; schema: proto/generation.proto).
 
 Lifecycle (driven by cli.serve): start_grpc_server() listens at once, before the
 weights load, with health NOT_SERVING and Generate answering UNAVAILABLE "model

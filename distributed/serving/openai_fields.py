@@ -3,7 +3,7 @@ the generation requests of its choices.
 
 Every field is implemented, accepted only with the value that changes nothing
 here (NEUTRAL), refused by name (REFUSED), or accepted as a hint with no effect
-(HINTS); any other name is refused as unknown. README.md's field table lists the
+(HINTS); any other name is refused as unknown. docs/serving.md's field table lists the
 same sets (a test compares them).
 
 The compatibility rule (DESIGN.md "HTTP extras"): what a real client sends by default

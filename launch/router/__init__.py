@@ -1,2 +1,2 @@
 """The launcher's router (`launch run … --serve`): the front ends live in the launcher and
-replay in-flight requests on a restarted ring (router.py; README.md "The router and replay")."""
+replay in-flight requests on a restarted ring (router.py; docs/failures.md, "The router and replay")."""

@@ -194,7 +194,7 @@ def test_bundled_names_and_a_missing_one(capsys):
     assert code == 2 and "hostfile nowhere/hosts.json does not exist" in err and "localhost-2" in err
 
 
-def test_help_shows_defaults_and_names_readme_sections_that_exist(capsys):
+def test_help_shows_defaults_and_names_docs_pages_that_exist(capsys):
     outs = []
     for verb in ([], ["plan"], ["run"]):
         with pytest.raises(SystemExit):
@@ -203,9 +203,8 @@ def test_help_shows_defaults_and_names_readme_sections_that_exist(capsys):
     top, plan, run = outs
     assert "(default: 0.1)" in plan and "--restart N" in run and "(default: 0)" in run and "(default: auto)" in run
     assert "(default: None)" not in plan + run
-    sections = re.findall(r'"([^"]+)"', top[top.index("more in README.md"):])
-    headings = set(re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), re.M))
-    assert sections and set(sections) <= headings, sections
+    pages = re.findall(r'"([^"]+)"', top[top.index("more in the docs"):])
+    assert pages and all((ROOT / "docs" / page).is_file() for page in pages), pages
 
 
 def test_plan_reports_the_longest_context_each_batch_gets(capsys):

@@ -4,7 +4,7 @@ with an error naming memory, the others and the ring go on, and the next request
 MLX raises where it cannot allocate on Apple GPUs ("[metal::malloc] Unable to allocate")
 and CUDA; on this CPU it cannot (its kernels write through the failed malloc's null buffer:
 memory_guard.py). So these tests raise Metal's own error at the very evaluation where MLX
-would, once, and check what the runner makes of it. The real thing ran on a GPU (README).
+would, once, and check what the runner makes of it. The real thing ran on a GPU (docs/failures.md).
 """
 
 import mlx.core as mx

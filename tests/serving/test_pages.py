@@ -2,7 +2,7 @@
 embedded default model, no --model given, split 2,4, speculating, with --auth-token and --metrics), in a real
 headless chromium (tests/browser.py). One ring and one browser for the module; each test
 signs in itself (the token stays in the tab's sessionStorage), so none needs another first.
-`TRINITY_SCREENSHOTS=docs` writes the README's screenshots of both pages."""
+`TRINITY_SCREENSHOTS=docs` writes the screenshots of docs/serving.md of both pages."""
 
 import json
 import re

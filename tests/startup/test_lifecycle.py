@@ -62,7 +62,7 @@ def assert_all_gone(launch: Launch, how: str, ports=()) -> float:
 
 # Not "SIGINT to the launcher" alone: mlx.launch's main loop dies of the KeyboardInterrupt, while
 # its output threads keep the process alive until the ranks exit, and nothing reaches the ranks
-# (README: signal the group, as Ctrl-C in a terminal does, or use `python -m launch run`).
+# (docs/failures.md: signal the group, as Ctrl-C in a terminal does, or use `python -m launch run`).
 MLX_LAUNCH_PATHS = [p for p in STOP_PATHS if p != "SIGINT to the launcher" and "rank 1" not in p] + ["SIGTERM to rank 1"]
 
 

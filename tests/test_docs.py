@@ -85,3 +85,21 @@ def test_the_module_map_is_the_tree():
     assert len(listed) == len(set(listed)), "a module listed twice"
     assert sorted(set(tree) - set(listed)) == [], "modules missing from docs/architecture.md's module map"
     assert sorted(set(listed) - set(tree)) == [], "listed in docs/architecture.md but not in the tree"
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor, as mkdocs' toc and GitHub make it (for the headings these pages use)."""
+    return re.sub(r"\s+", "-", re.sub(r"[^\w\s-]", "", heading.strip().lower()))
+
+
+def test_the_readme_links_to_pages_and_headings_that_exist():
+    links = re.findall(r"\]\(([^)\s]+)\)", (ROOT / "README.md").read_text())
+    local = [link for link in links if not re.match(r"\w+://", link)]
+    assert any(link.startswith("docs/") for link in local)
+    for link in local:
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), link
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
+            assert anchor in {slug(h) for h in headings}, link

@@ -9,6 +9,9 @@ ends that epoch at once (before the next poll), so requests wait for the next on
 instead of retrying against a dead ring. When an epoch ends, the calls still running
 in it are cancelled: a stream to a rank 0 whose host went silent gets no reset and
 would otherwise wait for the client's deadline (replay.py replays what it cancels).
+A health check that gets no answer in time ends the epoch only the LATE_CHECKS-th in a row:
+rank 0 busy with a long prefill on a loaded host (Claude Code's 34k-token first prompt on a
+CPU) answers late, and cancelling its prefill to replay it made it start over and over.
 """
 
 import threading
@@ -24,6 +27,8 @@ from distributed.serving.proto import generation_pb2_grpc as pb_grpc
 SERVING = health_pb2.HealthCheckResponse.SERVING
 POLL_DOWN_S = 0.1  # health polls while rank 0 is down or loading
 POLL_UP_S = 0.5  # while it serves (a failed stream reports a failure sooner)
+HEALTH_TIMEOUT_S = 2.0  # a health check's deadline
+LATE_CHECKS = 3  # health checks in a row without an answer that mean rank 0 is gone (frozen, its host silent)
 CHANNEL_OPTIONS = [  # reconnect within moments of the restarted rank 0 listening
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -72,16 +77,22 @@ class Upstream:
         return self
 
     def _watch(self) -> None:
+        late = 0  # health checks in a row that got no answer in time
         while self.closed is None:
             asked = time.monotonic()
             try:
-                up = self._health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == SERVING
-            except grpc.RpcError:
-                up = False
+                up = self._health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S).status == SERVING
+                late = 0
+            except grpc.RpcError as e:
+                # No answer in time: a rank 0 busy with a long prefill on a loaded host answers late, a frozen
+                # one never. Only LATE_CHECKS in a row end the epoch; a refusal or NOT_SERVING does at once.
+                late = late + 1 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else LATE_CHECKS
+                up = late < LATE_CHECKS and self.serving
             if up:
                 self._up(asked)
             elif self.serving:
-                self.failed(self.epoch, "rank 0 is not serving")
+                self.failed(self.epoch, "rank 0 is not serving" if late < LATE_CHECKS
+                            else f"rank 0 did not answer {LATE_CHECKS} health checks in a row")
             time.sleep(POLL_UP_S if self.serving else POLL_DOWN_S)
 
     def _up(self, asked: float) -> None:

@@ -1,12 +1,17 @@
-"""Tensor parallelism at run time (--tensor-parallel-size T, T = the number of ranks).
+"""Tensor parallelism at run time (--tensor-parallel-size T).
 
-Rank 0 drives the scheduler exactly as one rank does: a TensorPipeline is a Pipeline with no
-transport and one stage holding every layer, sharded (shard/tensor.py). The sharded layers'
-all_sums pair up only if every rank runs the same graphs in the same order, so before each
-frame and each cache op rank 0 broadcasts it (transport/broadcast.py) and the other ranks
-replay it in lockstep (TensorFollower): cache ops on their SlotCaches, FORWARD frames through
+T = the number of ranks: rank 0 drives the scheduler exactly as one rank does: a TensorPipeline
+is a Pipeline with no transport and one stage holding every layer, sharded (shard/tensor.py). The
+sharded layers' all_sums pair up only if every rank runs the same graphs in the same order, so
+before each frame and each cache op rank 0 broadcasts it (transport/broadcast.py) and the other
+ranks replay it in lockstep (TensorFollower): cache ops on their SlotCaches, FORWARD frames through
 their stage (embedding included; no head, no sampling). Rank 0 evaluates each frame before the
 next broadcast, so the collectives come in the same order everywhere.
+
+T < N (N / T groups of T ranks, on backends that split a group): each group is a pipeline stage
+holding its layers sharded; the groups' first ranks form the ring (rank 0's TensorPipeline with a
+transport, TensorStageWorker elsewhere) and each broadcasts what it runs (hidden states included)
+to the other ranks of its group, which replay it as above.
 """
 
 import logging
@@ -17,26 +22,35 @@ import mlx.core as mx
 from ..shard.loader import parameter_bytes
 from ..shard.stage import Stage
 from ..shard.tensor import release_group
-from ..transport import Header, Op, Reply
+from ..transport import Header, Op, Reply, Transport
 from ..transport.broadcast import Broadcast
 from . import rank_info
 from .caches import CACHE_OPS, SlotCaches, keeping
 from .memory_guard import MemoryGuard
 from .pipeline import Pipeline
 from .rank_stats import RankStats
+from .worker import Frame, StageWorker
 
 log = logging.getLogger(__name__)
 
 
 def _info_row(stage: Stage, rank: int) -> mx.array:
-    row = rank_info.encode_row(rank, stage.start, stage.end, True, parameter_bytes(stage))
-    row[..., 4] = int(rank == 0)  # every rank embeds; rank 0 alone runs the head
+    row = rank_info.encode_row(rank, stage.start, stage.end, stage.first, parameter_bytes(stage))
+    row[..., 4] = int(rank == 0)  # a first stage's ranks all embed; rank 0 alone runs the head
     return row
 
 
+def _sends_done(transport) -> None:
+    """Wait for the ring's sends in flight (their own stream): MPI crashed (malloc corruption) with
+    a group's all_sum running beside a send on the ring's group (T < N)."""
+    last = getattr(transport, "_last_send", None)
+    if last is not None:
+        mx.eval(last)
+
+
 class TensorPipeline(Pipeline):
-    def __init__(self, stage: Stage, group):
-        super().__init__(stage, None)
+    def __init__(self, stage: Stage, group, transport: Optional[Transport] = None):
+        super().__init__(stage, transport)
         self.broadcast = Broadcast(group)
         self.tensor_size = group.size()
         self.time_sends = False
@@ -45,14 +59,17 @@ class TensorPipeline(Pipeline):
         if self._parked:
             self.waker(self._parked)
             self._parked = 0
+        _sends_done(self.transport)
         self.broadcast.send(header, values)
 
     def _tell_others(self, op: Op, slot: int, arg: int = 0, values: Sequence[int] = ()) -> None:
         self._tell(Header(op, slot=slot, arg=arg), values)
+        super()._tell_others(op, slot, arg, values)  # the ring's next stage, if any
 
     def trim(self, slot: int, n: int, next_length: int = 0) -> None:
         if n > 0:
-            self._cache_op(Op.TRIM, slot, n)
+            self._tell(Header(Op.TRIM, slot=slot, arg=n))
+        super().trim(slot, n, next_length)
 
     def send(self, tokens: mx.array, reply: Reply, slot: int = 0, keep: int = 0, next_length: int = 0) -> None:
         refused = self.guard.verdict([(tokens.shape[0], tokens.shape[1], slot)], self._itemsize)
@@ -64,53 +81,117 @@ class TensorPipeline(Pipeline):
         with keeping(caches, keep):
             h = self.stage(self.stage.embed(tokens), caches)
         self.stats.forward_frames += 1
-        out = h[:, -1:, :] if reply == Reply.LAST else h
-        # Evaluated now, before anything else is broadcast: the other ranks run this frame's
-        # all_sums now. (A failure here, allocation included, would leave them mid-frame: it
-        # fails the ring, which the watchdog reports.)
+        out = h if self.transport is not None or reply != Reply.LAST else h[:, -1:, :]
+        # Evaluated now, before anything else is broadcast (or sent: a send is evaluated on a
+        # stream of its own): the other ranks run this frame's all_sums now. (A failure here,
+        # allocation included, would leave them mid-frame: it fails the ring, which the watchdog reports.)
         with self.stats.computing():
             mx.eval(out, [c.state for c in caches])
-        if reply == Reply.ACK:
+        if self.transport is not None:
+            self._sent(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot, arg=keep, next_length=next_length), h)
+        elif reply == Reply.ACK:
             self._local.append((Header(Op.FORWARD, Reply.ACK, slot), None))
         elif reply != Reply.NONE:
             self._local.append((Header(Op.FORWARD, reply, slot), out))
 
     def send_mixed(self, tokens: mx.array, slot: int, chunk: mx.array, chunk_slot: int) -> None:
-        raise NotImplementedError("tensor parallelism has no ring to mix frames in (the batcher mixes with one rank "
-                                  "never)")
+        """The step and the chunk as two frames (the step's reply is the one owed)."""
+        self.send(tokens, Reply.LAST, slot)
+        self.send(chunk, Reply.NONE, chunk_slot)
+
+    def recv_ahead(self, rows: int):
+        return None  # a step built on a reply not yet come would run its all_sums out of order
 
     def park(self) -> None:
         """The other ranks block on the watchdog's channel, not in the next broadcast."""
         if self.waker is None or self._parked:
             return
+        self.broadcast.send(Header(Op.PARK, arg=self._parks + 1))
+        if self.transport is not None:
+            return super().park()
         self._parks += 1
-        self.broadcast.send(Header(Op.PARK, arg=self._parks))
         self._parked = self._parks
 
     def clear(self) -> None:
-        super().clear()
         self._tell(Header(Op.CLEAR))
+        super().clear()
 
     def rank_info(self) -> List[dict]:
         self._tell(Header(Op.INFO))
-        rows = rank_info.decode_rows(self.broadcast.gather_rows(_info_row(self.stage, 0)))
+        table = self.broadcast.gather_rows(_info_row(self.stage, 0))
+        if self.transport is not None:
+            self._send(Header.for_payload(Op.INFO, table), table)
+            _, table = self.transport.recv()
+        rows = rank_info.decode_rows(table)
         for row in rows:
-            row["tensor"] = {"rank": row["rank"], "size": self.tensor_size}
+            row["tensor"] = {"rank": row["rank"] % self.tensor_size, "size": self.tensor_size}
         return rows
 
     def close(self) -> None:
         if self.broadcast is not None:
             self._tell(Header(Op.STOP))
             self.broadcast = None
+            super().close()
             release_group(self.stage)
 
 
-class TensorFollower:
-    """A rank other than 0: replay rank 0's frames and cache ops on this rank's slice."""
+class TensorStageWorker(StageWorker):
+    """The first rank of a later stage's group (T < N): a ring worker that broadcasts each frame
+    it runs to the other ranks of its group before running it."""
 
-    def __init__(self, stage: Stage, group, wait_wake=None):
+    def __init__(self, stage: Stage, rank: int, size: int, group, world_rank: int, wait_wake=None):
+        super().__init__(stage, rank, size, wait_wake)
+        self.broadcast = Broadcast(group)
+        self.world_rank = world_rank
+        self._transport = None
+
+    def handle(self, header: Header, payload: Optional[mx.array]) -> Optional[Frame]:
+        _sends_done(self._transport)
+        if header.op == Op.FORWARD:
+            self.broadcast.send(header)
+            self.broadcast.send_payload(payload)
+        elif header.op in CACHE_OPS:
+            self.broadcast.send(header, [] if payload is None else payload.reshape(-1).tolist())
+        elif header.op == Op.INFO:
+            self.broadcast.send(header)
+            table = mx.concatenate([payload, self.broadcast.gather_rows(_info_row(self.stage, self.world_rank))],
+                                   axis=1)
+            return Header.for_payload(Op.INFO, table), table
+        elif header.op in (Op.CLEAR, Op.STOP, Op.PARK):
+            self.broadcast.send(header)
+        return super().handle(header, payload)
+
+    def serve(self, transport) -> None:
+        self._transport = transport
+        super().serve(transport)
+
+    def _forward_plain(self, header: Header, h: mx.array) -> Optional[Frame]:
+        """StageWorker's, but the stage's output always evaluated, as the group's other ranks do: a
+        last stage's reply of NONE or ACK would evaluate only the caches, leaving out the last
+        layer's all_sums. (No memory verdict here: the other ranks run the frame already.)"""
+        caches = self.caches.get(header.slot)
+        with keeping(caches, header.arg):
+            h = self.stage(h, caches)
+        mx.eval(h, [c.state for c in caches])
+        if self.is_last:
+            if header.reply in (Reply.NONE, Reply.ACK):
+                return None if header.reply == Reply.NONE else (Header(Op.FORWARD, Reply.ACK, header.slot), None)
+            if header.reply == Reply.LAST:
+                h = h[:, -1:, :]
+        return Header.for_payload(Op.FORWARD, h, reply=header.reply, slot=header.slot, arg=header.arg,
+                                  next_length=header.next_length), h
+
+    def build_ahead(self, transport, frame):
+        return None  # its all_sums would run out of order with the broadcasts
+
+
+class TensorFollower:
+    """A rank other than its group's first: replay that rank's frames and cache ops on this
+    rank's slice."""
+
+    def __init__(self, stage: Stage, group, wait_wake=None, world_rank: Optional[int] = None):
         self.stage = stage
-        self.rank = group.rank()
+        self.rank = group.rank() if world_rank is None else world_rank
         self.broadcast = Broadcast(group)
         self.wait_wake = wait_wake
         self.caches = SlotCaches(stage)
@@ -118,16 +199,19 @@ class TensorFollower:
         self.stats = RankStats(self.caches, self.guard)
 
     def serve(self) -> None:
-        """Until rank 0 sends STOP."""
+        """Until the group's first rank sends STOP."""
         while True:
             header, values = self.broadcast.recv()
             op = header.op
             if op == Op.FORWARD:
-                tokens = mx.array(values, dtype=mx.int32).reshape(header.batch, header.length)
+                if header.width:  # a later stage: the hidden states the ring brought
+                    h = self.broadcast.recv_payload(header.payload_shape(), header.payload_dtype())
+                else:
+                    h = self.stage.embed(mx.array(values, dtype=mx.int32).reshape(header.batch, header.length))
                 caches = self.caches.get(header.slot)
                 with self.stats.computing():
                     with keeping(caches, header.arg):
-                        h = self.stage(self.stage.embed(tokens), caches)
+                        h = self.stage(h, caches)
                     mx.eval(h, [c.state for c in caches])
                 self.stats.forward_frames += 1
             elif op in CACHE_OPS:

@@ -1,18 +1,24 @@
 """Start-up with --tensor-parallel-size T > 1 (shard/tensor.py, runtime/tensor.py).
 
-T equals the number of ranks: every rank loads 1/T of every layer (and the embedding and
+T equals the number of ranks N: every rank loads 1/T of every layer (and the embedding and
 head whole), rank 0 returns a TensorPipeline, the others replay its frames until STOP.
+T < N (T dividing N, on a backend that splits a group: MPI): ranks [sT, (s+1)T) are pipeline
+stage s, each holding 1/T of that stage's layers; the stages' first ranks form the ring.
 """
 
+import os
 from typing import Callable, Optional
 
 from .. import TrinityError
-from ..runtime.tensor import TensorFollower, TensorPipeline
+from ..runtime.tensor import TensorFollower, TensorPipeline, TensorStageWorker
 from ..shard.checkpoint import load_config
 from ..shard.config import model_args
 from ..shard.loader import fetch_stage_files, load_stage
 from ..shard.memory_limit import apply_memory_limit
+from ..shard.plan import layer_ranges
 from ..shard.tensor import check_tensor_size, release_group
+from ..transport.guarded import GuardedTransport
+from ..transport.mx_p2p import MxPointToPoint
 from .handshake import StartupRefused, handshake
 from .sizing import fixed_context
 
@@ -28,15 +34,14 @@ def check_tensor_args(args, world: int, config: Optional[dict] = None) -> int:
         raise TrinityError("--tensor-parallel-size splits every layer across ranks; --stages runs stages in one "
                            "process: use one or the other")
     if args.split:
-        raise TrinityError(f"--split {args.split}: with --tensor-parallel-size {size} every rank holds every layer")
-    if world != size:
+        raise TrinityError(f"--split {args.split}: with --tensor-parallel-size {size} the layers are split evenly "
+                           "between the groups of ranks")
+    if world % size:
         if world == 1:
             raise TrinityError(f"--tensor-parallel-size {size} needs {size} ranks (e.g. mlx.launch -n {size}, or "
                                f"launch run --single-host {size}); this is one process")
-        raise TrinityError(f"--tensor-parallel-size {size} with {world} ranks: tensor parallelism within groups and "
-                           f"a pipeline across them is not built (it needs mx.distributed.Group.split, which the MPI "
-                           f"backend has and the ring backend refuses); give --tensor-parallel-size {world} (every "
-                           f"rank 1/{world} of every layer) or 1 (the pipeline)")
+        raise TrinityError(f"--tensor-parallel-size {size} must divide the number of ranks, {world}: each group of "
+                           f"{size} ranks is a pipeline stage")
     if config is not None:
         check_tensor_size(model_args(config), size, config.get("quantization"))
     return size
@@ -53,40 +58,80 @@ def build_tensor_pipeline(args, group, watchdog, on_ready: Optional[Callable[[],
             watchdog.close()
         raise StartupRefused(str(e)) from None
     num_layers = model_args(config).num_hidden_layers
-    ranges = [(0, num_layers)] * group.size()
+    world, rank = group.size(), group.rank()
+    size = args.tensor_parallel_size
+    stages = world // size
+    tensor, leaders = group, None
+    if stages > 1:
+        try:
+            tensor = group.split(rank // size, rank)  # this stage's ranks
+            leaders = group.split(0 if rank % size == 0 else 1, rank)  # the stages' first ranks: the ring
+        except Exception as e:
+            if watchdog is not None:
+                watchdog.close()
+            raise StartupRefused(f"--tensor-parallel-size {size} with {world} ranks makes {stages} groups of {size} "
+                                 f"with mx.distributed.Group.split, which the {backend_name()} backend refuses ({e}); "
+                                 f"use MPI, or --tensor-parallel-size {world} (every rank 1/{world} of every layer) "
+                                 f"or 1 (the pipeline)") from None
+    start, end = layer_ranges(num_layers, stages, None)[rank // size]
+    first = rank < size
     context = fixed_context(args) or config.get("max_position_embeddings") or 4096
     try:
-        reports = handshake(group, config_dir, config, ranges, context, args.memory_limit, tensor=group.size())
+        reports = handshake(group, config_dir, config, [layer_ranges(num_layers, stages, None)[r // size]
+                                                        for r in range(world)], context, args.memory_limit, tensor=size)
     except StartupRefused:
         if watchdog is not None:
             watchdog.close()
         raise
-    rank = group.rank()
     if args.memory_limit is not None:
         apply_memory_limit(reports[rank]["memory_bytes"])
     stage, path, error = None, None, None
     try:
-        path = fetch_stage_files(model, 0, num_layers, True, config_dir)
-        stage = load_stage(path, 0, num_layers, True, config, group=group)
+        path = fetch_stage_files(model, start, end, first, config_dir)
+        stage = load_stage(path, start, end, first, config, group=tensor)
     except Exception as e:  # reported to every rank before anyone waits on a peer
         error = e
     startup_check(group, error, [r["host"] for r in reports], watchdog)
-    if rank != 0:
+    wait_wake = watchdog and watchdog.wait_wake
+    if rank % size:
         if on_ready is not None:
             on_ready()
-        follower = TensorFollower(stage, group, wait_wake=watchdog and watchdog.wait_wake)
+        follower = TensorFollower(stage, tensor, wait_wake=wait_wake, world_rank=rank)
         if watchdog is not None:
             watchdog.report = follower.stats.report
         follower.serve()
         release_group(stage)
         return None
-    pipeline = TensorPipeline(stage, group)
+    transport = None
+    if leaders is not None:
+        transport = MxPointToPoint(leaders)
+        transport = transport if watchdog is None else GuardedTransport(transport, watchdog)
+    if rank != 0:
+        if on_ready is not None:
+            on_ready()
+        worker = TensorStageWorker(stage, rank // size, stages, tensor, rank, wait_wake=wait_wake)
+        if watchdog is not None:
+            watchdog.report = worker.stats.report
+        worker.serve(transport)
+        release_group(stage)
+        return None
+    pipeline = TensorPipeline(stage, tensor, transport)
     if watchdog is not None:
         pipeline.waker = watchdog.wake
         pipeline.peer_reports = lambda: dict(watchdog.reports)
     # Rank 0 sizes the KV caches (--max-batch's default, --max-context auto, the prefix cache's bytes)
     # from the rank table's layers and this config: one rank's share of the heads, so one rank's caches.
-    size = group.size()
     share = dict(config, num_attention_heads=config["num_attention_heads"] // size,
                  num_key_value_heads=config["num_key_value_heads"] // size)
     return loaded(pipeline, path, share, [r["memory_bytes"] for r in reports])
+
+
+def backend_name() -> str:
+    """The backend this process was started for, as its launcher's environment says."""
+    if "NCCL_HOST_IP" in os.environ:
+        return "NCCL"
+    if any(v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
+        return "MPI"
+    if "MLX_IBV_DEVICES" in os.environ or "MLX_JACCL_COORDINATOR" in os.environ:
+        return "JACCL"
+    return "ring"

@@ -52,6 +52,16 @@ class Broadcast:
             values += self._sum(mx.zeros((count - INLINE,), dtype=mx.int32))
         return header, values
 
+    def send_payload(self, payload: mx.array) -> None:
+        """Rank 0 of the group: a frame's hidden states (after send() of its header)."""
+        mx.eval(mx.distributed.all_sum(payload, group=self.group))
+
+    def recv_payload(self, shape, dtype) -> mx.array:
+        """Another rank: the hidden states that send_payload() sends, as the header announced them."""
+        out = mx.distributed.all_sum(mx.zeros(shape, dtype=dtype), group=self.group)
+        mx.eval(out)
+        return out
+
     def gather_rows(self, row: mx.array) -> mx.array:
         """Every rank's int32 row (1, 1, width), stacked in rank order: (1, size, width) on every rank."""
         table = mx.zeros((self.size, row.shape[-1]), dtype=mx.int32)

@@ -96,10 +96,27 @@ def test_a_size_that_does_not_divide_is_refused(hf_checkpoint):
            "(num_key_value_heads) = 2" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_fewer_than_every_rank_is_refused(hf_checkpoint):
+def test_groups_need_a_backend_that_splits(hf_checkpoint):
+    """T < N: groups of T ranks made with Group.split, which the ring backend refuses."""
     proc = run_cli(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--tensor-parallel-size", "2"], ranks=4)
     assert proc.returncode != 0
-    assert "--tensor-parallel-size 2 with 4 ranks" in proc.stderr, proc.stderr[-3000:]
+    assert "--tensor-parallel-size 2 with 4 ranks makes 2 groups of 2 with mx.distributed.Group.split, which the " \
+           "ring backend refuses" in proc.stderr, proc.stderr[-3000:]
+    proc = run_cli(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--tensor-parallel-size", "2"], ranks=3)
+    assert "--tensor-parallel-size 2 must divide the number of ranks, 3" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not Path(system_mpirun()).exists(), reason="no mpirun")
+def test_mpi_two_groups_of_two_equal_mlx_lm(hf_checkpoint):
+    """T = 2 of N = 4 (MPI splits the group): two pipeline stages, each two ranks holding half of its
+    layers; a 120-token prompt (its hidden states past MPI's eager limit between the stages)."""
+    prompt = PROMPT * 3
+    out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", ",".join(map(str, prompt)),
+                    "--max-tokens", str(MAX_TOKENS), "--tensor-parallel-size", "2"], ranks=4, backend="mpirun")
+    assert_reference(out, hf_checkpoint, prompt)
+    assert [(r["rank"], r["layers"], r["embed"], r["head"], r["tensor"]) for r in out["ranks"]] == [
+        (0, [0, 4], True, True, {"rank": 0, "size": 2}), (1, [0, 4], True, False, {"rank": 1, "size": 2}),
+        (2, [4, 8], False, False, {"rank": 0, "size": 2}), (3, [4, 8], False, False, {"rank": 1, "size": 2})]
 
 
 @pytest.mark.skipif(not Path(system_mpirun()).exists(), reason="no mpirun")

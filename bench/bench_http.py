@@ -10,7 +10,9 @@ server of the embedded model: `run_trinity.py --serve 127.0.0.1:P --http 127.0.0
 (--max-batch and --max-queue large enough that no client is ever refused). For each client
 count: that many clients, each on one kept-alive connection, send `POST /v1/completions
 {"prompt": "The", "max_tokens": N, "temperature": 0}` back to back for --seconds (after an
-untimed second); requests/s and latency p50 / p99 at the client. The clients are one asyncio
+untimed second); requests/s and latency p50 / p99 at the client. --rounds alternates before
+and after (each a fresh server) and reports medians, so a busy spell of a shared machine falls
+on both. The clients are one asyncio
 loop with raw HTTP/1.1, so they cost little of this machine's CPU beside the server's.
 
 Then one 16 MiB prompt (a JSON body just under the 16 MiB limit): its status, the time to the
@@ -146,6 +148,16 @@ def measure(name: str, checkout: Path, args) -> dict:
         log.close()
 
 
+def summary(rounds) -> dict:
+    """Per client count, the median over rounds of requests/s, p50 and p99; the 16 MiB prompt's worst."""
+    levels = []
+    for rows in zip(*(r["load"] for r in rounds)):
+        levels.append({"clients": rows[0]["clients"], **{key: statistics.median(row[key] for row in rows)
+                                                          for key in ("requests_per_s", "p50_ms", "p99_ms")}})
+    huge = max((r["huge_prompt"] for r in rounds), key=lambda h: h["peak_over_before_mib"])
+    return {"load": levels, "huge_prompt": huge}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--before", type=Path, required=True, help="the checkout to compare against")
@@ -153,13 +165,19 @@ def main():
     p.add_argument("--clients", default="1,8,32")
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--max-tokens", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2, help="before and after alternated this many times (medians)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "http_front_end.json")
     args = p.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
+    runs = {"before": [], "after": []}
+    for _ in range(args.rounds):  # alternated, so that a busy spell of this machine falls on both
+        runs["before"].append(measure("before", args.before.resolve(), args))
+        runs["after"].append(measure("after", args.after.resolve(), args))
     result = {"what": "POST /v1/completions {prompt: 'The', max_tokens: %d}, 1-rank server of the embedded model, "
                       "this CPU (%d cores)" % (args.max_tokens, os.cpu_count()),
-              "seconds_per_level": args.seconds,
-              "before": measure("before", args.before.resolve(), args), "after": measure("after", args.after.resolve(), args)}
+              "seconds_per_level": args.seconds, "rounds": args.rounds,
+              "load_average_at_end": os.getloadavg(),
+              **{name: summary(rows) for name, rows in runs.items()}, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -216,8 +216,7 @@ class _Handler:
     def _send(self, status: int, data: bytes, content_type: str, headers=()):
         self._status = status
         self.x.start(status, [("Content-Type", content_type), ("Content-Length", str(len(data))),
-                              *((name, headers[name]) for name in headers)])
-        self.x.write(data, more=False)
+                              *((name, headers[name]) for name in headers)], whole=data)
 
     def _models(self, body, scheduler, tokenizer, info):
         model = {"id": info.model_id, "object": "model", "created": self.front.created,

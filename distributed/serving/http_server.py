@@ -163,10 +163,13 @@ class Exchange:
         self.started = self.ended = False
         self._loop, self._send = loop, send
 
-    def start(self, status: int, headers: List[Tuple[str, str]]) -> None:
-        self._call({"type": "http.response.start", "status": status,
-                    "headers": [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in headers]})
-        self.started = True
+    def start(self, status: int, headers: List[Tuple[str, str]], whole: Optional[bytes] = None) -> None:
+        """The status and headers; with `whole`, the whole body too (one hand-over)."""
+        start = {"type": "http.response.start", "status": status,
+                 "headers": [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in headers]}
+        self._call(start, *([{"type": "http.response.body", "body": whole, "more_body": False}]
+                            if whole is not None else []))
+        self.started, self.ended = True, whole is not None
 
     def write(self, data: bytes, more: bool = True) -> None:
         self._call({"type": "http.response.body", "body": data, "more_body": more})
@@ -175,22 +178,23 @@ class Exchange:
     def end(self) -> None:
         self.write(b"", more=False)
 
-    def _call(self, message) -> None:
+    def _call(self, *messages) -> None:
         if self.gone.is_set():
             raise ClientGone("the client went away")
-        future = asyncio.run_coroutine_threadsafe(_send_within(self._send, message), self._loop)
+        future = asyncio.run_coroutine_threadsafe(_send_within(self._send, messages), self._loop)
         try:
             future.result(WRITE_TIMEOUT_S + 5)
         except BaseException as e:  # timed out, the loop closed, the task cancelled at stop
             future.cancel()
             self.gone.set()
             raise ClientGone(f"the client went away ({type(e).__name__})") from None
-        if self.gone.is_set() and message["type"] == "http.response.body" and message.get("more_body"):
+        if self.gone.is_set() and messages[-1]["type"] == "http.response.body" and messages[-1].get("more_body"):
             raise ClientGone("the client went away")
 
 
-async def _send_within(send, message) -> None:
-    await asyncio.wait_for(send(message), WRITE_TIMEOUT_S)
+async def _send_within(send, messages) -> None:
+    for message in messages:
+        await asyncio.wait_for(send(message), WRITE_TIMEOUT_S)
 
 
 def _socket(host: str, port: int) -> socket.socket:

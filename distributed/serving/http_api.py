@@ -10,6 +10,14 @@ token, 404 a model this server does not serve, 429 queue full, 503 loading or
 pipeline down, 507 a rank had no memory for the request (runtime/memory_guard.py). Defaults follow OpenAI: temperature 1; max_tokens 16 for
 completions, the rest of the context (up to the server's cap) for chat.
 
+Before any of that, cheaply (issue 46): without a token, a foreign Host or Origin is 403
+(check_origin); a POST body must be application/json (415), at most MAX_BODY (413, before
+reading past it), UTF-8 JSON, an object nested at most MAX_DEPTH deep without lone
+surrogates (400), its text within text_bound() of the context and its rows within the batch
+(400, before tokenizing). An unexpected exception is logged with its traceback and answered
+500 "internal error", never with its text. The transport (uvicorn, worker threads) is
+http_server.py's; GET /openapi.json, openapi.py's.
+
 Monitoring: GET /health (health.py; open without a token, as gRPC's health),
 GET /metrics (metrics.py) and GET /v1/status (status.py), which with the status
 page (GET /, pages.py) alone are served on --metrics HOST:PORT; GET /chat is the

@@ -71,6 +71,35 @@ class NoReplan:
 
 
 @dataclass
+class Watch:
+    """One attempt's watch over its ring (Supervisor._attempt)."""
+
+    ring: Ring
+    attempt: int
+    attempts: int
+    failure: Optional[Failure] = None
+    failed_at: float = 0.0  # when the failure was seen
+    last_exit_at: float = 0.0
+    deadline: Optional[float] = None  # when the survivors get SIGTERM (after it: SIGKILL)
+    termed: bool = False  # SIGTERM sent
+
+
+def _tear_down(ring: Ring) -> None:
+    """Kill whatever of `ring` is left and reap it."""
+    if ring.groups_alive():
+        ring.kill_all(signal.SIGKILL)
+    for proc in ring.procs.values():
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    end = time.monotonic() + 5
+    while ring.groups_alive() and time.monotonic() < end:
+        time.sleep(0.05)
+    ring.cleanup()
+
+
+@dataclass
 class Outcome:
     failure: Optional[Failure]
     stop_status: int = 0  # our exit status after that stop
@@ -158,126 +187,129 @@ class Supervisor:
             return Outcome(None)
         if attempts > 1:
             log(f"attempt {attempt}/{attempts}: starting the ring ({ring.name})")
-        failure: Optional[Failure] = None
-        failed_at = last_exit_at = 0.0
-        deadline: Optional[float] = None  # when the survivors get SIGTERM
-        termed = False
+        w = Watch(ring, attempt, attempts)
         try:
-            try:
-                ring.start()
-            except OSError as e:  # e.g. the command does not exist: whatever started is stopped below
-                failure = Failure(None, 127, detail=f"could not be started: {e}")
-                log(f"attempt {attempt}/{attempts}: {failure.describe()}")
-                deadline = time.monotonic()
-            if self.stop_signal is not None:  # a signal came while starting
-                ring.forward(self.stop_signal)
-                deadline = time.monotonic() + self.grace
+            self._start(w)
             while ring.running() or ring.groups_alive():
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    if not termed:
-                        alive = ring.running()
-                        if alive:
-                            log(f"{self._whom(ring, alive)} still running "
-                                f"{time.monotonic() - failed_at if failure else self.grace:.0f} s later: SIGTERM")
-                        others = [c for k, c in ring.exited.items() if c != 0]
-                        if failure is not None and alive and isinstance(ring, DirectRing) and _peers_reported(others):
-                            # The cause is the rank that did not exit (frozen, stuck, cut off),
-                            # not the first one whose watchdog noticed.
-                            stuck = alive[0]
-                            failure = ring.rank_failure(stuck, EXIT_PEER_FAILED,
-                                                        f"stopped responding: the other ranks reported a failed "
-                                                        f"peer (exit {EXIT_PEER_FAILED}) and it did not exit")
-                            log(f"attempt {attempt}/{attempts}: {failure.describe()}")
-                        ring.kill_all(signal.SIGTERM)
-                        ring.kill_all(signal.SIGCONT)  # a stopped (SIGSTOP) rank gets its SIGTERM too
-                        termed, deadline = True, now + TERM_WAIT_S
-                    else:
-                        alive = ring.running()
-                        if alive or ring.groups_alive():
-                            log(f"{self._whom(ring, alive) if alive else 'processes they started'} "
-                                "ignored SIGTERM: SIGKILL")
-                        ring.kill_all(signal.SIGKILL)
-                        deadline = now + TERM_WAIT_S  # reaped within moments
-                    continue
-                if (failure is not None and not termed and isinstance(ring, DirectRing) and ring.running()
-                        and now - last_exit_at >= STUCK_AFTER_S and _peers_reported(list(ring.exited.values()))):
-                    # Every rank that exited did so because its watchdog saw a peer fail, the
-                    # last of them STUCK_AFTER_S ago: the rest are the failed ones (frozen,
-                    # cut off). No need to wait out the grace for them.
-                    deadline = now
-                    continue
-                timeout = 0.5 if deadline is None else max(0.01, min(0.5, deadline - now))
-                if not ring.running():
-                    # Every rank ended; wait briefly for what they started (same group) to end.
-                    if deadline is None:
-                        deadline = now + self.grace
-                    time.sleep(min(0.1, timeout))
-                    continue
-                try:
-                    event = ring.events.get(timeout=timeout)
-                except queue.Empty:
-                    continue
-                kind = event[0]
-                if kind == "exit":
-                    _, key, code = event
-                    ring.exited[key] = code
-                    last_exit_at = time.monotonic()
-                    if (failure is not None and self.stop_signal is None and not termed
-                            and time.monotonic() - failed_at < CAUSE_WINDOW_S):
-                        # Ranks failing together: the one that died is the cause, not those
-                        # whose watchdog then made them exit (with EXIT_PEER_FAILED).
-                        other = ring.on_exit(key, code)
-                        if other is not None and _cause_rank(other) > _cause_rank(failure):
-                            log(f"attempt {attempt}/{attempts}: {other.describe()}: the cause, rather than "
-                                f"rank {failure.rank}")
-                            failure = other
-                    if failure is None and self.stop_signal is None:
-                        failure = ring.on_exit(key, code)
-                        if failure is not None:
-                            self._failed(ring, failure, attempt, attempts)
-                            failed_at = time.monotonic()
-                            deadline = failed_at + self.grace
-                        elif key == 0 and isinstance(ring, DirectRing) and deadline is None:
-                            # Rank 0 finished: the others follow at once (it sent them STOP).
-                            deadline = time.monotonic() + self.grace
-                elif kind == "signal":
-                    if self.signals == 1:
-                        log(f"{signal_name(event[1])}: stopping the ring")
-                        if not termed:
-                            ring.forward(event[1])
-                        later = time.monotonic() + self.grace
-                        deadline = later if deadline is None else min(deadline, later)
-                    else:  # asked again: stop waiting
-                        deadline = time.monotonic()
-                elif failure is None and self.stop_signal is None:
-                    failure = ring.on_event(event)
-                    if failure is not None:
-                        self._failed(ring, failure, attempt, attempts)
-                        deadline = time.monotonic() + self.grace
-            if failure is None and self.stop_signal is None:
-                failure = ring.final_failure()
-                stuck = [k for k, c in ring.exited.items() if c != 0]
-                if failure is None and stuck:  # e.g. killed after rank 0 finished without them
-                    key = stuck[0]
-                    detail = f"did not exit within {self.grace:g} s of rank 0 (killed)"
-                    failure = (ring.rank_failure(key, ring.exited[key], detail) if isinstance(ring, DirectRing)
-                               else Failure(key, ring.exited[key], pid=ring.procs[key].pid, detail=detail))
-            return Outcome(failure, ring.stop_status() if failure is None else 0)
+                self._watch_once(w)
+            return self._outcome(w)
         finally:
-            # Whatever happened above (an exception included), nothing of this ring survives.
-            if ring.groups_alive():
-                ring.kill_all(signal.SIGKILL)
-            for proc in ring.procs.values():
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
-            end = time.monotonic() + 5
-            while ring.groups_alive() and time.monotonic() < end:
-                time.sleep(0.05)
-            ring.cleanup()
+            _tear_down(ring)  # whatever happened above (an exception included), nothing of this ring survives
             self.ring = None
+
+    def _start(self, w: "Watch") -> None:
+        try:
+            w.ring.start()
+        except OSError as e:  # e.g. the command does not exist: whatever started is stopped below
+            w.failure = Failure(None, 127, detail=f"could not be started: {e}")
+            log(f"attempt {w.attempt}/{w.attempts}: {w.failure.describe()}")
+            w.deadline = time.monotonic()
+        if self.stop_signal is not None:  # a signal came while starting
+            w.ring.forward(self.stop_signal)
+            w.deadline = time.monotonic() + self.grace
+
+    def _watch_once(self, w: "Watch") -> None:
+        """One turn of the watch: act on a deadline that passed, or take the ring's next event."""
+        ring, now = w.ring, time.monotonic()
+        if w.deadline is not None and now >= w.deadline:
+            return self._past_deadline(w, now)
+        if (w.failure is not None and not w.termed and isinstance(ring, DirectRing) and ring.running()
+                and now - w.last_exit_at >= STUCK_AFTER_S and _peers_reported(list(ring.exited.values()))):
+            # Every rank that exited did so because its watchdog saw a peer fail, the
+            # last of them STUCK_AFTER_S ago: the rest are the failed ones (frozen,
+            # cut off). No need to wait out the grace for them.
+            w.deadline = now
+            return
+        timeout = 0.5 if w.deadline is None else max(0.01, min(0.5, w.deadline - now))
+        if not ring.running():
+            # Every rank ended; wait briefly for what they started (same group) to end.
+            if w.deadline is None:
+                w.deadline = now + self.grace
+            time.sleep(min(0.1, timeout))
+            return
+        try:
+            event = ring.events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        if event[0] == "exit":
+            self._on_exit(w, *event[1:])
+        elif event[0] == "signal":
+            self._stop_asked(w, event[1])
+        elif w.failure is None and self.stop_signal is None:
+            w.failure = ring.on_event(event)
+            if w.failure is not None:
+                self._failed(ring, w.failure, w.attempt, w.attempts)
+                w.deadline = time.monotonic() + self.grace
+
+    def _past_deadline(self, w: "Watch", now: float) -> None:
+        """The survivors had their grace: SIGTERM, then (TERM_WAIT_S later) SIGKILL."""
+        ring = w.ring
+        if w.termed:
+            alive = ring.running()
+            if alive or ring.groups_alive():
+                log(f"{self._whom(ring, alive) if alive else 'processes they started'} ignored SIGTERM: SIGKILL")
+            ring.kill_all(signal.SIGKILL)
+            w.deadline = now + TERM_WAIT_S  # reaped within moments
+            return
+        alive = ring.running()
+        if alive:
+            log(f"{self._whom(ring, alive)} still running "
+                f"{time.monotonic() - w.failed_at if w.failure else self.grace:.0f} s later: SIGTERM")
+        others = [c for k, c in ring.exited.items() if c != 0]
+        if w.failure is not None and alive and isinstance(ring, DirectRing) and _peers_reported(others):
+            # The cause is the rank that did not exit (frozen, stuck, cut off),
+            # not the first one whose watchdog noticed.
+            w.failure = ring.rank_failure(alive[0], EXIT_PEER_FAILED, "stopped responding: the other ranks reported "
+                                          f"a failed peer (exit {EXIT_PEER_FAILED}) and it did not exit")
+            log(f"attempt {w.attempt}/{w.attempts}: {w.failure.describe()}")
+        ring.kill_all(signal.SIGTERM)
+        ring.kill_all(signal.SIGCONT)  # a stopped (SIGSTOP) rank gets its SIGTERM too
+        w.termed, w.deadline = True, now + TERM_WAIT_S
+
+    def _on_exit(self, w: "Watch", key: int, code: int) -> None:
+        ring = w.ring
+        ring.exited[key] = code
+        w.last_exit_at = time.monotonic()
+        if (w.failure is not None and self.stop_signal is None and not w.termed
+                and time.monotonic() - w.failed_at < CAUSE_WINDOW_S):
+            # Ranks failing together: the one that died is the cause, not those
+            # whose watchdog then made them exit (with EXIT_PEER_FAILED).
+            other = ring.on_exit(key, code)
+            if other is not None and _cause_rank(other) > _cause_rank(w.failure):
+                log(f"attempt {w.attempt}/{w.attempts}: {other.describe()}: the cause, rather than "
+                    f"rank {w.failure.rank}")
+                w.failure = other
+        if w.failure is None and self.stop_signal is None:
+            w.failure = ring.on_exit(key, code)
+            if w.failure is not None:
+                self._failed(ring, w.failure, w.attempt, w.attempts)
+                w.failed_at = time.monotonic()
+                w.deadline = w.failed_at + self.grace
+            elif key == 0 and isinstance(ring, DirectRing) and w.deadline is None:
+                # Rank 0 finished: the others follow at once (it sent them STOP).
+                w.deadline = time.monotonic() + self.grace
+
+    def _stop_asked(self, w: "Watch", sig: int) -> None:
+        if self.signals == 1:
+            log(f"{signal_name(sig)}: stopping the ring")
+            if not w.termed:
+                w.ring.forward(sig)
+            later = time.monotonic() + self.grace
+            w.deadline = later if w.deadline is None else min(w.deadline, later)
+        else:  # asked again: stop waiting
+            w.deadline = time.monotonic()
+
+    def _outcome(self, w: "Watch") -> Outcome:
+        ring, failure = w.ring, w.failure
+        if failure is None and self.stop_signal is None:
+            failure = ring.final_failure()
+            stuck = [k for k, c in ring.exited.items() if c != 0]
+            if failure is None and stuck:  # e.g. killed after rank 0 finished without them
+                key = stuck[0]
+                detail = f"did not exit within {self.grace:g} s of rank 0 (killed)"
+                failure = (ring.rank_failure(key, ring.exited[key], detail) if isinstance(ring, DirectRing)
+                           else Failure(key, ring.exited[key], pid=ring.procs[key].pid, detail=detail))
+        return Outcome(failure, ring.stop_status() if failure is None else 0)
 
     def _failed(self, ring: Ring, failure: Failure, attempt: int, attempts: int) -> None:
         alive = ring.running()

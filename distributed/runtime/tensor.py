@@ -40,14 +40,6 @@ def _info_row(stage: Stage, rank: int) -> mx.array:
     return row
 
 
-def _sends_done(transport) -> None:
-    """Wait for the ring's sends in flight (their own stream): MPI crashed (malloc corruption) with
-    a group's all_sum running beside a send on the ring's group (T < N)."""
-    last = getattr(transport, "_last_send", None)
-    if last is not None:
-        mx.eval(last)
-
-
 class TensorPipeline(Pipeline):
     def __init__(self, stage: Stage, group, transport: Optional[Transport] = None):
         super().__init__(stage, transport)
@@ -59,7 +51,6 @@ class TensorPipeline(Pipeline):
         if self._parked:
             self.waker(self._parked)
             self._parked = 0
-        _sends_done(self.transport)
         self.broadcast.send(header, values)
 
     def _tell_others(self, op: Op, slot: int, arg: int = 0, values: Sequence[int] = ()) -> None:
@@ -143,10 +134,8 @@ class TensorStageWorker(StageWorker):
         super().__init__(stage, rank, size, wait_wake)
         self.broadcast = Broadcast(group)
         self.world_rank = world_rank
-        self._transport = None
 
     def handle(self, header: Header, payload: Optional[mx.array]) -> Optional[Frame]:
-        _sends_done(self._transport)
         if header.op == Op.FORWARD:
             self.broadcast.send(header)
             self.broadcast.send_payload(payload)
@@ -160,10 +149,6 @@ class TensorStageWorker(StageWorker):
         elif header.op in (Op.CLEAR, Op.STOP, Op.PARK):
             self.broadcast.send(header)
         return super().handle(header, payload)
-
-    def serve(self, transport) -> None:
-        self._transport = transport
-        super().serve(transport)
 
     def _forward_plain(self, header: Header, h: mx.array) -> Optional[Frame]:
         """StageWorker's, but the stage's output always evaluated, as the group's other ranks do: a

@@ -147,3 +147,45 @@ def test_serving_equals_mlx_lm(hf_checkpoint):
         server.alive()
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(not Path(system_mpirun()).exists(), reason="no mpirun")
+def test_mpi_two_groups_of_two_serve_a_batch(hf_checkpoint, tmp_path):
+    """--serve with T = 2 of N = 4 under mpirun: four requests at once (batched, a step and a
+    prompt chunk sent as two frames where the pipeline mixes them), twice (prefix-cache hits)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import grpc
+
+    from conftest import ROOT, kill_group
+    from distributed.serving.proto import generation_pb2_grpc as pb_grpc
+    from grpc_server import generate
+
+    log = tmp_path / "serve.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([system_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable,
+                                 RUN, "--model", str(hf_checkpoint), "--tensor-parallel-size", "2", "--serve",
+                                 "127.0.0.1:0", "--max-context", "2048"], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (m := re.search(r"serving \S+ on (\S+) \(gRPC\)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(m.group(1)))
+        prompts = [PROMPT, PROMPT[5:], PROMPT[:20], PROMPT * 2]
+        refs = [mlx_lm_greedy(hf_checkpoint, p, MAX_TOKENS, 512) for p in prompts]
+        for _ in range(2):
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                outs = list(pool.map(lambda p: generate(stub, token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0,
+                                                        timeout=90), prompts))
+            for out, (tokens, logprobs) in zip(outs, refs):
+                assert out["token_ids"] == tokens
+                assert max(abs(a - b) for a, b in zip(out["logprobs"], logprobs)) < 1e-5
+    finally:
+        kill_group(proc)

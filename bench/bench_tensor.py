@@ -16,7 +16,8 @@ one greedy generation per configuration in interleaved rounds, each in fresh pro
   runner P=1           one process (this machine's cores, as the two ranks share them)
   runner ring P=2      the pipeline: layers split, ring backend
   runner tensor T=2    every rank 1/2 of every layer, ring backend
-  runner tensor T=2 mpi   the same over MPI (where mpirun is found)
+  runner mpi P=2       the pipeline over MPI (where mpirun is found)
+  runner tensor T=2 mpi   tensor T=2 over MPI
 Medians of decode tok/s and the ratios to mlx-lm and to runner P=1 from this invocation.
 Results: a table on stdout, JSON to --json-out (default bench/results/tensor.json).
 """
@@ -110,7 +111,8 @@ def main() -> None:
         allow = ["--allow-run-as-root", "--oversubscribe", "-np", "2"]
         table = {"mlx-lm (1 process)": (None, 1), "runner P=1": (runner, 1), "runner ring P=2": (runner, 2),
                  "runner tensor T=2": (runner + ["--tensor-parallel-size", "2"], 2)}
-        if mpirun:
+        if mpirun:  # the pipeline over MPI too: what the backend gives apart from the split
+            table["runner mpi P=2"] = ([mpirun, *allow] + runner, 1)
             table["runner tensor T=2 mpi"] = ([mpirun, *allow] + runner + ["--tensor-parallel-size", "2"], 1)
         ids = prompt_ids(args.prompt_len)
         runs = {name: [] for name in table}

@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", help="layers per rank, e.g. 10,12,10; `auto` plans from each rank's memory "
                    "(default: an even split, rank 0 taking the fewest)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="T",
-                   help="split every layer across T ranks (T = the number of ranks; attention by KV heads, MLPs "
-                   "and experts by width): one chat gets faster with each rank; 1: the pipeline (layers split)")
+                   help="split every layer across T ranks (attention by KV heads, MLPs and experts by width): one "
+                   "chat gets faster with each rank; T = the number of ranks, or groups of T as pipeline stages "
+                   "(MPI); 1: the pipeline (layers split)")
     p.add_argument("--transport", choices=["auto", "p2p", "collective"], default="auto",
                    help="how hidden states move between ranks: point-to-point send/recv, or collectives "
                    "(for backends without send/recv, such as NCCL); auto picks collective under NCCL")

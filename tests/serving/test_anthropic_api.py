@@ -301,11 +301,16 @@ def test_x_api_key_auth(guarded):
     assert client("sekret").messages.count_tokens(model="tools", messages=ASK).input_tokens > 0
 
 
-def _access_line(ring, route):
-    for _ in range(100):
-        lines = [l for l in ring.server.output().splitlines() if f"route={route} " in l]
-        if lines:
-            return lines[-1]
+def _lines(ring, route):
+    return [line for line in ring.server.output(tail=10**9).splitlines() if f"route={route} " in line]
+
+
+def _access_line(ring, route, before: int):
+    """The access-log line of the next request to `route` after `before` lines (written as its answer ends)."""
+    for _ in range(200):
+        lines = _lines(ring, route)
+        if len(lines) > before:
+            return lines[before]
         time.sleep(0.05)
     raise AssertionError("no access-log line for " + route)
 
@@ -323,13 +328,14 @@ def test_claude_code_request_is_served(ring):
             "thinking": {"type": "adaptive"}, "output_config": {"effort": "medium"},
             "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
             "metadata": {"user_id": "user_abc_account_def_session_1"}}
+    before = len(_lines(ring, "/v1/messages"))
     with ring.client.messages.stream(**{k: v for k, v in body.items() if k in ("model", "max_tokens", "system",
                                                                                "messages", "tools", "metadata")},
                                      extra_body={k: v for k, v in body.items() if k in (
                                          "thinking", "output_config", "context_management", "temperature")}) as s:
         message = s.get_final_message()
     assert message.stop_reason in ("tool_use", "end_turn", "max_tokens"), message
-    line = _access_line(ring, "/v1/messages")
+    line = _access_line(ring, "/v1/messages", before)
     assert "status=200" in line and "clamped=max_tokens" in line, line
     for name in ("thinking", "output_config.effort", "metadata"):
         assert name in line.split("ignored=")[1], line

@@ -155,23 +155,29 @@ CODEX = dict(instructions="You are Codex.", tools=CODEX_TOOLS, tool_choice="auto
 
 def test_codex_request_is_served_and_its_ignored_fields_logged(ring):
     """Codex's request as it comes: accepted; what changes nothing here is named in the access log."""
+    before = len(_lines(ring, "/v1/responses"))
     with ring.client.responses.stream(model=ring.model, input=[{"type": "message", "role": "user", "content": [
             {"type": "input_text", "text": ASK}]}], temperature=0, max_output_tokens=40,
             **{k: v for k, v in CODEX.items() if k not in ("stream", "client_metadata")},
             extra_body={"client_metadata": CODEX["client_metadata"]}) as stream:
         final = stream.get_final_response()
     assert final.status == "completed" and final.output, final
-    line = _access_line(ring, "/v1/responses")
+    line = _access_line(ring, "/v1/responses", before)
     for name in ("reasoning.effort", "reasoning.summary", "tools.web_search", "text.verbosity", "client_metadata",
                  "prompt_cache_key"):
         assert name in line, line
 
 
-def _access_line(ring, route):
-    for _ in range(100):
-        lines = [l for l in ring.server.output().splitlines() if f"route={route} " in l]
-        if lines:
-            return lines[-1]
+def _lines(ring, route):
+    return [line for line in ring.server.output(tail=10**9).splitlines() if f"route={route} " in line]
+
+
+def _access_line(ring, route, before: int):
+    """The access-log line of the next request to `route` after `before` lines (written as its answer ends)."""
+    for _ in range(200):
+        lines = _lines(ring, route)
+        if len(lines) > before:
+            return lines[before]
         time.sleep(0.05)
     raise AssertionError("no access-log line for " + route)
 

@@ -380,9 +380,9 @@ def _prompt(body: dict, tokenizer, max_tokens=None, ignored=None) -> dict:
         tools = _tools(body["tools"], ignored)
         if tools:
             chat["tools"] = tools
-    if body.get("tool_choice") is not None and (chat.get("tools") or body["tool_choice"].get("type") == "none"
-                                                if isinstance(body["tool_choice"], dict) else True):
-        _tool_choice(body["tool_choice"], chat)
+    choice = body.get("tool_choice")
+    if choice is not None and (chat.get("tools") or not isinstance(choice, dict) or choice.get("type") != "auto"):
+        _tool_choice(choice, chat)  # "auto" with only server tools left: nothing to choose; "any": a 400 (no tools)
     if body.get("output_config") is not None:
         _output_config(body["output_config"], chat, ignored)
     if body.get("context_management") is not None:

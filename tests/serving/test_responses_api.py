@@ -7,6 +7,7 @@ calls; max_output_tokens as "incomplete"; what is not implemented refused by nam
 import json
 import re
 import time
+import urllib.request
 
 import jsonschema
 import openai
@@ -166,6 +167,9 @@ def test_codex_request_is_served_and_its_ignored_fields_logged(ring):
     for name in ("reasoning.effort", "reasoning.summary", "tools.web_search", "text.verbosity", "client_metadata",
                  "prompt_cache_key"):
         assert name in line, line
+    with urllib.request.urlopen(f"{ring.base_url}/metrics", timeout=30) as r:
+        scrape = r.read().decode()
+    assert 'trinity_ignored_fields_total{field="tools.web_search"}' in scrape
 
 
 def _lines(ring, route):

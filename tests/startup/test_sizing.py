@@ -97,15 +97,18 @@ def test_the_context_is_what_the_tightest_rank_holds(limited_ring):
     assert f"max context: {expected} tokens for each of {BATCH} sequences" in limited_ring.output()
 
 
-def test_a_request_that_could_not_fit_is_refused_and_one_that_fits_is_served(limited_ring):
+def test_a_request_past_the_context_is_clamped_and_one_with_no_room_refused(limited_ring):
+    """max_tokens beyond the room the prompt leaves is clamped to it (as vLLM and llama.cpp do:
+    the reply ends with "length" there); a prompt that leaves no room is refused, naming the context."""
     context = limited_ring.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).max_context
     prompt = [5 + i % 50 for i in range(context - 3)]
-    with pytest.raises(grpc.RpcError) as e:
-        list(limited_ring.stub.Generate(pb.GenerateRequest(token_ids=prompt, max_tokens=4), timeout=60))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"prompt ({context - 3} tokens) + max_tokens (4) exceeds the context of {context} tokens" in e.value.details()
-    replies = list(limited_ring.stub.Generate(pb.GenerateRequest(token_ids=prompt, max_tokens=3), timeout=120))
+    replies = list(limited_ring.stub.Generate(pb.GenerateRequest(token_ids=prompt, max_tokens=4), timeout=120))
     assert sum(len(r.token_ids) for r in replies) == 3 and replies[-1].finish_reason == "length"
+    full = [5 + i % 50 for i in range(context)]
+    with pytest.raises(grpc.RpcError) as e:
+        list(limited_ring.stub.Generate(pb.GenerateRequest(token_ids=full, max_tokens=1), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"prompt ({context} tokens) + max_tokens (1) exceeds the context of {context} tokens" in e.value.details()
 
 
 LONG_PROMPT = [5 + i % 50 for i in range(1800)]  # fits the context (2048), not LIMIT

@@ -40,3 +40,18 @@ def start_agent_ring(tmp_path_factory, extra=()):
     tokenizer = load_tokenizer(path, eos_token_ids=read_config(path)["eos_token_id"])
     return SimpleNamespace(base_url=f"http://127.0.0.1:{port}", port=port, path=path, model=str(path),
                            tokenizer=tokenizer, server=server)
+
+
+def access_lines(ring, route):
+    """The access-log lines of `route` the ring's rank 0 has written so far."""
+    return [line for line in ring.server.output(tail=10**9).splitlines() if f"route={route} " in line]
+
+
+def access_line(ring, route, before: int):
+    """The access-log line of the next request to `route` after `before` lines (written as its answer ends)."""
+    for _ in range(200):
+        lines = access_lines(ring, route)
+        if len(lines) > before:
+            return lines[before]
+        time.sleep(0.05)
+    raise AssertionError("no access-log line for " + route)

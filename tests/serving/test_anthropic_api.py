@@ -6,7 +6,6 @@ usage, refused fields (400 in Anthropic's shape), and x-api-key auth (an in-proc
 
 import http.client
 import json
-import time
 
 import anthropic
 import jsonschema
@@ -14,7 +13,7 @@ import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from agent_ring import TOOLS, start_agent_ring
+from agent_ring import TOOLS, access_line, access_lines, start_agent_ring
 from distributed.runtime.scheduler import Scheduler
 from distributed.serving.http_api import start_http_server
 from distributed.serving.options import ServeOptions
@@ -301,20 +300,6 @@ def test_x_api_key_auth(guarded):
     assert client("sekret").messages.count_tokens(model="tools", messages=ASK).input_tokens > 0
 
 
-def _lines(ring, route):
-    return [line for line in ring.server.output(tail=10**9).splitlines() if f"route={route} " in line]
-
-
-def _access_line(ring, route, before: int):
-    """The access-log line of the next request to `route` after `before` lines (written as its answer ends)."""
-    for _ in range(200):
-        lines = _lines(ring, route)
-        if len(lines) > before:
-            return lines[before]
-        time.sleep(0.05)
-    raise AssertionError("no access-log line for " + route)
-
-
 def test_claude_code_request_is_served(ring):
     """Claude Code's request as it comes (trimmed): context_management, adaptive thinking, effort,
     a system entry among the messages, max_tokens far above the cap: served, the max_tokens clamped
@@ -328,14 +313,14 @@ def test_claude_code_request_is_served(ring):
             "thinking": {"type": "adaptive"}, "output_config": {"effort": "medium"},
             "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
             "metadata": {"user_id": "user_abc_account_def_session_1"}}
-    before = len(_lines(ring, "/v1/messages"))
+    before = len(access_lines(ring, "/v1/messages"))
     with ring.client.messages.stream(**{k: v for k, v in body.items() if k in ("model", "max_tokens", "system",
                                                                                "messages", "tools", "metadata")},
                                      extra_body={k: v for k, v in body.items() if k in (
                                          "thinking", "output_config", "context_management", "temperature")}) as s:
         message = s.get_final_message()
     assert message.stop_reason in ("tool_use", "end_turn", "max_tokens"), message
-    line = _access_line(ring, "/v1/messages", before)
+    line = access_line(ring, "/v1/messages", before)
     assert "status=200" in line and "clamped=max_tokens" in line, line
     for name in ("thinking", "output_config.effort", "metadata"):
         assert name in line.split("ignored=")[1], line

@@ -6,14 +6,13 @@ calls; max_output_tokens as "incomplete"; what is not implemented refused by nam
 
 import json
 import re
-import time
 import urllib.request
 
 import jsonschema
 import openai
 import pytest
 
-from agent_ring import TOOLS, start_agent_ring
+from agent_ring import TOOLS, access_line, access_lines, start_agent_ring
 from tool_checkpoint import CALL
 
 ASK = "What is the weather in Paris?"
@@ -156,34 +155,20 @@ CODEX = dict(instructions="You are Codex.", tools=CODEX_TOOLS, tool_choice="auto
 
 def test_codex_request_is_served_and_its_ignored_fields_logged(ring):
     """Codex's request as it comes: accepted; what changes nothing here is named in the access log."""
-    before = len(_lines(ring, "/v1/responses"))
+    before = len(access_lines(ring, "/v1/responses"))
     with ring.client.responses.stream(model=ring.model, input=[{"type": "message", "role": "user", "content": [
             {"type": "input_text", "text": ASK}]}], temperature=0, max_output_tokens=40,
             **{k: v for k, v in CODEX.items() if k not in ("stream", "client_metadata")},
             extra_body={"client_metadata": CODEX["client_metadata"]}) as stream:
         final = stream.get_final_response()
     assert final.status == "completed" and final.output, final
-    line = _access_line(ring, "/v1/responses", before)
+    line = access_line(ring, "/v1/responses", before)
     for name in ("reasoning.effort", "reasoning.summary", "tools.web_search", "text.verbosity", "client_metadata",
                  "prompt_cache_key"):
         assert name in line, line
     with urllib.request.urlopen(f"{ring.base_url}/metrics", timeout=30) as r:
         scrape = r.read().decode()
     assert 'trinity_ignored_fields_total{field="tools.web_search"}' in scrape
-
-
-def _lines(ring, route):
-    return [line for line in ring.server.output(tail=10**9).splitlines() if f"route={route} " in line]
-
-
-def _access_line(ring, route, before: int):
-    """The access-log line of the next request to `route` after `before` lines (written as its answer ends)."""
-    for _ in range(200):
-        lines = _lines(ring, route)
-        if len(lines) > before:
-            return lines[before]
-        time.sleep(0.05)
-    raise AssertionError("no access-log line for " + route)
 
 
 def test_namespace_and_custom_tools_map_back(ring):

@@ -77,12 +77,19 @@ PLAIN_TEMPLATE = (
     "{% if not loop.last %}\n\n{% endif %}{% endfor %}")
 
 
+# The context the embedded model serves: an agent's first request (Codex about 15k tokens through this
+# tokenizer, Claude Code about 34k) with room to reply. Trained on 2,048-token windows; its full-attention
+# layers have no positional encoding and its sliding ones see 64 positions, so longer contexts run as
+# they do (its text past the training length is as loose as it is within it).
+CONTEXT = 65536
+
+
 def model_config(vocab_size: int, eot_id: int, layers: int = 6) -> dict:
     """HF-style config.json: 6 layers (S S F S S F), window 64, 1 dense layer then MoE."""
     return tiny_config(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=384, moe_intermediate_size=64,
         num_hidden_layers=layers, num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, max_position_embeddings=2048, sliding_window=64, global_attn_every_n_layers=3,
+        head_dim=32, max_position_embeddings=CONTEXT, sliding_window=64, global_attn_every_n_layers=3,
         layer_types=["full_attention" if (i + 1) % 3 == 0 or i + 1 == layers else "sliding_attention"
                      for i in range(layers)],
         num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
@@ -158,7 +165,7 @@ def train_tokenizer(docs, vocab_size: int, out: Path):
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": EOT,
-        "pad_token": EOT, "unk_token": None, "model_max_length": 2048, "chat_template": PLAIN_TEMPLATE,
+        "pad_token": EOT, "unk_token": None, "model_max_length": CONTEXT, "chat_template": PLAIN_TEMPLATE,
     }, indent=2))
     return tok
 

@@ -29,7 +29,7 @@ from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
 from .handshake import StartupRefused, agree_control_address, exchange_errors, handshake
 from .preflight import allow_mpi_calls_from_any_thread, check_group
-from .sizing import fixed_context
+from .sizing import checked_context
 from .watchdog import CONTROL_ENV, Control, Watchdog, parse_address
 
 
@@ -165,7 +165,7 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None,
 
     rank = group.rank()
     start, end = ranges[rank]
-    context = fixed_context(args) or config.get("max_position_embeddings") or 4096
+    context = checked_context(args, config)
     try:
         reports = handshake(group, config_dir, config, ranges, context, args.memory_limit)
     except StartupRefused:

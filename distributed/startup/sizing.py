@@ -21,7 +21,7 @@ from ..runtime.memory_admission import MemoryAdmission
 from ..runtime.prefill_chunks import ChunkBudget
 from ..runtime.prefix_cache import default_budget
 from ..shard.draft import draft_reserve
-from ..shard.kv_budget import DEFAULT_CONTEXT, kv_budget, longest_context
+from ..shard.kv_budget import CACHE_STEP, DEFAULT_CONTEXT, kv_budget, longest_context
 from ..shard.memory_plan import DEFAULT_MARGIN
 
 AUTO = "auto"
@@ -52,6 +52,14 @@ def model_context(config: dict) -> int:
 def context_limit(args, config: dict) -> int:
     """Prompt + max tokens limit before sizing: --max-context, else the model's."""
     return fixed_context(args) or model_context(config)
+
+
+def checked_context(args, config: dict) -> int:
+    """The context each rank's start-up check must hold: --max-context's, the model's without it;
+    with auto, one cache step (the longest context that fits is found once the weights are in)."""
+    if args.max_context == AUTO:
+        return min(model_context(config), CACHE_STEP)
+    return context_limit(args, config)
 
 
 def planning_context(args, config: dict) -> int:

@@ -64,7 +64,7 @@ def limited_ring():
 
 @pytest.fixture(scope="module")
 def overcommitted_ring():
-    """The model's whole context (2048), more than LIMIT holds: the limit binds mid-request."""
+    """A 2048-token context (--max-context), more than LIMIT holds: the limit binds mid-request."""
     yield from ring("2048")
 
 

@@ -1,0 +1,122 @@
+"""Coding agents, the real clients from npm, against a ring of two serving the embedded model.
+
+Codex CLI (`codex exec`, its Responses wire API) and Claude Code (`claude -p`, Anthropic's Messages)
+run non-interactively with their default settings but the base URL, a key, and the switches that
+keep them off the network (telemetry, updates). Each exits 0 having printed a reply the server
+logged as served, and its second request of the same session (`resume --last`, `--continue`) is
+served from the prefix cache: everything the first request's prompt held is restored, not computed.
+Their first prompts are long (Codex ~15k tokens through this tokenizer, Claude Code ~34k): the ranks
+preload OpenBLAS where it is installed (README's set-up), or this CPU's reference BLAS takes minutes.
+The clients come from README's set-up (`npm install --prefix .agents …`), pinned.
+"""
+
+import ctypes.util
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from conftest import ROOT
+from grpc_server import Server
+
+pytestmark = pytest.mark.slow
+
+AGENTS = ROOT / ".agents" / "node_modules"
+CODEX = AGENTS / ".bin" / "codex"
+# Claude Code's wrapper finds its native binary itself, whether or not npm ran the package's postinstall.
+CLAUDE_WRAPPER = AGENTS / "@anthropic-ai" / "claude-code" / "cli-wrapper.cjs"
+OFFLINE = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "NO_UPDATE_NOTIFIER": "1"}
+TIMEOUT_S = 420
+
+
+def installed():
+    node = shutil.which("node")
+    if node is None or not CODEX.exists() or not CLAUDE_WRAPPER.exists():
+        pytest.fail("the coding agents are not installed: run README's set-up (npm install --prefix .agents ...)")
+    return node
+
+
+@pytest.fixture(scope="module")
+def ring():
+    blas = ctypes.util.find_library("openblas")
+    environment = {"LD_PRELOAD": blas, "OPENBLAS_NUM_THREADS": "1"} if blas else {}
+    server = Server(None, 2, ["--http", "127.0.0.1:0"], environment=environment)
+    try:
+        server.wait_serving()
+        server.http = server.http_address()
+        yield server
+    finally:
+        server.stop()
+
+
+def served(ring, route: str) -> list:
+    """(prompt_tokens, cached_tokens) of each request to `route` the access log shows, with status 200."""
+    lines = [line for line in ring.output(tail=10**9).splitlines() if f"route={route} status=200 " in line]
+    return [tuple(int(re.search(f"{name}=(\\d+)", line).group(1)) for name in ("prompt_tokens", "cached_tokens"))
+            for line in lines]
+
+
+def run(cmd, cwd, env) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env={**os.environ, **OFFLINE, **env}, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.strip(), proc.stderr[-2000:]  # it printed a reply
+    return proc.stdout
+
+
+def session(ring, route: str, commands, cwd, env) -> list:
+    """Run the commands one after the other; for each, the largest request it made (prompt tokens,
+    cached tokens) as the access log shows it (a line is written as its answer ends: waited for)."""
+    largest = []
+    for cmd in commands:
+        before = len(served(ring, route))
+        run(cmd, cwd, env)
+        end = time.monotonic() + 30
+        while len(served(ring, route)) == before and time.monotonic() < end:
+            time.sleep(0.05)
+        made = served(ring, route)[before:]
+        assert made, f"no {route} request served for {cmd}"
+        largest.append(max(made))
+    return largest
+
+
+def assert_second_from_cache(requests):
+    (first, _), (second, cached) = requests
+    assert first > 10_000 and second > first and cached >= first, requests  # the whole first prompt restored
+
+
+def test_codex_exec(ring, tmp_path):
+    installed()
+    host, port = ring.http
+    home, work = tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    (home / "config.toml").write_text(f'''model = "trinity-tiny"
+model_provider = "trinity"
+check_for_update_on_startup = false
+
+[model_providers.trinity]
+name = "trinity"
+base_url = "http://{host}:{port}/v1"
+env_key = "TRINITY_KEY"
+wire_api = "responses"
+
+[analytics]
+enabled = false
+''')
+    env = {"CODEX_HOME": str(home), "TRINITY_KEY": "dummy"}
+    codex = [str(CODEX), "exec", "--skip-git-repo-check"]
+    assert_second_from_cache(session(ring, "/v1/responses", [[*codex, "say hello"],
+                                                             [*codex, "resume", "--last", "say more"]], work, env))
+
+
+def test_claude_code_print(ring, tmp_path):
+    node = installed()
+    host, port = ring.http
+    env = {"HOME": str(tmp_path), "ANTHROPIC_BASE_URL": f"http://{host}:{port}", "ANTHROPIC_API_KEY": "dummy"}
+    claude = [node, str(CLAUDE_WRAPPER), "-p", "--model", "trinity-tiny"]
+    assert_second_from_cache(session(ring, "/v1/messages", [[*claude, "say hello"],
+                                                            [*claude, "--continue", "say more"]], tmp_path, env))

@@ -29,7 +29,7 @@ from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
 from .handshake import StartupRefused, agree_control_address, exchange_errors, handshake
 from .preflight import allow_mpi_calls_from_any_thread, check_group
-from .sizing import checked_context
+from .sizing import checked_context, fixed_context
 from .watchdog import CONTROL_ENV, Control, Watchdog, parse_address
 
 

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from distributed.runtime.request import MAX_STOPS  # noqa: E402
 from distributed.serving.proto import generation_pb2 as pb  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven tired engineers watch memory "
@@ -138,7 +139,10 @@ class Soak:
             ("token out of vocab", dict(token_ids=ids + [info.vocab_size + rng.randint(0, 10**6)])),
             ("prompt too long", dict(token_ids=[rng.randrange(0, 256) for _ in range(info.max_context + 1)],
                                      max_tokens=1)),
-            ("max_tokens above cap", dict(token_ids=ids, max_tokens=info.max_tokens_cap + 1)),
+            # (max_tokens above the cap is clamped now, as vLLM and llama.cpp do: not invalid)
+            ("context size past the context", dict(token_ids=ids, repetition_penalty=1.1,
+                                                   repetition_context_size=info.max_context + 1)),
+            ("too many stop strings", dict(token_ids=ids, stop=["x"] * (MAX_STOPS + 1))),
             ("max_tokens=0", dict(token_ids=ids, max_tokens=0)),
         ]
         return rng.choice(cases)

@@ -3,6 +3,7 @@ stream's decode speed against one process and against the pipeline.
 
     python bench/bench_tensor.py [--reps N] [--iters N] [--blas reference|openblas] [--only allreduce|decode]
                                  [--prompt-len N] [--decode-tokens N] [--json-out PATH]
+                                 [--mini PATH [--smoke]] [--no-mpi]
 
 allreduce: two local ranks all_sum a float32 vector of each width (the tiny test model's 64,
 the bench model's 512, Trinity-Mini's 2048, Trinity-Large's 3072 (its config) and a decode step's
@@ -19,6 +20,12 @@ one greedy generation per configuration in interleaved rounds, each in fresh pro
   runner mpi P=2       the pipeline over MPI (where mpirun is found)
   runner tensor T=2 mpi   tensor T=2 over MPI
 Medians of decode tok/s and the ratios to mlx-lm and to runner P=1 from this invocation.
+
+--mini PATH: decode on bench_gpu.py's Trinity-Mini-shaped checkpoint instead (random weights,
+4-bit, router 8-bit; 14.7 GB; built at PATH once), e.g. on the GPU machine, where the ranks all
+share the one GPU and the ring backend's all_sums run on the CPU stream (device / GPU named in
+the results). --smoke shrinks it (with experts wide enough for T = 2's whole 4-bit groups) to
+check the script on a CPU in seconds. --no-mpi: leave out MPI even where mpirun is found.
 Results: a table on stdout, JSON to --json-out (default bench/results/tensor.json).
 """
 
@@ -34,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import FULL, PY, ROOT, bench_env, checkpoint, kill_groups, prompt_ids, start_ranks  # noqa: E402
+import bench_gpu  # noqa: E402
 from bench_decode import run_once  # noqa: E402
 
 WIDTHS = [64, 512, 2048, 3072, 4096]
@@ -79,6 +87,26 @@ def allreduce(backend: str, iters: int, env: dict) -> dict:
     return json.loads(line)
 
 
+def mini_checkpoint(path: Path, smoke: bool) -> Path:
+    """bench_gpu.py's Trinity-Mini-shaped 4-bit checkpoint (its SMOKE shape with smoke)."""
+    if smoke:  # T = 2 needs each rank's share of a sharded-to-all input to be whole groups of 64
+        bench_gpu.MINI.update(bench_gpu.SMOKE, moe_intermediate_size=128)
+    bench_gpu.make(path)
+    return path
+
+
+def machine(blas: str) -> dict:
+    """Where this ran: CPUs, BLAS, MLX's default device and, where nvidia-smi answers, the GPU."""
+    import mlx.core as mx
+
+    out = {"cpus": os.cpu_count(), "blas": blas, "device": str(mx.default_device())}
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        out["gpus"] = smi.stdout.strip().splitlines()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=3)
@@ -88,6 +116,9 @@ def main() -> None:
     p.add_argument("--blas", choices=["reference", "openblas"], default="reference")
     p.add_argument("--only", choices=["allreduce", "decode"])
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--mini", help="decode on bench_gpu.py's Trinity-Mini-shaped 4-bit checkpoint, made here once")
+    p.add_argument("--smoke", action="store_true", help="with --mini: a tiny shape, to check the script on a CPU")
+    p.add_argument("--no-mpi", action="store_true", help="leave out MPI even where mpirun is found")
     p.add_argument("--json-out", default=str(ROOT / "bench" / "results" / "tensor.json"))
     p.add_argument("--allreduce-child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -95,8 +126,10 @@ def main() -> None:
         return allreduce_child(args.allreduce_child)
 
     env = bench_env(args.blas)
-    mpirun = "/usr/bin/mpirun" if Path("/usr/bin/mpirun").exists() else shutil.which("mpirun")
-    results = {"machine": {"cpus": os.cpu_count(), "blas": args.blas}, "command": " ".join(sys.argv)}
+    mpirun = None if args.no_mpi else "/usr/bin/mpirun" if Path("/usr/bin/mpirun").exists() else shutil.which("mpirun")
+    results = {"machine": machine(args.blas), "command": " ".join(sys.argv),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    print(f"machine: {results['machine']}", flush=True)
     if args.only in (None, "allreduce"):
         results["allreduce"] = {"ring": allreduce("ring", args.iters, env)}
         if mpirun:
@@ -106,7 +139,7 @@ def main() -> None:
                 print(f"all_sum float32 x{width:>5} {backend:4}: median {s['median_ms']:.4f} ms, "
                       f"p90 {s['p90_ms']:.4f} ms ({s['n']})", flush=True)
     if args.only in (None, "decode"):
-        model = checkpoint(FULL)
+        model = mini_checkpoint(Path(args.mini), args.smoke) if args.mini else checkpoint(FULL)
         runner = [PY, str(ROOT / "run_trinity.py")]
         allow = ["--allow-run-as-root", "--oversubscribe", "-np", "2"]
         table = {"mlx-lm (1 process)": (None, 1), "runner P=1": (runner, 1), "runner ring P=2": (runner, 2),
@@ -141,7 +174,9 @@ def main() -> None:
                               ("runner ring P=2", "ratio_to_ring_p2")):
                 if "generation_tokens_per_sec" in row and "generation_tokens_per_sec" in decode[base]:
                     row[key] = row["generation_tokens_per_sec"] / decode[base]["generation_tokens_per_sec"]
-        results["decode"] = {"model": str(model), "model_sizes": FULL, "prompt_tokens": args.prompt_len,
+        sizes = json.loads((model / "config.json").read_text())
+        sizes = {k: v for k, v in sizes.items() if isinstance(v, (int, float, str))}
+        results["decode"] = {"model": str(model), "model_sizes": sizes, "prompt_tokens": args.prompt_len,
                              "decode_tokens": args.decode_tokens, "reps": args.reps, "configs": decode}
         print(f"\ndecode, {args.prompt_len}-token prompt, {args.decode_tokens} tokens, median of {args.reps}:")
         for name, row in decode.items():

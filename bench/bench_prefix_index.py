@@ -28,10 +28,8 @@ SYSTEM = 500  # tokens of the chat workload's shared system prompt
 
 
 def index_class():
-    try:
-        from distributed.runtime.prefix_index import Entry, PrefixIndex
-    except ImportError:  # a checkout from before prefix_index.py
-        from distributed.runtime.prefix_cache import Entry, PrefixIndex
+    from distributed.runtime.prefix_cache import Entry, PrefixIndex  # (where prefix_index.py was, it imports them)
+
     return Entry, PrefixIndex
 
 

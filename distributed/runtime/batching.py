@@ -27,7 +27,7 @@ from .logits import draw, shaped_logprobs, top_candidates, top_logprobs
 from .memory_guard import allocation_failed, describe
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
-from .prefix_hooks import PrefixHooks
+from .prefix_cache import PrefixHooks
 from .sequence import Sequence
 from .speculation import SpeculationOptions
 from .verification import Verifier

@@ -1,7 +1,7 @@
 """The prefix cache: KV caches kept across requests, so a prompt that extends an
 earlier one (a chat's next turn, a shared system prompt) prefills only the rest.
 
-Distributed like the KV cache: rank 0 keeps the index (prefix_index.py: token
+Distributed like the KV cache: rank 0 keeps the index (PrefixIndex: token
 prefix -> entry, LRU, bounded in bytes) and every rank keeps its layers' slice
 of each entry (caches.py), through ring ops that need no reply (pipeline.py: snapshot,
 restore, evict). As in mlx-lm's server (LRUPromptCache) an entry is stored when
@@ -15,27 +15,223 @@ A sliding-window layer's cache that has wrapped (entry of `window` tokens or
 more) cannot be cut back, so such an entry serves only prompts that extend all
 of its tokens; an entry shorter than the window (or a model without sliding
 layers) can be cut to any common prefix (mlx-lm's can_trim_prompt_cache).
+
+Rank 0's index (PrefixIndex) finds the stored entry that saves the most of a prompt:
+a radix tree over the entries' tokens, as SGLang's RadixCache keeps its prefixes:
+each node holds a run of tokens that every entry below it shares, so a lookup walks
+the prompt once, one node per branching point, whatever the number of entries.
+Each node counts the trimmable entries at and below it, so an entry that can be cut
+to the common prefix is found without searching the subtree. (mlx-lm's PromptTrie,
+a node per token, searches the subtree for a longer entry; it serves a handful of
+entries. This index holds as many as the byte budget allows, thousands; scanning
+them all cost rank 0 tens of ms per request.)
+
+The entries themselves are kept least recently used first, bounded so that no rank
+keeps more than `budget` bytes of them.
 """
 
-from typing import List, Sequence
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .pipeline import Pipeline
-from .prefix_index import Entry, PrefixIndex
+from .sequence import Sequence
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+@dataclass
+class Entry:
+    id: int
+    tokens: np.ndarray  # the tokens its caches cover
+    trimmable: bool  # can be cut to a shorter prefix
+    nbytes: List[int]  # what each rank keeps
+
+
+class Node:
+    __slots__ = ("run", "parent", "children", "entry", "trimmable")
+
+    def __init__(self, run: np.ndarray, parent: Optional["Node"]):
+        self.run = run  # the tokens from the parent's end to this node's end
+        self.parent = parent
+        self.children: Dict[int, "Node"] = {}  # by the first token of the child's run
+        self.entry: Optional[Entry] = None  # the entry whose tokens end here
+        self.trimmable = 0  # trimmable entries here and below
+
+
+class PrefixIndex:
+    """Entries by token prefix, least recently used first, bounded so that no rank
+    keeps more than `budget` bytes of entries."""
+
+    def __init__(self, budget: int, ranks: int):
+        self.budget = budget
+        self.entries: "OrderedDict[int, Entry]" = OrderedDict()
+        self.bytes = [0] * ranks  # per rank
+        self._root = Node(np.zeros(0, dtype=np.int32), None)
+        self._nodes: Dict[int, Node] = {}  # entry id -> the node it ends at
+
+    def find(self, prompt: np.ndarray) -> Tuple[Optional[Entry], int]:
+        """The entry that saves the most of `prompt`, and how many tokens it covers
+        (at most all but the last prompt token); (None, 0) if none helps. An entry
+        serves whole if it is a prefix of those tokens, or cut to their common prefix
+        if it is trimmable."""
+        wanted = prompt[:-1]
+        path, matched, below = self._walk(wanted)
+        best, best_tokens = None, 0
+        for node, depth in path:  # entries that are prefixes of the prompt: the deepest
+            if node.entry is not None:
+                best, best_tokens = node.entry, depth
+        # A trimmable entry sharing the most: below the walk's end, else below the
+        # deepest node on the way whose subtree holds one (it shares that node's tokens).
+        for node, depth in [(below, matched)] + path[::-1]:
+            if node is not None and node.trimmable:
+                if depth > best_tokens:
+                    best, best_tokens = self._trimmable_under(node), depth
+                break
+        if best is not None:
+            self.entries.move_to_end(best.id)
+        return best, best_tokens
+
+    def covered(self, tokens: np.ndarray) -> bool:
+        """An entry already serves whatever one for `tokens` would (the same tokens,
+        or a trimmable entry that extends them); it counts as used."""
+        path, matched, below = self._walk(tokens)
+        if matched < len(tokens):
+            return False
+        end = below or (path[-1][0] if path else self._root)
+        entry = end.entry if below is None else None  # the same tokens
+        if entry is None and end.trimmable:
+            entry = self._trimmable_under(end)
+        if entry is not None:
+            self.entries.move_to_end(entry.id)
+        return entry is not None
+
+    def insert(self, entry: Entry) -> List[int]:
+        """Add `entry` (most recently used); returns the ids of the entries dropped:
+        those it makes useless (the same tokens; if it is trimmable, those it extends),
+        then the least recently used while a rank is over budget."""
+        node, path = self._make_path(entry.tokens)
+        dropped = [node.entry.id] if node.entry is not None else []
+        if entry.trimmable:
+            dropped += [n.entry.id for n in path[:-1] if n.entry is not None]
+        for entry_id in dropped:
+            self._remove(entry_id)
+        if dropped:  # removing may have pruned or merged nodes on the way
+            node, _ = self._make_path(entry.tokens)
+        node.entry = entry
+        self._nodes[entry.id] = node
+        if entry.trimmable:
+            self._count(node, +1)
+        self.entries[entry.id] = entry
+        self.bytes = [a + b for a, b in zip(self.bytes, entry.nbytes)]
+        while max(self.bytes) > self.budget and len(self.entries) > 1:
+            dropped.append(self._remove(next(iter(self.entries))))
+        return dropped
+
+    # -- the tree ---------------------------------------------------------------
+
+    def _walk(self, tokens: np.ndarray) -> Tuple[List[Tuple[Node, int]], int, Optional[Node]]:
+        """Follow `tokens` down the tree: the nodes passed whole with the depth at their
+        end, the tokens matched, and the node whose run the walk stopped inside (its
+        entries share `matched` tokens), or None if it stopped at a node's end."""
+        node, depth, path = self._root, 0, []
+        while depth < len(tokens):
+            child = node.children.get(int(tokens[depth]))
+            if child is None:
+                return path, depth, None
+            n = common_prefix(child.run, tokens[depth:])
+            if n < len(child.run):
+                return path, depth + n, child
+            node, depth = child, depth + n
+            path.append((node, depth))
+        return path, depth, None
+
+    def _make_path(self, tokens: np.ndarray) -> Tuple[Node, List[Node]]:
+        """The node where `tokens` end, splitting or adding nodes as needed, and the
+        nodes on the way (root excluded, that one included)."""
+        node, depth, path = self._root, 0, []
+        while depth < len(tokens):
+            key = int(tokens[depth])
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = Node(tokens[depth:].copy(), node)
+            n = common_prefix(child.run, tokens[depth:])
+            if n < len(child.run):  # split the run: a node for the shared part above it
+                upper = Node(child.run[:n].copy(), node)
+                upper.trimmable = child.trimmable
+                child.run, child.parent = child.run[n:].copy(), upper
+                upper.children[int(child.run[0])] = child
+                node.children[key] = child = upper
+            node, depth = child, depth + n
+            path.append(node)
+        return node, path
+
+    def _count(self, node: Optional[Node], change: int) -> None:
+        while node is not None:
+            node.trimmable += change
+            node = node.parent
+
+    def _trimmable_under(self, node: Node) -> Entry:
+        """A trimmable entry at or below `node` (node.trimmable > 0)."""
+        while node.entry is None or not node.entry.trimmable:
+            node = next(c for c in node.children.values() if c.trimmable)
+        return node.entry
+
+    def _remove(self, entry_id: int) -> int:
+        entry = self.entries.pop(entry_id)
+        self.bytes = [a - b for a, b in zip(self.bytes, entry.nbytes)]
+        node = self._nodes.pop(entry_id)
+        node.entry = None
+        if entry.trimmable:
+            self._count(node, -1)
+        # Drop the nodes nothing needs now, and merge a run into its only child.
+        while node is not self._root and node.entry is None and not node.children:
+            del node.parent.children[int(node.run[0])]
+            node = node.parent
+        if node is not self._root and node.entry is None and len(node.children) == 1:
+            (child,) = node.children.values()
+            child.run, child.parent = np.concatenate([node.run, child.run]), node.parent
+            node.parent.children[int(child.run[0])] = child
+        return entry_id
+
+
+class PrefixHooks:
+    """Where a prefix cache plugs in; these defaults do nothing."""
+
+    def restore(self, seq: Sequence) -> None:
+        """At admission, before `seq` is batched: may fill `seq.slot` on every rank
+        with the caches of a cached prefix of its prompt and drop those tokens from
+        `seq.unsent` (leaving one at least: the last prompt token gives the first
+        token). The batch's prefill then starts from that history."""
+
+    def snapshot(self, seq: Sequence, slot: int, row: int) -> None:
+        """`seq` has finished; row `row` of `slot` still holds its caches (its prompt
+        and the tokens drawn since, `seq.sampled`: all, or all but the last, as the
+        lookahead may have fed it) until right after this call."""
+
+    def prefilled(self, seq: Sequence, slot: int, row: int) -> None:
+        """`seq` has its first token and goes on decoding; row `row` of `slot` holds
+        its whole prompt."""
+
 
 DEFAULT_SHARE = 4  # the default budget: 1/DEFAULT_SHARE of the tightest rank's memory beside its weights
 
 
-def default_budget(free_bytes: Sequence[int]) -> int:
+def default_budget(free_bytes: List[int]) -> int:
     """Bytes for the prefix cache when --prefix-cache-bytes is not given, from each
     rank's memory left beside its weights (shard.kv_budget's free_bytes): a quarter
     of the tightest rank's."""
     return max(0, min(free_bytes) // DEFAULT_SHARE)
 
 
-class PrefixCache:
-    """The batcher's prefix hooks (prefix_hooks.PrefixHooks; budget 0: nothing, the cache
+class PrefixCache(PrefixHooks):
+    """The batcher's prefix hooks (PrefixHooks; budget 0: nothing, the cache
     is off): restore() at admission (look up, restore into the sequence's slot),
     prefilled() once a row holds its whole prompt and snapshot() when it finishes
     (store what it was fed)."""

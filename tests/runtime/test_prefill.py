@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import pytest
 
-from distributed.runtime.prefix_hooks import PrefixHooks
+from distributed.runtime.prefix_cache import PrefixHooks
 from distributed.runtime.caches import SlotCaches, is_batch
 from distributed.runtime.request import FinishEvent, GenerationRequest
 from distributed.transport import Op, Reply

@@ -17,7 +17,7 @@ if os.environ.get("TRINITY_REPLAY"):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from bench_speculation import Replay  # noqa: E402
 
-    from distributed.runtime import verification  # noqa: E402
+    from distributed.runtime import speculation  # noqa: E402
 
     _replay = json.loads(Path(os.environ["TRINITY_REPLAY"]).read_text())
-    verification.make_drafter = lambda options, sequences=1: Replay(_replay["tokens"], _replay["miss"])
+    speculation.make_drafter = lambda options, sequences=1: Replay(_replay["tokens"], _replay["miss"])

@@ -29,8 +29,7 @@ from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .prefix_cache import PrefixHooks
 from .sequence import Sequence
-from .speculation import SpeculationOptions
-from .verification import Verifier
+from .speculation import SpeculationOptions, Verifier
 
 
 class Batcher:
@@ -40,7 +39,7 @@ class Batcher:
         """`memory`, `chunk_budget`: what admission waits for and cuts prefill chunks to (prefill.Admission)."""
         self.pipeline, self.tokenizer = pipeline, tokenizer
         ranks = pipeline.num_ranks
-        # One-row groups' verification frames (verification.py), through this batcher's public methods.
+        # One-row groups' verification frames (speculation.Verifier), through this batcher's public methods.
         self.verifier = Verifier(pipeline, speculation or SpeculationOptions(), self)
         self.groups = [Group(slot) for slot in range(ranks)]
         self.group_cap = -(-max_batch // len(self.groups))

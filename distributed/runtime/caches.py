@@ -215,7 +215,7 @@ def trim_newest(cache, n: int) -> None:
 @contextmanager
 def keeping(caches, n: int):
     """While a verification frame's graph is built (its masks and its cache updates): each
-    RotatingKVCache keeps the `n` positions before the window too (verification.py: those
+    RotatingKVCache keeps the `n` positions before the window too (speculation.Verifier: those
     of frames before it in the ring, which a rejection may still take back; trim_newest
     then leaves the window whole). The next update trims the buffer back as usual."""
     rotating = [c for c in caches or () if isinstance(c, RotatingKVCache)] if n > 0 else []

@@ -4,19 +4,17 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import List, Optional
 
-from .sequence import Sequence
-
 
 class FrameKind(Enum):
     CHUNK = "chunk"  # prompt rows but their last tokens (prefill)
     STEP = "step"  # a decode step (it may carry a prefill chunk: Outstanding.chunk)
-    VERIFY = "verify"  # a verification frame (verification.py)
+    VERIFY = "verify"  # a verification frame (speculation.Verifier)
 
 
 @dataclass
 class Group:
     slot: int
-    members: List[Sequence] = field(default_factory=list)
+    members: list = field(default_factory=list)  # its Sequences
     busy: bool = False  # its decode step is in the ring
 
 
@@ -25,7 +23,7 @@ class Outstanding:
     """A frame in the ring whose reply rank 0 waits for."""
 
     kind: FrameKind
-    sequences: List[Sequence]  # the frame's rows, in order
+    sequences: list  # the frame's rows (Sequences), in order
     slot: int
     group: Optional[Group] = None
     picked: Optional[tuple] = None  # what _pick gives; one rank: as the frame was sent

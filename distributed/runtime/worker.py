@@ -75,7 +75,7 @@ class StageWorker:
         if refused is not None:
             return self.guard.failed(header, refused)
         caches = self.caches.get(header.slot)
-        with keeping(caches, header.arg):  # a verification frame drafted ahead (verification.py)
+        with keeping(caches, header.arg):  # a verification frame drafted ahead (speculation.Verifier)
             h = self.stage(h, caches)
         if self.is_last:
             if header.reply in (Reply.NONE, Reply.ACK):
@@ -112,7 +112,7 @@ class StageWorker:
     def build_ahead(self, transport: Transport, frame: Header) -> Optional[Ahead]:
         """After a decode step (one position per row), the next frame is most likely the same
         slot's next step; after a step or TRIM that says what the slot's next frame is
-        (verification.py: a verification frame of that many positions, or a step), that frame: receive it
+        (speculation.Verifier: a verification frame of that many positions, or a step), that frame: receive it
         lazily and build its graph now, while the other ranks compute, instead of after it
         has come. The caches' updates are undone if it is not."""
         step = self._expected(frame)

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_tokenizer
 
-from distributed.runtime import verification
+from distributed.runtime import speculation
 from distributed.runtime.caches import compact, trim_newest
 from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
@@ -103,7 +103,7 @@ def run(pipeline, path, drafter=None, k=4, **fields):
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_rejections_at_every_offset_far_past_the_window_change_nothing(pipeline, hf_checkpoint, k, monkeypatch):
-    monkeypatch.setattr(verification, "AHEAD_ODDS", 0.0)  # frames ahead after every pass that held
+    monkeypatch.setattr(speculation, "AHEAD_ODDS", 0.0)  # frames ahead after every pass that held
     ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, LONG, 16)
     oracle = Oracle(ref_tokens, k)
     tokens, finish, stats = run(pipeline, hf_checkpoint, oracle, k, max_tokens=LONG)
@@ -115,10 +115,10 @@ def test_rejections_at_every_offset_far_past_the_window_change_nothing(pipeline,
 
 
 def test_frames_drafted_ahead_through_three_stages_change_nothing(hf_checkpoint, monkeypatch):
-    """Up to three frames of one sequence in the ring at once (verification.py), each
+    """Up to three frames of one sequence in the ring at once (speculation.Verifier), each
     assuming the drafts before it hold: those behind a rejection, at every offset, are
     cancelled and their positions taken back on every stage, far past the window."""
-    monkeypatch.setattr(verification, "AHEAD_ODDS", 0.0)  # frames ahead after every pass that held
+    monkeypatch.setattr(speculation, "AHEAD_ODDS", 0.0)  # frames ahead after every pass that held
     ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, LONG, 16)
     oracle = Oracle(ref_tokens, 3)
     three = in_process_pipeline(hf_checkpoint, (3, 1, 4))[0]

@@ -12,27 +12,29 @@ import logging
 import json
 import sys
 import threading
-from typing import List, Optional
+from dataclasses import dataclass, fields
+from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 from . import TrinityError, logs
 from .help_format import HelpFormatter
 from .runtime.prefill import PREFILL_STEP_SIZE
 from .runtime.request import GenerationRequest, RequestError, TokenEvent
 from .runtime.scheduler import Scheduler
+from .runtime.speculation import DEFAULT_DRAFT_TOKENS
 from .serving.front_ends import start_front_ends
 from .serving.metrics import Metrics
 from .serving.options import ALLOWED_HOSTS_ENV, AUTH_TOKEN_ENV, ServeOptions, check_options, split_hosts
 from .serving.request_log import RequestLog
-from .serving import speculation_flags
-from .serving.requests import prompt_ids
+from .serving.requests import ModelInfo, prompt_ids
 from .shard.config import model_args
 from .shard.kv_budget import DEFAULT_CONTEXT, MAX_BATCH
 from .shard.memory_limit import parse_memory_limit
-from .startup.join import build_pipeline, join_ranks
-from .startup.sizing import beside_draft, context_arg, context_limit, memory_admission, serving_sizes
+from .startup.join import Loaded, build_pipeline, join_ranks
 from .startup.lifecycle import Lifecycle, RankStop, launched_by_launcher, launcher_restarts
 from .startup.preflight import check_launch
-from .startup.watchdog import Watchdog
+from .startup.settings import (GenerationSettings, ModelSettings, RingSettings, ServingSettings, Settings,
+                               SizingSettings, SpeculationSettings)
+from .startup.sizing import Sizes, beside_draft, context_arg, memory_admission, serving_sizes
 
 DEFAULT_PROMPT = "Explain pipeline parallelism in one sentence."
 EPILOG = """\
@@ -50,8 +52,8 @@ more in the docs (docs/, a site: `mkdocs serve`), pages "command-line.md" (every
 log = logging.getLogger(__name__)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=HelpFormatter)
+def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser_class(description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--model", help="local checkpoint directory or Hugging Face repo id "
                    "(default: the embedded tiny AFMoE, trained on Python's own docs)")
     prompt = p.add_mutually_exclusive_group()
@@ -121,49 +123,124 @@ def build_parser() -> argparse.ArgumentParser:
                        "earlier one (a chat's next turn) prefills only the rest: at most N bytes on any rank; 0 "
                        "disables; default: a quarter of what the tightest rank has beside its weights (its usable "
                        "memory measured before loading, less 10%%), set aside before the default --max-batch")
-    speculation_flags.add_arguments(p)
+    speculation_arguments(p)
     return p
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+def speculation_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (output unchanged: greedy token for token, sampled in distribution)")
+    g.add_argument("--prompt-lookup", action="store_true",
+                   help="draft from the prompt and the text so far (n-gram lookup, no model): a sequence decoding "
+                   "alone verifies up to --num-draft-tokens drafts in one pass through the ring")
+    g.add_argument("--draft-model", metavar="PATH_OR_REPO",
+                   help="draft with this small AFMoE checkpoint, which must share the model's tokenizer (loaded on "
+                   "rank 0 only, counted in its memory); with --prompt-lookup too, a lookup match wins")
+    g.add_argument("--speculate", choices=["measured", "always"], default="measured",
+                   help="measured: a sequence whose passes cost more per token than its plain steps (timed on rank "
+                   "0) decodes plainly between passes; always: every pass its drafter proposes (for tests)")
+    g.add_argument("--num-draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, metavar="K",
+                   help="most drafts per verification pass (each sequence adapts: two more after a pass whose drafts "
+                   "all held, one fewer otherwise)")
+    g.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
+                   help="one verification frame of a sequence in the ring at a time; by default, with several "
+                   "ranks, a greedy sequence whose drafts held drafts its next frames while one is in the ring, as "
+                   "if its drafts hold (up to one frame per rank; those behind a rejection are dropped)")
 
 
-def validate(args: argparse.Namespace) -> None:
+def read_settings(namespace: argparse.Namespace) -> Settings:
+    """The parsed command line in its groups: each flag's dest is a field of one of them."""
+    values = vars(namespace)
+
+    def group(cls):
+        return cls(**{f.name: values[f.name] for f in fields(cls)})
+
+    return Settings(model=ModelSettings(values["model"]), generation=group(GenerationSettings),
+                    ring=group(RingSettings), sizing=group(SizingSettings), serving=group(ServingSettings),
+                    speculation=group(SpeculationSettings), log_level=values["log_level"])
+
+
+def parse_settings(argv: Optional[List[str]] = None) -> Settings:
+    return read_settings(build_parser().parse_args(argv))
+
+
+class CommandError(TrinityError):
+    """A rank's command line that run-trinity's parser refuses (read by the launcher)."""
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise CommandError(f"the ranks' command: {message}")
+
+
+@dataclass(frozen=True)
+class RankCommand:
+    """A rank's command line (a program, then run-trinity's flags) as run-trinity's own parser
+    reads it, for the launcher: what it says, and which flags it gives (their dests)."""
+
+    argv: Tuple[str, ...]
+    settings: Settings
+    given: FrozenSet[str]
+
+
+def read_command(argv: Sequence[str]) -> RankCommand:
+    """Raises CommandError where run-trinity would refuse its flags; the program's own words
+    (`python -m run_trinity`) are left over, as are flags run-trinity lacks (the ranks refuse those)."""
+    parser = build_parser(_RefusingParser)
+    namespace, _ = parser.parse_known_args(list(argv))
+    unset = object()  # a dest the parser finds set already keeps its value unless a flag gives one
+    seen, _ = parser.parse_known_args(list(argv), argparse.Namespace(**dict.fromkeys(vars(namespace), unset)))
+    given = frozenset(dest for dest, value in vars(seen).items() if value is not unset)
+    return RankCommand(tuple(argv), read_settings(namespace), given)
+
+
+def without_flags(argv: Sequence[str], flags: Sequence[str]) -> List[str]:
+    """argv without these flags (each taking one value) and their values, every occurrence,
+    abbreviated or not, as run-trinity's parser reads them."""
+    read_command(argv)  # refuses what run-trinity would (an ambiguous abbreviation, a bad value)
+    only = _RefusingParser(add_help=False)
+    for flag in flags:
+        only.add_argument(flag)
+    return only.parse_known_args(list(argv))[1]
+
+
+def validate(settings: Settings) -> None:
     """Checks that need no model; sampling values are checked with the request."""
-    if args.stages < 1:
-        raise TrinityError(f"--stages must be at least 1, got {args.stages}")
-    for flag in ("peer_timeout", "connect_timeout"):
-        if not getattr(args, flag) > 0:
-            raise TrinityError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    if args.prefill_step_size < 1:
-        raise TrinityError(f"--prefill-step-size must be at least 1, got {args.prefill_step_size}")
-    if args.max_batch is not None and args.max_batch < 1:
-        raise TrinityError(f"--max-batch must be at least 1, got {args.max_batch}")
-    if args.prefill_batch_tokens < 1:
-        raise TrinityError(f"--prefill-batch-tokens must be at least 1, got {args.prefill_batch_tokens}")
-    speculation_flags.options(args)
-    if args.prefix_cache_bytes is not None and args.prefix_cache_bytes < 0:
-        raise TrinityError(f"--prefix-cache-bytes must be >= 0, got {args.prefix_cache_bytes}")
-    if args.chat:
-        clash = next((f for f in ("serve", "http", "json", "no_chat_template") if getattr(args, f)), None)
+    ring, sizing, generation = settings.ring, settings.sizing, settings.generation
+    if ring.stages < 1:
+        raise TrinityError(f"--stages must be at least 1, got {ring.stages}")
+    for flag, value in (("--peer-timeout", ring.peer_timeout), ("--connect-timeout", ring.connect_timeout)):
+        if not value > 0:
+            raise TrinityError(f"{flag} must be positive, got {value}")
+    if sizing.prefill_step_size < 1:
+        raise TrinityError(f"--prefill-step-size must be at least 1, got {sizing.prefill_step_size}")
+    if sizing.max_batch is not None and sizing.max_batch < 1:
+        raise TrinityError(f"--max-batch must be at least 1, got {sizing.max_batch}")
+    if sizing.prefill_batch_tokens < 1:
+        raise TrinityError(f"--prefill-batch-tokens must be at least 1, got {sizing.prefill_batch_tokens}")
+    settings.speculation.options()
+    if sizing.prefix_cache_bytes is not None and sizing.prefix_cache_bytes < 0:
+        raise TrinityError(f"--prefix-cache-bytes must be >= 0, got {sizing.prefix_cache_bytes}")
+    if generation.chat:
+        clashes = (("--serve", settings.serving.serve), ("--http", settings.serving.http),
+                   ("--json", generation.json), ("--no-chat-template", generation.no_chat_template))
+        clash = next((flag for flag, value in clashes if value), None)
         if clash:
-            raise TrinityError(f"--chat cannot be combined with --{clash.replace('_', '-')}")
+            raise TrinityError(f"--chat cannot be combined with {clash}")
     try:
-        _request(args, []).validate_sampling()
+        _request(generation, []).validate_sampling()
     except RequestError as e:
         raise _flag_error(e) from None
 
 
-def _request(args, prompt_ids: List[int]) -> GenerationRequest:
+def _request(generation: GenerationSettings, prompt_ids: List[int]) -> GenerationRequest:
     return GenerationRequest(
         prompt_ids=prompt_ids,
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
+        max_tokens=generation.max_tokens,
+        temperature=generation.temp,
+        top_p=generation.top_p,
+        top_k=generation.top_k,
+        min_p=generation.min_p,
+        seed=generation.seed,
     )
 
 
@@ -172,32 +249,34 @@ def _flag_error(e: RequestError) -> TrinityError:
     return TrinityError(f"{flag}: {str(e).split(': ', 1)[1]}")
 
 
-def build_request(args, tokenizer, config, max_context: Optional[int] = None) -> GenerationRequest:
+def build_request(generation: GenerationSettings, tokenizer, config, max_context: int) -> GenerationRequest:
     try:
-        return validated_request(args, prompt_tokens(args, tokenizer), config, max_context)
+        return validated_request(generation, prompt_tokens(generation, tokenizer), config, max_context)
     except RequestError as e:
         raise _flag_error(e) from None
 
 
-def validated_request(args, prompt_ids: List[int], config, max_context: Optional[int] = None) -> GenerationRequest:
-    """The flags' request for `prompt_ids` (within `max_context`, else --max-context's limit); raises RequestError."""
-    request = _request(args, prompt_ids)
-    request.validate(model_args(config).vocab_size, max_context or context_limit(args, config))
+def validated_request(generation: GenerationSettings, prompt_ids: List[int], config,
+                      max_context: int) -> GenerationRequest:
+    """The flags' request for `prompt_ids` within `max_context`; raises RequestError."""
+    request = _request(generation, prompt_ids)
+    request.validate(model_args(config).vocab_size, max_context)
     return request
 
 
-def prompt_tokens(args, tokenizer) -> List[int]:
-    if args.prompt_ids is not None:
+def prompt_tokens(generation: GenerationSettings, tokenizer) -> List[int]:
+    if generation.prompt_ids is not None:
         try:
-            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+            ids = [int(t) for t in generation.prompt_ids.split(",") if t.strip()]
         except ValueError:
-            raise TrinityError(f"--prompt-ids {args.prompt_ids!r} is not a comma-separated list of integers") from None
+            raise TrinityError(f"--prompt-ids {generation.prompt_ids!r} is not a comma-separated list of "
+                               "integers") from None
         return ids
-    text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    text = DEFAULT_PROMPT if generation.prompt is None else generation.prompt
     if not text:
         raise TrinityError("--prompt: the prompt is empty")
     try:
-        return prompt_ids(tokenizer, prompt=text, chat_template=not args.no_chat_template)
+        return prompt_ids(tokenizer, prompt=text, chat_template=not generation.no_chat_template)
     except RequestError as e:
         raise _flag_error(e) from None
 
@@ -246,173 +325,184 @@ def print_summary(result: dict) -> None:
               f"peak memory {r['peak_memory_bytes'] / 2**20:.1f} MiB")
 
 
-def serve_options(args) -> ServeOptions:
-    for flag in ("http", "metrics"):
-        if getattr(args, flag) and not args.serve:
-            raise TrinityError(f"--{flag} needs --serve")
+def serve_options(settings: Settings) -> ServeOptions:
+    serving = settings.serving
+    for flag, address in (("--http", serving.http), ("--metrics", serving.metrics)):
+        if address and not serving.serve:
+            raise TrinityError(f"{flag} needs --serve")
     return check_options(ServeOptions(
-        grpc_address=args.serve, http_address=args.http, metrics_address=args.metrics,
-        auth_token=args.auth_token, insecure=args.insecure,
-        allowed_hosts=split_hosts(args.allowed_hosts) if args.allowed_hosts is not None else None,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap,
-        max_batch=args.max_batch,
+        grpc_address=serving.serve, http_address=serving.http, metrics_address=serving.metrics,
+        auth_token=serving.auth_token, insecure=serving.insecure,
+        allowed_hosts=split_hosts(serving.allowed_hosts) if serving.allowed_hosts is not None else None,
+        tls_cert=serving.tls_cert, tls_key=serving.tls_key, max_queue=serving.max_queue,
+        max_tokens_cap=serving.max_tokens_cap, max_batch=settings.sizing.max_batch,
     ))
 
 
 GRACE_S = 1.0  # after a peer failed: for gRPC / HTTP threads to send their errors before the exit
-_watchdog: Optional[Watchdog] = None  # main() tells the other ranks how this one ends
 
 
-def serve(args, options: ServeOptions, front_ends, requests: RequestLog, group, watchdog: Optional[Watchdog],
-          stop: RankStop) -> None:
-    """Rank 0 with --serve: load, attach the scheduler to the front ends, serve until a signal."""
-    from .serving.requests import ModelInfo
+class FrontEnds:
+    """Rank 0's front ends (none without --serve), and what they say when another rank fails
+    (an instance is the watchdog's on_failure): while the ring loads, they turn NOT_SERVING
+    naming the failure; once the scheduler runs, it aborts first, ending every stream with it."""
 
-    def on_failure(reason: str) -> None:
-        for front_end in front_ends:
+    def __init__(self, options: Optional[ServeOptions]):
+        self.options = options
+        self.requests = RequestLog(Metrics(restarts=launcher_restarts())) if options is not None else None
+        self.started: list = []
+        self._scheduler: Optional[Scheduler] = None
+
+    def start(self) -> None:
+        """Listening, NOT_SERVING until attached."""
+        if self.options is not None and not self.started:
+            self.started = start_front_ends(self.options, self.requests)
+
+    def running(self, scheduler: Scheduler) -> None:
+        """The scheduler runs now: a failed rank aborts it."""
+        self._scheduler = scheduler
+
+    def attach(self, scheduler: Scheduler, tokenizer, info: ModelInfo) -> None:
+        self.requests.metrics.attach(scheduler, info)
+        for front_end in self.started:
+            front_end.attach(scheduler, tokenizer, info)
+
+    def not_serving(self, reason: str) -> None:
+        for front_end in self.started:
             front_end.set_not_serving(reason)
-        requests.ring_failed(reason)
+        if self.requests is not None:
+            self.requests.ring_failed(reason)
 
-    if watchdog is not None:  # a rank failing while we load: health says why, then we exit
-        watchdog.on_failure, watchdog.grace = on_failure, GRACE_S
-    try:
-        built = build_pipeline(args, group, watchdog)
-    except BaseException:
-        for front_end in front_ends:
+    def __call__(self, reason: str) -> None:
+        (self._scheduler.abort if self._scheduler is not None else self.not_serving)(reason)
+
+    def stop(self) -> None:
+        for front_end in self.started:
             front_end.stop()
-        raise
-    pipeline, path, config = built.pipeline, built.path, built.config
+
+
+def join_and_load(settings: Settings, front_ends: FrontEnds, stop: RankStop) -> Optional[Loaded]:
+    """Join the ranks and load this one's stage: what rank 0 holds, None on another rank once it
+    has served the ring until rank 0 stopped it. Rank 0's front ends listen meanwhile."""
+    control = check_launch()  # None: one process, or a backend that needs init first (MPI)
+    if control is not None and control.rank == 0:
+        front_ends.start()  # NOT_SERVING while the ranks connect and load
+    group, watchdog = join_ranks(settings.ring, control,
+                                 on_stop=lambda why: stop.lifecycle.request_stop(why, from_peer=True),
+                                 on_failure=front_ends, grace=GRACE_S if front_ends.options is not None else 0.0)
+    stop.joined(watchdog)
+    if group.rank() == 0:
+        front_ends.start()
+    return build_pipeline(settings, group, watchdog, on_ready=stop.running)
+
+
+def start_scheduler(settings: Settings, built: Loaded, front_ends: FrontEnds,
+                    batch: Optional[int] = None) -> Tuple[Scheduler, Sizes, List[dict]]:
+    """Rank 0 once loaded: the tokenizer, the drafter, the sizes from each rank's memory, and the
+    scheduler (`batch`: a fixed batch, as a run's or a chat's 1); with them the rank table."""
     from mlx_lm.utils import load_tokenizer
 
-    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    speculation = speculation_flags.loaded(args, tokenizer)
-    ranks = pipeline.rank_info()
+    config, sizing = built.config, settings.sizing
+    tokenizer = load_tokenizer(built.path, eos_token_ids=config.get("eos_token_id"))
+    speculation = settings.speculation.loaded(tokenizer)
+    ranks = built.pipeline.rank_info()
     for row, memory in zip(ranks, built.memory_bytes):
-        row.update(memory_bytes=memory, memory_limited=args.memory_limit is not None)
-    memory = beside_draft(args, config, built.memory_bytes, len(ranks))
-    sizes = serving_sizes(args, config, ranks, memory)
-    max_context, max_batch, prefix_cache_bytes = sizes.max_context, sizes.max_batch, sizes.prefix_cache_bytes
-
+        row.update(memory_bytes=memory, memory_limited=sizing.memory_limit is not None)
+    memory = beside_draft(sizing, settings.speculation.draft_model, config, built.memory_bytes, len(ranks))
+    sizes = serving_sizes(sizing, config, ranks, memory, batch=batch)
+    cache_bytes = sizes.prefix_cache_bytes if batch is None or settings.generation.chat else 0
     # The scheduler runs on this main thread (see Scheduler.start); front ends' threads only queue.
-    scheduler = Scheduler(pipeline, tokenizer, max_queue=options.max_queue,
-                          prefill_step_size=sizes.prefill_step_size, max_batch=max_batch,
-                          on_failure=on_failure, prefill_batch_tokens=args.prefill_batch_tokens,
-                          prefix_cache_bytes=prefix_cache_bytes, speculation=speculation,
-                          memory=memory_admission(args, config, ranks, memory, sizes),
+    scheduler = Scheduler(built.pipeline, tokenizer, max_queue=settings.serving.max_queue,
+                          prefill_step_size=sizes.prefill_step_size, max_batch=sizes.max_batch,
+                          on_failure=front_ends.not_serving, prefill_batch_tokens=sizing.prefill_batch_tokens,
+                          prefix_cache_bytes=cache_bytes, speculation=speculation,
+                          memory=memory_admission(sizing, config, ranks, memory, sizes),
                           chunk_budget=sizes.chunk_budget)
-    log.info(f"prefix cache: up to {prefix_cache_bytes / 2**20:.1f} MiB on any rank" if prefix_cache_bytes
-             else "prefix cache: off")
-    if watchdog is not None:  # ends every stream with the failed rank's name, then NOT_SERVING
-        watchdog.on_failure = scheduler.abort
-    info = ModelInfo(
-        model_id=args.model or "trinity-tiny",
-        vocab_size=model_args(config).vocab_size,
-        max_context=max_context,
-        max_tokens_cap=options.max_tokens_cap,
-        ranks=ranks,
-        max_batch=max_batch,
-    )
-    requests.metrics.attach(scheduler, info)
-    for front_end in front_ends:
-        front_end.attach(scheduler, tokenizer, info)
-    print(f"serving {info.model_id} on " + " and ".join(f.describe() for f in front_ends), flush=True)
+    front_ends.running(scheduler)  # ends every stream with the failed rank's name, then NOT_SERVING
+    return scheduler, sizes, ranks
+
+
+def serve(settings: Settings, built: Loaded, front_ends: FrontEnds, stop: RankStop) -> None:
+    """Rank 0 with --serve: attach the scheduler to the front ends, serve until a signal."""
+    scheduler, sizes, ranks = start_scheduler(settings, built, front_ends)
+    log.info(f"prefix cache: up to {sizes.prefix_cache_bytes / 2**20:.1f} MiB on any rank"
+             if sizes.prefix_cache_bytes else "prefix cache: off")
+    info = ModelInfo(model_id=settings.model.name, vocab_size=model_args(built.config).vocab_size,
+                     max_context=sizes.max_context, max_tokens_cap=front_ends.options.max_tokens_cap, ranks=ranks,
+                     max_batch=sizes.max_batch)
+    front_ends.attach(scheduler, scheduler.tokenizer, info)
+    print(f"serving {info.model_id} on " + " and ".join(f.describe() for f in front_ends.started), flush=True)
     for line in sizes.lines:
         print(line, flush=True)
     stop.running(scheduler.stop)
     try:
         scheduler.serve_forever()
     finally:
-        for front_end in front_ends:
-            front_end.stop()
+        front_ends.stop()
         scheduler.close()
         log.info(scheduler.prefix_cache.summary())
-        requests.stopped(stop.lifecycle.reason or "stopped")
+        front_ends.requests.stopped(stop.lifecycle.reason or "stopped")
     if scheduler.failure is not None:
         raise TrinityError(f"the pipeline is down: {scheduler.failure}")
 
 
-def run(args, stop: RankStop) -> None:
-    global _watchdog
-    validate(args)
-    options = serve_options(args) if args.serve or args.http or args.metrics else None
-    control = check_launch()  # None: one process, or a backend that needs init first (MPI)
-    front_ends = []
-    requests = RequestLog(Metrics(restarts=launcher_restarts())) if options is not None else None
-    try:
-        if options is not None and control is not None and control.rank == 0:
-            front_ends = start_front_ends(options, requests)  # NOT_SERVING while the ranks connect and load
-        group, _watchdog = join_ranks(args, control, on_stop=lambda why: stop.lifecycle.request_stop(why, from_peer=True))
-        stop.watchdog = _watchdog
-        if options is not None and group.rank() == 0 and not front_ends:
-            front_ends = start_front_ends(options, requests)
-    except BaseException:
-        for front_end in front_ends:
-            front_end.stop()
-        raise
-    if options is not None:
-        if group.rank() != 0:
-            build_pipeline(args, group, _watchdog, on_ready=stop.running)  # serves until rank 0 stops the ring
-            return
-        serve(args, options, front_ends, requests, group, _watchdog, stop)
-        return
-    built = build_pipeline(args, group, _watchdog, on_ready=stop.running)
-    if built is None:
-        return
-    pipeline, path, config = built.pipeline, built.path, built.config
-    from mlx_lm.utils import load_tokenizer
-
-    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    speculation = speculation_flags.loaded(args, tokenizer)
-    ranks = pipeline.rank_info()
-    memory = beside_draft(args, config, built.memory_bytes, len(ranks))
-    sizes = serving_sizes(args, config, ranks, memory, batch=1)
+def generate(settings: Settings, built: Loaded, front_ends: FrontEnds, stop: RankStop) -> None:
+    """Rank 0 without --serve: one generation, or a chat on stdin."""
+    generation = settings.generation
+    scheduler, sizes, _ = start_scheduler(settings, built, front_ends, batch=1)
     for line in sizes.lines[1:]:  # the context, with --max-context auto
         log.info(line)
-    cache_bytes = sizes.prefix_cache_bytes if args.chat else 0
-    scheduler = Scheduler(pipeline, tokenizer, prefill_step_size=sizes.prefill_step_size,
-                          prefix_cache_bytes=cache_bytes, speculation=speculation,
-                          memory=memory_admission(args, config, ranks, memory, sizes),
-                          chunk_budget=sizes.chunk_budget)
-    if _watchdog is not None:
-        _watchdog.on_failure = scheduler.abort
     try:
-        if args.chat:
+        if generation.chat:
             from .serving.chat import chat
 
-            return chat(scheduler, lambda ids: validated_request(args, ids, config, sizes.max_context), stop.running)
-        request = build_request(args, scheduler.tokenizer, config, sizes.max_context)
-        result = generate_once(scheduler, request, stream=not args.json, stop=stop)
-        result["ranks"] = pipeline.rank_info()
+            return chat(scheduler, lambda ids: validated_request(generation, ids, built.config, sizes.max_context),
+                        stop.running)
+        request = build_request(generation, scheduler.tokenizer, built.config, sizes.max_context)
+        result = generate_once(scheduler, request, stream=not generation.json, stop=stop)
+        result["ranks"] = built.pipeline.rank_info()
         if scheduler.batcher.verifier.options.enabled:
             result["speculative"] = scheduler.batcher.verifier.stats.as_dict()
     finally:
         scheduler.close()
-    if args.json:
+    if generation.json:
         print(json.dumps(result))
     else:
         print_summary(result)
 
 
+def run(settings: Settings, stop: RankStop) -> None:
+    validate(settings)
+    front_ends = FrontEnds(serve_options(settings) if settings.serving.wanted else None)
+    try:
+        built = join_and_load(settings, front_ends, stop)
+    except BaseException:
+        front_ends.stop()
+        raise
+    if built is None:  # another rank: it served the ring until rank 0 stopped it
+        return
+    if front_ends.options is not None:
+        serve(settings, built, front_ends, stop)
+    else:
+        generate(settings, built, front_ends, stop)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
-    args = parse_args(argv)
-    logs.configure(args.log_level)
+    settings = parse_settings(argv)
+    logs.configure(settings.log_level)
     lifecycle = Lifecycle().start(watch_parent=launched_by_launcher())
     stop = RankStop(lifecycle)
     lifecycle.on_stop(stop)
     try:
-        run(args, stop)
+        run(settings, stop)
     except BrokenPipeError:  # whoever read our output is gone (a stop): nothing more to say
-        if _watchdog is not None:
-            _watchdog.close()
+        stop.leave(None)
         sys.exit(0 if lifecycle.stopping.is_set() else 1)
     except TrinityError as e:
-        if _watchdog is not None:
-            _watchdog.leave(str(e))
+        stop.leave(str(e))
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except BaseException as e:
-        if _watchdog is not None:
-            _watchdog.leave(f"{type(e).__name__}: {e}")
+        stop.leave(f"{type(e).__name__}: {e}")
         raise
-    if _watchdog is not None:
-        _watchdog.close()  # a clean exit: the other ranks stop watching this one
+    stop.leave(None)  # a clean exit: the other ranks stop watching this one

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, run_cli, run_json
 from draft_checkpoint import truncated_draft
-from distributed.cli import parse_args
+from distributed.cli import parse_settings
 from reference import PROMPT, mlx_lm_greedy
 from shard.test_loader import checkpoint_bytes
 
@@ -179,7 +179,7 @@ def test_chat_refuses_what_it_cannot_do(hf_checkpoint):
 
 def test_help_shows_defaults_and_names_docs_pages_that_exist(capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args(["--help"])
+        parse_settings(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "DESIGN.md" not in out
     flat = " ".join(out.split())

@@ -29,6 +29,7 @@ from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
 from .handshake import StartupRefused, agree_control_address, exchange_errors, handshake
 from .preflight import allow_mpi_calls_from_any_thread, check_group
+from .settings import RingSettings, Settings
 from .sizing import checked_context, fixed_context
 from .watchdog import CONTROL_ENV, Control, Watchdog, parse_address
 
@@ -68,16 +69,21 @@ def make_transport(group, kind: str, watchdog: Optional[Watchdog] = None):
     return transport if watchdog is None else GuardedTransport(transport, watchdog)
 
 
-def start_watchdog(args, control: Control, **kw) -> Watchdog:
+def start_watchdog(ring: RingSettings, control: Control, on_failure=None, grace: float = 0.0, **kw) -> Watchdog:
+    """on_failure and grace count on rank 0 alone: what it does when another rank fails (its
+    front ends say why), and the seconds its front ends get to send their errors before the exit."""
+    if control.rank != 0:
+        on_failure, grace = None, 0.0
     return Watchdog(control.rank, control.size, control.address, hosts=control.hosts,
-                    peer_timeout=args.peer_timeout, connect_timeout=args.connect_timeout, **kw).start()
+                    peer_timeout=ring.peer_timeout, connect_timeout=ring.connect_timeout,
+                    on_failure=on_failure, grace=grace, **kw).start()
 
 
 def mx_distributed_init_did_not_return_within_connect_timeout():
     return mx.distributed.init()  # (named for faulthandler's report, should init hang)
 
 
-def join_ranks(args, control: Optional[Control], on_stop=None):
+def join_ranks(ring: RingSettings, control: Optional[Control], on_stop=None, on_failure=None, grace: float = 0.0):
     """mx.distributed.init with a watchdog over the ranks (none for one process).
 
     Where rank 0's control address is known before init (ring, NCCL, or
@@ -85,7 +91,8 @@ def join_ranks(args, control: Optional[Control], on_stop=None):
     backend blocks for ever, holding the GIL, if a rank never comes, so rank 0
     must find that out (and exit naming it) before anyone calls init.
     Otherwise (MPI, whose launcher starts every rank) init comes first and the
-    ranks agree on the address through a collective."""
+    ranks agree on the address through a collective. on_stop: another rank asked
+    for a stop; on_failure and grace: rank 0's (start_watchdog)."""
     allow_mpi_calls_from_any_thread()
     if control is None:
         group = mx.distributed.init()
@@ -95,16 +102,17 @@ def join_ranks(args, control: Optional[Control], on_stop=None):
         explicit = parse_address(os.environ[CONTROL_ENV]) if os.environ.get(CONTROL_ENV) else None
         listener, candidates, hosts = agree_control_address(group, explicit)
         control = Control(group.rank(), group.size(), candidates[0], hosts)
-        watchdog = start_watchdog(args, control, listener=listener, candidates=candidates, on_stop=on_stop)
+        watchdog = start_watchdog(ring, control, on_failure, grace, listener=listener, candidates=candidates,
+                                  on_stop=on_stop)
         watchdog.wait_ready()
         return group, watchdog
-    watchdog = start_watchdog(args, control, on_stop=on_stop)
+    watchdog = start_watchdog(ring, control, on_failure, grace, on_stop=on_stop)
     watchdog.wait_ready()
     # Everyone is there, so init should return at once. Should a rank die in
     # between (or the ranks' hostfiles disagree), no Python thread runs during
     # init: faulthandler's timer (a C thread) ends the process with status 1,
     # its report naming the function below.
-    faulthandler.dump_traceback_later(args.connect_timeout, exit=True)
+    faulthandler.dump_traceback_later(ring.connect_timeout, exit=True)
     try:
         with watchdog.paused():
             group = mx_distributed_init_did_not_return_within_connect_timeout()
@@ -126,38 +134,38 @@ class Loaded:
     memory_bytes: List[int]  # each stage's usable memory, measured before loading (shared per host)
 
 
-def build_pipeline(args, group, watchdog: Optional[Watchdog] = None,
+def build_pipeline(settings: Settings, group, watchdog: Optional[Watchdog] = None,
                    on_ready: Optional[Callable[[], None]] = None) -> Optional[Loaded]:
     """Load this process's stage(s). Returns what rank 0 holds, or None on other
     ranks once they have served until STOP. `on_ready()`: on other ranks, called
     once every rank has loaded, before serving the ring."""
-    world = group.size()
-    if getattr(args, "tensor_parallel_size", 1) != 1:
+    world, ring, sizing = group.size(), settings.ring, settings.sizing
+    if ring.tensor_parallel_size != 1:
         from .tensor_start import build_tensor_pipeline, check_tensor_args
 
-        if check_tensor_args(args, world) > 1:
-            return build_tensor_pipeline(args, group, watchdog, on_ready, startup_check, Loaded)
-    if world > 1 and args.stages > 1:
+        if check_tensor_args(ring, world) > 1:
+            return build_tensor_pipeline(settings, group, watchdog, on_ready, startup_check, Loaded)
+    if world > 1 and ring.stages > 1:
         raise TrinityError("--stages runs several stages in one process; do not combine it with a multi-rank launch")
-    model, config_dir, config = load_config(args.model)  # None: the embedded tiny model
+    model, config_dir, config = load_config(settings.model.checkpoint)  # None: the embedded tiny model
     num_layers = model_args(config).num_hidden_layers
-    if args.split == "auto":
+    if ring.split == "auto":
         try:
-            split = planned_split(config, group, fixed_context(args), args.memory_limit,
-                                  getattr(args, "draft_model", None))
+            split = planned_split(config, group, fixed_context(sizing), sizing.memory_limit,
+                                  settings.speculation.draft_model)
         except StartupRefused:
             if watchdog is not None:
                 watchdog.close()  # every rank made the same plan, and exits with it
             raise
     else:
-        split = parse_split(args.split) if args.split else None
-    ranges = layer_ranges(num_layers, max(world, args.stages), split)
+        split = parse_split(ring.split) if ring.split else None
+    ranges = layer_ranges(num_layers, max(world, ring.stages), split)
 
     if world == 1:
         memory = share_by_host([usable_memory_bytes()] * len(ranges), ["here"] * len(ranges))
-        if args.memory_limit not in (None, AUTO):  # one process holds every stage: they divide its bytes
-            memory = [args.memory_limit // len(ranges)] * len(ranges)
-        if args.memory_limit is not None:
+        if sizing.memory_limit not in (None, AUTO):  # one process holds every stage: they divide its bytes
+            memory = [sizing.memory_limit // len(ranges)] * len(ranges)
+        if sizing.memory_limit is not None:
             apply_memory_limit(sum(memory))
         path = fetch_stage_files(model, 0, num_layers, True, config_dir)
         stages = [load_stage(path, s, e, i == 0, config) for i, (s, e) in enumerate(ranges)]
@@ -165,14 +173,14 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None,
 
     rank = group.rank()
     start, end = ranges[rank]
-    context = checked_context(args, config)
+    context = checked_context(sizing, config)
     try:
-        reports = handshake(group, config_dir, config, ranges, context, args.memory_limit)
+        reports = handshake(group, config_dir, config, ranges, context, sizing.memory_limit)
     except StartupRefused:
         if watchdog is not None:
             watchdog.close()  # every rank found the same problems, and exits naming them
         raise
-    if args.memory_limit is not None:
+    if sizing.memory_limit is not None:
         apply_memory_limit(reports[rank]["memory_bytes"])
     stage, path, error = None, None, None
     try:
@@ -181,7 +189,7 @@ def build_pipeline(args, group, watchdog: Optional[Watchdog] = None,
     except Exception as e:  # reported to every rank before anyone waits on a peer
         error = e
     startup_check(group, error, [r["host"] for r in reports], watchdog)
-    transport = make_transport(group, args.transport, watchdog)
+    transport = make_transport(group, ring.transport, watchdog)
     if rank != 0:
         if on_ready is not None:
             on_ready()

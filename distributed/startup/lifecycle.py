@@ -168,9 +168,22 @@ class RankStop:
 
     def __init__(self, lifecycle: Lifecycle):
         self.lifecycle = lifecycle
-        self.watchdog = None  # set once the ranks have joined
+        self.watchdog = None  # the ranks' watchdog, once they have joined (none for one process)
         self.in_ring = False
         self._stop_scheduler: Optional[Callable[[], None]] = None
+
+    def joined(self, watchdog) -> None:
+        """The ranks have joined: stops and this rank's end are told to the others through `watchdog`."""
+        self.watchdog = watchdog
+
+    def leave(self, error: Optional[str]) -> None:
+        """This rank exits: the other ranks stop watching it (error None) or learn its error."""
+        if self.watchdog is None:
+            return
+        if error is None:
+            self.watchdog.close()
+        else:
+            self.watchdog.leave(error)
 
     def __call__(self, reason: str) -> None:
         if self.watchdog is not None:

@@ -23,6 +23,7 @@ from ..runtime.prefix_cache import default_budget
 from ..shard.draft import draft_reserve
 from ..shard.kv_budget import CACHE_STEP, DEFAULT_CONTEXT, kv_budget, longest_context
 from ..shard.memory_plan import DEFAULT_MARGIN
+from .settings import SizingSettings
 
 AUTO = "auto"
 
@@ -40,45 +41,46 @@ def context_arg(text: str) -> Union[int, str]:
     return value
 
 
-def fixed_context(args) -> Optional[int]:
+def fixed_context(sizing: SizingSettings) -> Optional[int]:
     """--max-context as a number (None: absent, or auto, which is known only after loading)."""
-    return None if args.max_context in (None, AUTO) else args.max_context
+    return None if sizing.max_context in (None, AUTO) else sizing.max_context
 
 
 def model_context(config: dict) -> int:
     return config.get("max_position_embeddings") or 2**31
 
 
-def context_limit(args, config: dict) -> int:
+def context_limit(sizing: SizingSettings, config: dict) -> int:
     """Prompt + max tokens limit before sizing: --max-context, else the model's."""
-    return fixed_context(args) or model_context(config)
+    return fixed_context(sizing) or model_context(config)
 
 
-def checked_context(args, config: dict) -> int:
+def checked_context(sizing: SizingSettings, config: dict) -> int:
     """The context each rank's start-up check must hold: --max-context's, the model's without it;
     with auto, one cache step (the longest context that fits is found once the weights are in)."""
-    if args.max_context == AUTO:
+    if sizing.max_context == AUTO:
         return min(model_context(config), CACHE_STEP)
-    return context_limit(args, config)
+    return context_limit(sizing, config)
 
 
-def planning_context(args, config: dict) -> int:
+def planning_context(sizing: SizingSettings, config: dict) -> int:
     """The context the default batch and prefix cache are planned at."""
-    return min(context_limit(args, config), fixed_context(args) or DEFAULT_CONTEXT)
+    return min(context_limit(sizing, config), fixed_context(sizing) or DEFAULT_CONTEXT)
 
 
-def prefix_cache_budget(args, config: dict, ranks, memory_bytes: List[int]) -> int:
+def prefix_cache_budget(sizing: SizingSettings, config: dict, ranks, memory_bytes: List[int]) -> int:
     """--prefix-cache-bytes, else a share of the tightest rank's memory beside its weights."""
-    if args.prefix_cache_bytes is not None:
-        return args.prefix_cache_bytes
-    return default_budget(kv_budget(config, ranks, memory_bytes, planning_context(args, config)).free_bytes)
+    if sizing.prefix_cache_bytes is not None:
+        return sizing.prefix_cache_bytes
+    return default_budget(kv_budget(config, ranks, memory_bytes, planning_context(sizing, config)).free_bytes)
 
 
-def beside_draft(args, config: dict, memory_bytes: List[int], ranks: int) -> List[int]:
+def beside_draft(sizing: SizingSettings, draft_model: Optional[str], config: dict, memory_bytes: List[int],
+                 ranks: int) -> List[int]:
     """Each rank's memory figure, rank 0's less what --draft-model takes there: its weights
     and the caches of the sequences that may speculate at once (one per rank) at the
     planning context."""
-    taken = draft_reserve(getattr(args, "draft_model", None), planning_context(args, config), ranks)
+    taken = draft_reserve(draft_model, planning_context(sizing, config), ranks)
     return [max(0, memory_bytes[0] - taken), *memory_bytes[1:]]
 
 
@@ -92,15 +94,17 @@ class Sizes:
     chunk_budget: Optional[ChunkBudget] = None  # each prefill chunk's activations fit it
 
 
-def serving_sizes(args, config: dict, ranks, memory_bytes: List[int], batch: Optional[int] = None) -> Sizes:
+def serving_sizes(sizing: SizingSettings, config: dict, ranks, memory_bytes: List[int],
+                  batch: Optional[int] = None) -> Sizes:
     """The context, batch and prefix cache of a server (`batch`: a fixed batch, as --chat's 1)."""
-    prefix_cache_bytes = prefix_cache_budget(args, config, ranks, memory_bytes)
+    prefix_cache_bytes = prefix_cache_budget(sizing, config, ranks, memory_bytes)
     # The prefix cache's bytes come out of every rank's share before the batch and the context.
-    budget = kv_budget(config, ranks, memory_bytes, planning_context(args, config), set_aside_bytes=prefix_cache_bytes)
-    max_batch = batch or args.max_batch or budget.max_batch
-    lines = [f"max batch: {max_batch}" + (" (--max-batch)" if args.max_batch or batch else f": {budget.describe()}")]
-    max_context = context_limit(args, config)
-    if args.max_context == AUTO:
+    budget = kv_budget(config, ranks, memory_bytes, planning_context(sizing, config),
+                       set_aside_bytes=prefix_cache_bytes)
+    max_batch = batch or sizing.max_batch or budget.max_batch
+    lines = [f"max batch: {max_batch}" + (" (--max-batch)" if sizing.max_batch or batch else f": {budget.describe()}")]
+    max_context = context_limit(sizing, config)
+    if sizing.max_context == AUTO:
         fit = longest_context(config, ranks, memory_bytes, max_batch, model_context(config),
                               set_aside_bytes=prefix_cache_bytes)
         if fit.context < 1:
@@ -109,22 +113,23 @@ def serving_sizes(args, config: dict, ranks, memory_bytes: List[int], batch: Opt
                                f"--prefix-cache-bytes, or give the ring more memory)")
         max_context = fit.context
         lines.append(f"max context: {fit.describe()} (--max-context auto)")
-    step, budget = args.prefill_step_size, None
+    step, budget = sizing.prefill_step_size, None
     # The auto context leaves the margin to activations: chunks bounded to half of it make
     # a long prompt's peak (weights + caches + one chunk) known before it runs.
-    if getattr(args, "memory_limit", None) is not None or args.max_context == AUTO:
+    if sizing.memory_limit is not None or sizing.max_context == AUTO:
         # Half the margin: the other half holds what else the rank keeps meanwhile (replies, logits, inputs).
         budget = ChunkBudget(config, int(min(memory_bytes) * DEFAULT_MARGIN) // 2)
-        why = "--memory-limit's" if getattr(args, "memory_limit", None) is not None else "the memory's"
+        why = "--memory-limit's" if sizing.memory_limit is not None else "the memory's"
         last = budget.ending_at(max_context, step)
         lines.append(f"prefill chunk: up to {step} tokens, {last} where a prompt nears {max_context} "
                      f"(each chunk's activations at its context fit {why} margin)")
     return Sizes(max_context, max_batch, prefix_cache_bytes, step, lines, budget)
 
 
-def memory_admission(args, config: dict, ranks, memory_bytes: List[int], sizes: Sizes) -> Optional[MemoryAdmission]:
+def memory_admission(sizing: SizingSettings, config: dict, ranks, memory_bytes: List[int],
+                     sizes: Sizes) -> Optional[MemoryAdmission]:
     """Under --memory-limit: what a prompt waits for, or is refused for (memory_admission.py)."""
-    if getattr(args, "memory_limit", None) is None:
+    if sizing.memory_limit is None:
         return None
     return MemoryAdmission(config, ranks, memory_bytes, sizes.prefill_step_size, sizes.max_context,
                            set_aside_bytes=sizes.prefix_cache_bytes, chunk_budget=sizes.chunk_budget)

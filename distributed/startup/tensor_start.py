@@ -20,21 +20,22 @@ from ..shard.tensor import check_tensor_size, release_group
 from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
 from .handshake import StartupRefused, handshake
+from .settings import RingSettings, Settings
 from .sizing import fixed_context
 
 
-def check_tensor_args(args, world: int, config: Optional[dict] = None) -> int:
+def check_tensor_args(ring: RingSettings, world: int, config: Optional[dict] = None) -> int:
     """The tensor size T, checked against the launch and (with `config`) the model."""
-    size = getattr(args, "tensor_parallel_size", 1)
+    size = ring.tensor_parallel_size
     if size < 1:
         raise TrinityError(f"--tensor-parallel-size must be at least 1, got {size}")
     if size == 1:
         return size
-    if args.stages > 1:
+    if ring.stages > 1:
         raise TrinityError("--tensor-parallel-size splits every layer across ranks; --stages runs stages in one "
                            "process: use one or the other")
-    if args.split:
-        raise TrinityError(f"--split {args.split}: with --tensor-parallel-size {size} the layers are split evenly "
+    if ring.split:
+        raise TrinityError(f"--split {ring.split}: with --tensor-parallel-size {size} the layers are split evenly "
                            "between the groups of ranks")
     if world % size:
         if world == 1:
@@ -47,19 +48,20 @@ def check_tensor_args(args, world: int, config: Optional[dict] = None) -> int:
     return size
 
 
-def build_tensor_pipeline(args, group, watchdog, on_ready: Optional[Callable[[], None]], startup_check, loaded):
+def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optional[Callable[[], None]], startup_check,
+                          loaded):
     """build_pipeline (join.py) for T = group.size() > 1; `startup_check` and `loaded` (its Loaded) are join.py's."""
 
-    model, config_dir, config = load_config(args.model)
+    model, config_dir, config = load_config(settings.model.checkpoint)
     try:
-        check_tensor_args(args, group.size(), config)
+        check_tensor_args(settings.ring, group.size(), config)
     except TrinityError as e:  # every rank finds the same, and exits naming it
         if watchdog is not None:
             watchdog.close()
         raise StartupRefused(str(e)) from None
     num_layers = model_args(config).num_hidden_layers
     world, rank = group.size(), group.rank()
-    size = args.tensor_parallel_size
+    size = settings.ring.tensor_parallel_size
     stages = world // size
     tensor, leaders = group, None
     if stages > 1:
@@ -75,15 +77,15 @@ def build_tensor_pipeline(args, group, watchdog, on_ready: Optional[Callable[[],
                                  f"or 1 (the pipeline)") from None
     start, end = layer_ranges(num_layers, stages, None)[rank // size]
     first = rank < size
-    context = fixed_context(args) or config.get("max_position_embeddings") or 4096
+    context = fixed_context(settings.sizing) or config.get("max_position_embeddings") or 4096
     try:
-        reports = handshake(group, config_dir, config, [layer_ranges(num_layers, stages, None)[r // size]
-                                                        for r in range(world)], context, args.memory_limit, tensor=size)
+        ranges = [layer_ranges(num_layers, stages, None)[r // size] for r in range(world)]
+        reports = handshake(group, config_dir, config, ranges, context, settings.sizing.memory_limit, tensor=size)
     except StartupRefused:
         if watchdog is not None:
             watchdog.close()
         raise
-    if args.memory_limit is not None:
+    if settings.sizing.memory_limit is not None:
         apply_memory_limit(reports[rank]["memory_bytes"])
     stage, path, error = None, None, None
     try:

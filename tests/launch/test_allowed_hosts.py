@@ -2,7 +2,7 @@
 parser, or TRINITY_ALLOWED_HOSTS) and the launcher's router's, which leaves it in the ranks'
 command too (rank 0 keeps --metrics)."""
 
-from distributed.cli import build_parser, serve_options
+from distributed.cli import parse_settings, serve_options
 from distributed.serving.options import ALLOWED_HOSTS_ENV
 from launch.hostfile import local_hosts
 from launch.router.command import plan_router
@@ -11,13 +11,13 @@ SERVE = ["--serve", "127.0.0.1:50051", "--http", "127.0.0.1:8000"]
 
 
 def test_run_trinity_takes_the_flag_or_the_environment(monkeypatch):
-    args = build_parser().parse_args([*SERVE, "--allowed-hosts", "box.lan, ai.example.com"])
-    assert serve_options(args).allowed_hosts == ["box.lan", "ai.example.com"]
+    settings = parse_settings([*SERVE, "--allowed-hosts", "box.lan, ai.example.com"])
+    assert serve_options(settings).allowed_hosts == ["box.lan", "ai.example.com"]
     monkeypatch.setenv(ALLOWED_HOSTS_ENV, "env.example")
-    assert serve_options(build_parser().parse_args(SERVE)).allowed_hosts == ["env.example"]
-    assert serve_options(args).allowed_hosts == ["box.lan", "ai.example.com"]  # the flag wins
+    assert serve_options(parse_settings(SERVE)).allowed_hosts == ["env.example"]
+    assert serve_options(settings).allowed_hosts == ["box.lan", "ai.example.com"]  # the flag wins
     monkeypatch.delenv(ALLOWED_HOSTS_ENV)
-    assert serve_options(build_parser().parse_args(SERVE)).allowed_hosts == []
+    assert serve_options(parse_settings(SERVE)).allowed_hosts == []
 
 
 def test_the_router_takes_it_and_the_ranks_keep_it(monkeypatch):

@@ -229,18 +229,18 @@ def test_auto_context_bounds_the_prefill_chunk_to_the_margin(max_context):
     (half: the rest holds replies and logits) at its own context: a prompt's first chunk longer
     than its last, near the auto context; a fixed context without --memory-limit keeps the
     chunk asked for."""
-    from distributed.cli import parse_args
+    from distributed.cli import parse_settings
     from distributed.runtime.memory_guard import activation_bytes
     from distributed.shard.config import model_args
     from distributed.startup.sizing import serving_sizes
     from trinity_configs import mini
 
     gib, asked = 1 << 30, 8192
-    args = parse_args(["--max-context", max_context, "--max-batch", "1", "--prefix-cache-bytes", "0",
-                       "--prefill-step-size", str(asked), "--prompt", "x"])
+    settings = parse_settings(["--max-context", max_context, "--max-batch", "1", "--prefix-cache-bytes", "0",
+                               "--prefill-step-size", str(asked), "--prompt", "x"])
     rows = [{"layers": [0, 16], "parameter_bytes": 8 * gib}, {"layers": [16, 32], "parameter_bytes": 6 * gib}]
     memory = [24 * gib, 12 * gib]
-    sizes = serving_sizes(args, mini(), rows, memory)
+    sizes = serving_sizes(settings.sizing, mini(), rows, memory)
     assert sizes.prefill_step_size == asked
     if max_context != "auto":
         assert sizes.chunk_budget is None

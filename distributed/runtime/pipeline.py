@@ -16,7 +16,7 @@ import mlx.core as mx
 from ..shard.loader import parameter_bytes
 from ..shard.stage import Stage, flatten
 from ..transport import Header, Op, Reply, Transport
-from ..transport.base import PendingFrame
+from ..transport.base import LocalRing, PendingFrame
 from . import rank_info
 from .caches import SlotCaches, keeping
 from .memory_guard import MemoryGuard, allocation_failed
@@ -318,7 +318,6 @@ class Pipeline:
 
 def in_process_pipeline(stages: List[Stage]) -> "Pipeline":
     """Single-host mode (--stages N): stage 0 here, the others behind an in-process ring."""
-    from ..transport.local import LocalRing
     from .worker import StageWorker
 
     workers = [StageWorker(stage, i + 1, len(stages)) for i, stage in enumerate(stages[1:])]

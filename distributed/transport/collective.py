@@ -16,10 +16,9 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from .base import ROUND_TRIP_OPS, Header, Transport
-from .frames import HEADER_BYTES, INLINE_BYTES, as_payload, pack, payload_bytes
+from .base import HEADER_BYTES, INLINE_BYTES, ROUND_TRIP_OPS, Header, Transport, as_payload, pack, payload_bytes
 
-# Payloads up to INLINE_BYTES ride in the same gather as their header (frames.py): one
+# Payloads up to INLINE_BYTES ride in the same gather as their header (base.py): one
 # collective per round for decode steps.
 
 

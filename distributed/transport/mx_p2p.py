@@ -1,6 +1,6 @@
 """Transport over mx.distributed point-to-point send/recv (ring, MPI, JACCL backends).
 
-Every frame is one message of the fixed size (frames.py), a payload too big to ride
+Every frame is one message of the fixed size (base.py), a payload too big to ride
 inline a second one. The receiver always posts the fixed size, so a decode hop costs
 one send and one receive, one wait on the backend each, not a header and then a payload.
 """
@@ -10,8 +10,8 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from .base import Header, PendingFrame, Transport
-from .frames import FRAME_BYTES, HEADER_BYTES, INLINE_BYTES, inline_payload, pack, payload_bytes, unpack_header
+from .base import (FRAME_BYTES, HEADER_BYTES, INLINE_BYTES, Header, PendingFrame, Transport, inline_payload, pack,
+                   payload_bytes, unpack_header)
 from .ring_wait import IncomingWait
 
 

@@ -1,6 +1,4 @@
-"""Which of our modules one streamed chat completion crosses (issue 48's figure).
-
-    python bench/request_path.py [--tree PATH] [--stages 2]
+"""Which of our modules one streamed chat completion crosses.
 
 Runs `run_trinity.py --stages N --serve … --http …` (the embedded model) inside this process with a
 profiler on every thread, sends one streamed `POST /v1/chat/completions` (8 tokens) once the server
@@ -9,22 +7,22 @@ whose functions ran between the request's first byte and its last, with the coun
 another checkout's code (e.g. a worktree of an older commit), to compare.
 """
 
-import argparse
 import http.client
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
+from bench.harness import ROOT, flags, free_ports
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def add_arguments(p) -> None:
+    flags(p, smoke=False)
+    p.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose code runs (default: this one)")
+    p.add_argument("--stages", type=int, default=2)
 
 
 def chat(port: int) -> None:
@@ -51,17 +49,13 @@ def wait_serving(port: int) -> None:
     raise SystemExit("the server never served")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tree", type=Path, default=Path(__file__).resolve().parent.parent)
-    p.add_argument("--stages", type=int, default=2)
-    args = p.parse_args()
-    root = args.tree.resolve()
+def main(args) -> None:
+    port, root = free_ports(1)[0], args.tree.resolve()  # the port before the other checkout's code comes first
     sys.path.insert(0, str(root))
     os.chdir(root)
     from distributed import cli
 
-    port, seen, recording = free_port(), set(), threading.Event()
+    seen, recording = set(), threading.Event()
 
     def profile(frame, event, arg):
         if recording.is_set() and event == "call":
@@ -88,7 +82,3 @@ def main() -> None:
     ours = sorted(m for m in seen if m.startswith(("distributed/", "launch/")))
     print("\n".join(ours))
     print(f"{len(ours)} modules ({root})")
-
-
-if __name__ == "__main__":
-    main()

@@ -17,12 +17,8 @@ from typing import Dict, List, Tuple
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from distributed.runtime.request import MAX_STOPS  # noqa: E402
-from distributed.serving.proto import generation_pb2 as pb  # noqa: E402
+from distributed.runtime.request import MAX_STOPS
+from distributed.serving.proto import generation_pb2 as pb
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven tired engineers watch memory "
          "graphs climb and fall across four small ranks").split()

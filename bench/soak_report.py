@@ -117,52 +117,8 @@ def print_report(r: dict) -> None:
     print(f"launcher: CPU {first['launcher_cpu_s']}->{last['launcher_cpu_s']} s over the soak; exit status after "
           f"SIGTERM {r['launcher_status']} in {r['stop_s']:.1f} s; restarts {r['restarts']}; processes left behind "
           f"{r['orphans']}")
-    if r.get("probe"):
-        print_probe(r["probe"])
     for e in r["error_messages"][:10]:
         print(f"  error: {e}")
     for w in r["wrong"][:5]:
         print(f"  wrong: {json.dumps(w)}")
 
-
-PROBED = ("rss", "mlx_active", "mlx_cache", "malloc_in_use", "malloc_free")
-
-
-def probe_summary(folder: Path, ranks: int, warmup_s: float) -> List[dict]:
-    """Per rank, from --probe-memory's logs (rank_probe/sitecustomize.py): each measure at the end of
-    warm-up and at the end, and the slope of each byte measure in MiB/min after warm-up."""
-    out = []
-    for r in range(ranks):
-        path = Path(folder) / f"rank{r}.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-        after = [row for row in rows if row["t"] >= warmup_s]
-        if len(after) < 2:
-            out.append({"rank": r, "rows": len(rows)})
-            continue
-        first, last = after[0], after[-1]
-        summary = {"rank": r, "rows": len(rows), "from_t": first["t"], "to_t": last["t"]}
-        for key in PROBED + ("jit_libs", "py_objects", "threads"):
-            summary[key] = [first.get(key), last.get(key)]
-        for key in PROBED:
-            points = [(row["t"], row[key]) for row in after if row.get(key) is not None]
-            summary[key + "_slope_mib_per_min"] = slope_mib_per_min(points)
-        summary["top"] = last.get("top")
-        out.append(summary)
-    return out
-
-
-def print_probe(summaries: List[dict]) -> None:
-    print("inside each rank after warm-up (--probe-memory; MiB, first -> last, slope MiB/min):")
-    for s in summaries:
-        if "from_t" not in s:
-            print(f"  rank {s['rank']}: {s['rows']} probe rows, too few after warm-up")
-            continue
-        parts = []
-        for k in PROBED:
-            if s[k][0] is not None:
-                slope = s[k + "_slope_mib_per_min"]
-                parts.append(f"{k} {mib(s[k][0])} -> {mib(s[k][1])} ({'-' if slope is None else f'{slope:+.2f}'})")
-        parts += [f"{k} {s[k][0]} -> {s[k][1]}" for k in ("jit_libs", "py_objects", "threads") if s[k][0] is not None]
-        print(f"  rank {s['rank']} ({s['from_t']}-{s['to_t']} s): " + "; ".join(parts))
-        for line in (s.get("top") or [])[:5]:
-            print(f"    {line}")

@@ -1,4 +1,4 @@
-"""The 1-minute version of the soak (bench/soak.py): 4 local ranks serving gRPC under
+"""The 1-minute version of the soak (`python -m bench soak`): 4 local ranks serving gRPC under
 random requests (10% cancelled, 5% invalid) from concurrent clients; no unexpected
 error, no wrong greedy output, memory sampled for every rank, and a clean stop of the
 launcher (SIGTERM: exit 0, not restarted although --restart allows it, nothing left)."""
@@ -21,7 +21,7 @@ def test_soak_one_minute_four_ranks(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "1", "--ranks", "4", "--clients", "4",
+        [sys.executable, "-m", "bench", "soak", "--minutes", "1", "--ranks", "4", "--clients", "4",
          "--restart", "1", "--sample-every", "5", "--out", str(out), "--log", str(tmp_path / "soak.log")],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     report = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
@@ -42,8 +42,7 @@ def test_soak_one_minute_four_ranks(tmp_path):
 
 
 def test_memory_trend_marks_and_slope_after_warmup():
-    sys.path.insert(0, str(ROOT / "bench"))
-    from soak_report import memory_trend
+    from bench.soak_report import memory_trend
 
     # Rank 0 grows 1 MiB/min throughout; rank 1 jumps during warm-up, then stays flat.
     samples = [{"t": t, "rss": [2**27 + t * 2**20 // 60, 2**26 if t > 100 else 2**25]} for t in range(0, 1801, 10)]

@@ -1,10 +1,7 @@
 """Single-stream decode with and without speculative decoding, P = 1..4.
 
-    python bench/bench_speculation.py [--max-ranks 4] [--reps 3] [--max-tokens 200] [--k 8] [--blas openblas]
-                                      [--modes lookup,draft,both] [--out PATH]
-
 The embedded default model (distributed/shard/tiny_model), greedy, one request per fresh
-process, ranks of the ring backend started directly (as bench_decode's "direct"). Prompts:
+process, ranks of the ring backend started directly (as decode's "direct"). Prompts:
   held-out   the start of a paragraph of pydoc's topics that training held out (every tenth),
              continued by the model: it loops on its own phrases more than it copies
   grounded   a passage, then its first words again: the model's continuation repeats the
@@ -19,7 +16,7 @@ draft, distributed/shard/tiny_draft; both): decode tok/s without and with it (me
 --reps, interleaved rounds), their ratio, and how much of the output the drafts covered (accepted
 drafts / tokens generated), with the verification passes. Tokens must be the same.
 
---ring-ceiling: the same through real rings (P = --min-ranks..--max-ranks), drafts given by
+--ring-ceiling: the same through real rings (P in --ranks), drafts given by
 bench/replay_drafter inside rank 0: the plain run's own tokens, all right or the draft for one
 position in 4 / in 8 wrong, each with drafting ahead and without (--no-draft-ahead), --speculate
 always.
@@ -28,28 +25,39 @@ always.
 --stages 2, the scheduler's own loop): a drafter that proposes the plain run's own next tokens
 (every draft accepted), and one whose draft for one position in 4 is wrong; --model
 for another checkpoint (the GPU's Mini shape).
+--smoke: P = 1, 2, one round of 24 tokens, the held-out prompt, lookup only.
 """
 
-import argparse
-import os
 import json
-import statistics
+import os
 import shutil
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, ROOT, bench_env, kill_groups, start_ranks  # noqa: E402
-
-sys.path.insert(0, str(ROOT))
-from distributed.runtime.speculation import DEFAULT_DRAFT_TOKENS  # noqa: E402
-
+from bench.harness import PY, ROOT, bench_env, flags, out_path, run_ranks, save
 
 MODEL = ROOT / "distributed" / "shard" / "tiny_model"
 EDITOR = Path(tempfile.gettempdir()) / f"bench-speculation-editor-{os.getpid()}"
+
+
+def add_arguments(p) -> None:
+    flags(p, smoke=False, out=None, model=None, ranks=[1, 2, 3, 4], reps=3, max_tokens=200, timeout=300.0,
+          blas="openblas")
+    p.add_argument("--k", type=int, help="--num-draft-tokens (default: the runner's)")
+    p.add_argument("--modes", default="lookup,draft,both",
+                   help="against plain: lookup (--prompt-lookup), draft (--draft-model, the bundled draft), both; "
+                   "a mode with -one after it: the same with --no-draft-ahead (one frame in the ring at a time)")
+    p.add_argument("--prompts", default="held-out,grounded,edit")
+    p.add_argument("--held-out", type=int, default=1, metavar="N",
+                   help="the held-out prompt: the first N held-out paragraphs in turn (tok/s over all of them)")
+    p.add_argument("--always", action="store_true", help="--speculate always (every pass the drafter proposes)")
+    p.add_argument("--ceiling", action="store_true", help="in one process: drafts that are right (see above)")
+    p.add_argument("--ring-ceiling", action="store_true", help="through rings: drafts given inside rank 0 (see above)")
+    p.add_argument("--draft", default=str(ROOT / "distributed" / "shard" / "tiny_draft"),
+                   help="the draft model of the draft modes (default: the bundled draft)")
 
 
 def prompts(every: bool = False, held_out_prompts: int = 1):
@@ -88,23 +96,9 @@ def run_once(ranks: int, prompt: str, max_tokens: int, extra: list, timeout: flo
     env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     cmd = [PY, str(ROOT / "run_trinity.py"), "--model", str(model), "--prompt", prompt, "--no-chat-template",
            "--max-tokens", str(max_tokens), "--json", *extra]
-    procs, hostfile = start_ranks(cmd, ranks, env,
-                                  rank0=dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-                                  others=dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    try:
-        out, err = procs[0].communicate(timeout=timeout)
-        for p in procs[1:]:
-            p.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        return {"error": "timed out"}
-    finally:
-        kill_groups(procs, grace=0)
-        if hostfile:
-            Path(hostfile).unlink()
-    lines = [l for l in out.splitlines() if l.startswith("{")]
-    if not lines:
-        return {"error": err.strip()[-300:]}
-    r = json.loads(lines[-1])
+    r = run_ranks(cmd, ranks, env, timeout)
+    if "error" in r:
+        return {"error": r["error"][-300:]}
     return {"tps": r["generation_tokens_per_sec"], "tokens": r["token_ids"], "speculative": r.get("speculative")}
 
 
@@ -177,7 +171,7 @@ def ring_ceiling(prompt: str, args) -> list:
     runs, tokens = {}, None
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
-            for ranks in range(args.min_ranks, args.max_ranks + 1):
+            for ranks in args.ranks:
                 r = run_once(ranks, prompt, args.max_tokens, [], args.timeout, blas=args.blas)
                 runs.setdefault((ranks, "plain"), []).append(r)
                 tokens = tokens or r.get("tokens")
@@ -211,31 +205,12 @@ def ring_ceiling(prompt: str, args) -> list:
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--max-ranks", type=int, default=4)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--k", type=int, default=DEFAULT_DRAFT_TOKENS, help="--num-draft-tokens (default: the runner's)")
-    p.add_argument("--timeout", type=float, default=300)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculation.json"))
-    p.add_argument("--modes", default="lookup,draft,both",
-                   help="against plain: lookup (--prompt-lookup), draft (--draft-model, the bundled draft), both; "
-                   "a mode with -one after it: the same with --no-draft-ahead (one frame in the ring at a time)")
-    p.add_argument("--min-ranks", type=int, default=1)
-    p.add_argument("--prompts", default="held-out,grounded,edit")
-    p.add_argument("--held-out", type=int, default=1, metavar="N",
-                   help="the held-out prompt: the first N held-out paragraphs in turn (tok/s over all of them)")
-    p.add_argument("--always", action="store_true", help="--speculate always (every pass the drafter proposes)")
-    p.add_argument("--ceiling", action="store_true", help="in-process: drafts that are right (see above)")
-    p.add_argument("--ring-ceiling", action="store_true", help="through rings: drafts given inside rank 0 (see above)")
-    p.add_argument("--blas", choices=["openblas", "reference"], default="openblas",
-                   help="the ranks' BLAS (default: the system OpenBLAS preloaded; the MLX CPU wheel's own reference "
-                   "BLAS makes a pass over 5 positions cost 2.6x one, where OpenBLAS, Accelerate and GPUs cost ~1x)")
-    p.add_argument("--draft", default=str(ROOT / "distributed" / "shard" / "tiny_draft"),
-                   help="the draft model of the draft modes (default: the bundled draft)")
-    p.add_argument("--model", help="with --ceiling: this checkpoint (e.g. bench_gpu.py's Mini shape), 128 byte ids")
-    args = p.parse_args()
+def main(args) -> None:
+    from distributed.runtime.speculation import DEFAULT_DRAFT_TOKENS
+
+    args.k = args.k or DEFAULT_DRAFT_TOKENS
+    if args.smoke:
+        args.ranks, args.reps, args.max_tokens, args.prompts, args.modes = [1, 2], 1, 24, "held-out", "lookup"
     texts = prompts(held_out_prompts=1 if args.ceiling or args.ring_ceiling else args.held_out)
     if args.ceiling:
         rows = ceiling(texts["held-out"], args.max_tokens, args.k, args.reps, args.model)
@@ -245,17 +220,16 @@ def main() -> None:
         print(f"{'stages':>6}  {'drafter':<24}{'tok/s':>8}{'ratio':>7}  speculative")
         for r in rows:
             print(f"{r['stages']:>6}  {r['drafter']:<24}{r['tps']:>8.1f}{r['ratio']:>7.2f}  {r['speculative']}")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"settings": vars(args), "ceiling": rows}, indent=1))
+        print(f"wrote {save(out_path(args, 'speculation'), {'ceiling': rows}, vars(args))}")
         return
     start = time.perf_counter()
     if args.ring_ceiling:
         rows = ring_ceiling(texts["held-out"], args)
         return report(rows, args, texts, start)
-    flags = {"plain": [], "lookup": ["--prompt-lookup"], "draft": ["--draft-model", args.draft],
+    mode_flags = {"plain": [], "lookup": ["--prompt-lookup"], "draft": ["--draft-model", args.draft],
              "both": ["--prompt-lookup", "--draft-model", args.draft]}
-    for mode in list(flags)[1:]:
-        flags[mode + "-one"] = flags[mode] + ["--no-draft-ahead"]
+    for mode in list(mode_flags)[1:]:
+        mode_flags[mode + "-one"] = mode_flags[mode] + ["--no-draft-ahead"]
     modes = ["plain"] + [m for m in args.modes.split(",") if m != "plain"]
     texts = {name: texts[name] for name in args.prompts.split(",")}
     if "edit" in texts:
@@ -263,7 +237,7 @@ def main() -> None:
 
         make_editor(["--out", str(EDITOR)])
     try:
-        rows = compare(texts, modes, flags, args)
+        rows = compare(texts, modes, mode_flags, args)
     finally:
         shutil.rmtree(EDITOR, ignore_errors=True)
     report(rows, args, texts, start)
@@ -271,7 +245,7 @@ def main() -> None:
 
 def compare(texts: dict, modes: list, flags: dict, args) -> list:
     """Every prompt, P and mode against plain, in interleaved rounds: the rows of the table."""
-    ranks_range = range(args.min_ranks, args.max_ranks + 1)
+    ranks_range = args.ranks
     cases = [(name, ranks, mode) for name in texts for ranks in ranks_range for mode in modes_for(name, modes)]
     runs = {case: [] for case in cases}
     for rep in range(args.reps):
@@ -330,11 +304,5 @@ def report(rows: list, args, texts: dict, start: float) -> None:
               f"{r['ratio']:>7.2f}{r['tokens']:>8}{r['covered']:>9.2f}{'%d/%d' % (r['accepted'], r['drafted']):>18}"
               f"{r['passes']:>8}{r['cancelled']:>10}  {'yes' if r['same_tokens'] else 'NO'}")
     print(f"wall time {time.perf_counter() - start:.0f} s")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"settings": vars(args), "prompts": texts, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {save(out_path(args, 'speculation'), {'prompts': texts, 'rows': rows}, vars(args))}")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,6 @@
 """The speed model on paper behind docs/tensor-parallel.md: one stream's decode tok/s for
 Trinity-Mini and Trinity-Large (4-bit) on 1, 2 and 4 Macs, tensor parallel against the pipeline.
 
-    python bench/tensor_speed_model.py [--json-out bench/results/tensor_speed_model.json]
-
 A token reads every active weight once (decode is memory-bound on Apple silicon):
   one Mac       t1 = (layer_bytes + head_bytes) / (eff * BW) + L * d
   pipeline P    t1 + P * hop                 (the same bytes, one Mac at a time, plus P hops)
@@ -13,9 +11,7 @@ layer that no split shrinks (kernel launches and host dispatch), a_T one all-red
 vector among T Macs (2 per layer, + 1 broadcast of the token ids), hop one hidden-state hop.
 """
 
-import argparse
-import json
-from pathlib import Path
+from bench.harness import RESULTS, flags, save
 
 Q4 = 0.5 + 4 / 64  # bytes per weight: 4-bit + a bf16 scale and bias per group of 64
 Q8 = 1 + 4 / 64
@@ -71,18 +67,15 @@ def model() -> dict:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json-out", default=str(Path(__file__).resolve().parent / "results" / "tensor_speed_model.json"))
-    args = p.parse_args()
+def add_arguments(p) -> None:
+    flags(p, out=str(RESULTS / "tensor_speed_model.json"))
+
+
+def main(args) -> None:
     out = model()
     for name, m in out["models"].items():
         print(f"{name} 4-bit on {m['mac']} ({m['bandwidth_gb_s']} GB/s): {m['active_gb']:.2f} GB read per token "
               f"({m['head_gb']:.2f} of it the lm_head)")
         for row, v in m["tok_s"].items():
             print(f"  {row:50} {v:6.1f} tok/s  x{v / m['tok_s']['1 Mac']:.2f}")
-    Path(args.json_out).write_text(json.dumps(out, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    print(f"wrote {save(args.out, out)}")

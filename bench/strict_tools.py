@@ -1,0 +1,99 @@
+"""Strict tool arguments under tool_choice "auto": what the lazy grammar costs a batch.
+
+One server (run_trinity.py --serve … --http …, a ring of --ranks processes) of --model: by default the
+tests' tool checkpoint (tests/tool_checkpoint.py: its weights answer with a get_weather call, in the
+json_tools form whose call markers are added tokens, so a strict tool's lazy grammar is built; the
+embedded model's markers are not, and strict changes nothing there). Rounds alternate between
+  loose   n concurrent chat completions with one tool (strict: false), tool_choice "auto"
+  strict  the same n with the tool strict: true (its arguments held to the schema once the model
+          opens a call: a grammar that allows free text until the tool-call token)
+and aggregate tok/s = completion tokens / (last reply - first request sent), median of --reps rounds
+each, and strict / loose. Both send the same prompt (the tool in the template), greedy.
+"""
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.harness import ROOT, Server, bench_env, concurrent, flags, out_path, save
+
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+
+
+def add_arguments(p) -> None:
+    flags(p, smoke=False, out=None, ranks=[2], streams=[8], max_tokens=64, reps=3, timeout=600.0,
+          model="tools")
+
+
+def tool_checkpoint() -> Path:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tool_checkpoint import make_tool_checkpoint
+
+    return make_tool_checkpoint(Path(tempfile.mkdtemp(prefix="strict-tools-")))
+
+
+def chat(address: str, i: int, strict: bool, max_tokens: int) -> tuple:
+    """One chat completion: (sent, done, completion tokens)."""
+    tool = {**TOOL, "function": {**TOOL["function"], "strict": strict}}
+    body = {"messages": [{"role": "user", "content": f"Stream {i}: find the word list."}],
+            "tools": [tool], "tool_choice": "auto", "temperature": 0, "max_tokens": max_tokens}
+    request = urllib.request.Request(f"http://{address}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    sent = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        return sent, time.perf_counter(), json.loads(reply.read())["usage"]["completion_tokens"]
+
+
+def round_of(address: str, n: int, strict: bool, max_tokens: int) -> tuple:
+    """(aggregate tok/s, tokens) of n chats released together."""
+    runs = concurrent([lambda i=i: chat(address, i, strict, max_tokens) for i in range(n)])
+    failed = [r["error"] for r in runs if isinstance(r, dict)]
+    if failed:
+        raise RuntimeError(failed[0])
+    tokens = sum(r[2] for r in runs)
+    return tokens / (max(r[1] for r in runs) - min(r[0] for r in runs)), tokens
+
+
+def wait_http(server: Server, timeout: float = 60) -> None:
+    """HTTP answers a moment after gRPC turns SERVING."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{server.http}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > end or server.dead():
+                raise RuntimeError(server.why("HTTP never answered"))
+        time.sleep(0.1)
+
+
+def main(args) -> None:
+    if args.smoke:
+        args.streams, args.max_tokens, args.reps = [2], 16, 1
+    model = str(tool_checkpoint()) if args.model == "tools" else args.model
+    ranks, streams = args.ranks[0], args.streams[0]
+    rounds = {"loose": [], "strict": []}
+    with Server(ranks, ["--model", model, "--max-batch", str(streams)], bench_env(), timeout=args.timeout,
+                http=True) as server:
+        wait_http(server)
+        for strict in (False, True):  # warm-up: kernels compiled, the grammar's tokenizer built
+            round_of(server.http, streams, strict, 8)
+        for _ in range(args.reps):
+            for name in ("loose", "strict"):
+                rounds[name].append(round_of(server.http, streams, name == "strict", args.max_tokens))
+    loose, strict = (statistics.median(r[0] for r in rounds[k]) for k in ("loose", "strict"))
+    print(f"P={ranks}, {streams} streams, {args.max_tokens} tokens at most, median of {args.reps}: "
+          f"loose {loose:.1f} tok/s, strict {strict:.1f} tok/s, strict/loose {strict / loose:.3f}")
+    print("rounds (tok/s, tokens):", rounds)
+    if {r[1] for r in rounds["loose"]} != {r[1] for r in rounds["strict"]}:
+        print("not like for like: the strict rounds generated other tokens (the grammar changed the replies)")
+    results = {"loose_tok_s": loose, "strict_tok_s": strict, "ratio": strict / loose, "rounds": rounds}
+    print(f"wrote {save(out_path(args, 'strict_tools'), results, vars(args))}")

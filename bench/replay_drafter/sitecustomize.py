@@ -1,4 +1,4 @@
-"""Drafts that are right by construction, inside a ring's rank 0, for `bench/bench_speculation.py
+"""Drafts that are right by construction, inside a ring's rank 0, for `python -m bench speculation
 --ring-ceiling` (a benchmark device, never on by default).
 
 Python imports `sitecustomize` at start-up from PYTHONPATH: with this folder on it and
@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 if os.environ.get("TRINITY_REPLAY"):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench_speculation import Replay  # noqa: E402
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: its bench package
+    from bench.speculation import Replay  # noqa: E402
 
     from distributed.runtime import speculation  # noqa: E402
 

@@ -23,12 +23,11 @@ import mlx.core as mx
 from ..transport import Op, Reply
 from .frames import FrameKind, Group, Outstanding
 from .grammar import prepare_masks
-from .logits import draw, shaped_logprobs, top_candidates, top_logprobs
 from .memory_guard import allocation_failed, describe
 from .pipeline import Pipeline
 from .prefill import PREFILL_STEP_SIZE, Admission, PrefillBatch
 from .prefix_cache import PrefixHooks
-from .sequence import Sequence
+from .sequence import Sequence, draw, shaped_logprobs, top_candidates, top_logprobs
 from .speculation import SpeculationOptions, Verifier
 
 

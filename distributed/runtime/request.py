@@ -81,7 +81,7 @@ class GenerationRequest:
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
     deadline: Optional[float] = None  # time.monotonic() after which it is cancelled
-    # Logits processors (mlx-lm's make_logits_processors, runtime/logits.py); each
+    # Logits processors (mlx-lm's make_logits_processors, runtime/sequence.py); each
     # penalty counts the last *_context_size tokens fed, prompt included, as mlx-lm does.
     presence_penalty: float = 0.0  # 0: off
     frequency_penalty: float = 0.0  # 0: off

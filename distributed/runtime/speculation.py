@@ -46,7 +46,6 @@ import mlx.core as mx
 from ..transport import Op, Reply
 from .caches import is_batch
 from .frames import FrameKind, Outstanding
-from .logits import top_k_logprobs
 
 # The most drafts a pass may verify: a pass over 9 positions costs 1.31x one over 1 with the
 # embedded model on a CPU with OpenBLAS (bench/bench_verify.py; 1.01x over 5), and a copied
@@ -284,7 +283,7 @@ def judge(head, seq, drafts: List[int], h: mx.array, most: int = DEFAULT_DRAFT_T
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if seq.greedy and not seq.logits.shapes:  # every position's draw, logprob and top logprobs in one evaluation
         picked, best = mx.argmax(logprobs, axis=-1), mx.max(logprobs, axis=-1)
-        top = top_k_logprobs(logprobs, seq.logits.top) if seq.logits.top else None
+        top = seq.logits.top_of(logprobs)
         mx.eval(picked, best, *(top or ()))
         tokens = _until_mismatch(picked.tolist(), drafts)
         chosen = best.tolist()[:len(tokens)]
@@ -330,7 +329,7 @@ def reported(seq, logprobs: mx.array, tokens: List[int]):
     """(logprob of each token, its top logprobs or None) at the verified positions."""
     n = len(tokens)
     chosen = mx.take_along_axis(logprobs[:n], mx.array(tokens)[:, None], axis=-1)[:, 0]
-    top = top_k_logprobs(logprobs[:n], seq.logits.top) if seq.logits.top else None
+    top = seq.logits.top_of(logprobs[:n])
     mx.eval(chosen, *(top or ()))
     return chosen.tolist(), _tops(top, n)
 

@@ -197,8 +197,7 @@ def main(args) -> None:
     results = check_the_end(args, run, log_path)
     print_report(results)
     print(f"wrote {save(out_path(args, 'soak'), results)}")
-    c = results["counts"]
-    sys.exit(1 if c["errors"] or c["wrong_outputs"] else 0)
+    sys.exit(1 if results["errors"] or results["wrong_outputs"] else 0)
 
 
 def soak(args, model: Path, channel, launcher: subprocess.Popen, log_path: Path) -> dict:

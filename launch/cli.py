@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from distributed import TrinityError, logs
+from distributed.cli import read_command
 from distributed.help_format import HelpFormatter
 from distributed.shard.memory import usable_memory_bytes
 from distributed.shard.memory_plan import DEFAULT_MARGIN
@@ -31,7 +32,7 @@ from distributed.shard.sizes import quantize_config
 
 from . import bundled, hostfile, mlx_launch_ring, runner
 from .host_set import HostSet
-from .replan import DoesNotFit, Planner, Replanner, flag_value, make_plan
+from .replan import DoesNotFit, Planner, Replanner, make_plan
 from .ssh_ring import SSH_ENV, SSH_OPTIONS, ssh_command
 
 RUN_SCRIPT = "run-trinity"  # the console script of run_trinity.py
@@ -44,7 +45,8 @@ examples:
 presets and example hostfiles are bundled (`--preset NAME`, `--hostfile NAME`; launch/configs/README.md);
 more in the docs (docs/, a site: `mkdocs serve`), pages "launcher.md" (planning the split, hostfiles,
 restarts) and "command-line.md" (every flag)."""
-SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
+SAMPLING_FLAGS = {"temperature": ("--temp", "temp"), "top_k": ("--top-k", "top_k"), "top_p": ("--top-p", "top_p"),
+                  "min_p": ("--min-p", "min_p")}  # a preset's sampling key: run-trinity's flag, its dest
 
 
 def _hosts_args(p: argparse.ArgumentParser, plan: bool) -> None:
@@ -134,14 +136,15 @@ def load_preset(name: Optional[str]) -> dict:
     return json.loads(bundled.resolve("preset", name).read_text())
 
 
-def load_hosts(args) -> hostfile.Hostfile:
+def load_hosts(args, memory_gb: Optional[str] = None) -> hostfile.Hostfile:
+    """The hosts of --hostfile, --single-host or (`plan`) --memory-gb."""
     if args.hostfile:
         return hostfile.load(bundled.resolve("hostfile", args.hostfile), args.backend)
-    if getattr(args, "memory_gb", None):
+    if memory_gb:
         try:
-            gbs = [float(x) for x in args.memory_gb.split(",")]
+            gbs = [float(x) for x in memory_gb.split(",")]
         except ValueError:
-            raise TrinityError(f"--memory-gb {args.memory_gb!r}: expected GiB per host, e.g. 64,16") from None
+            raise TrinityError(f"--memory-gb {memory_gb!r}: expected GiB per host, e.g. 64,16") from None
         return hostfile.parse([{"ssh": f"host{i}", "ips": [f"10.0.0.{i + 1}"], "memory_gb": g}
                                for i, g in enumerate(gbs)], "--memory-gb")
     hf = hostfile.local_hosts(args.single_host)
@@ -177,7 +180,7 @@ def cmd_plan(args) -> int:
     if args.quantize:
         config, sizes = quantize_config(config, args.quantize), None
     context = choose_context(args.context, preset.get("context"), config=config)
-    hf = load_hosts(args)
+    hf = load_hosts(args, args.memory_gb)
     fill_local_memory(hf)
     unknown = [h for h in hf.hosts if h.memory_bytes is None]
     if unknown:
@@ -231,17 +234,19 @@ def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
         cmd.insert(0, args.python or sys.executable)
     elif cmd[0] == RUN_SCRIPT:  # its module, as remote hosts' PATH lacks this environment's bin
         cmd[:1] = [args.python or sys.executable, "-m", "run_trinity"]
-    if preset.get("model") and flag_value(cmd, "--model") is None:
+    command = read_command(cmd)  # as run-trinity reads it
+    if preset.get("model") and command.settings.model.checkpoint is None:
         cmd += ["--model", preset["model"]]
-    for key, flag in SAMPLING_FLAGS.items():
-        if key in preset.get("sampling", {}) and flag_value(cmd, flag) is None:
+    for key, (flag, dest) in SAMPLING_FLAGS.items():
+        if key in preset.get("sampling", {}) and dest not in command.given:
             cmd += [flag, str(preset["sampling"][key])]
+    settings = read_command(cmd).settings
     planner = Planner(cmd)  # the command as it is: --no-plan, or the user's own --split
-    if not args.no_plan and flag_value(cmd, "--split") is None:
+    if not args.no_plan and settings.ring.split is None:
         from distributed.shard import checkpoint  # imports mlx_lm (slow): only when planning
 
-        model, path, config = checkpoint.load_config(flag_value(cmd, "--model"))
-        max_context = flag_value(cmd, "--max-context")
+        model, path, config = checkpoint.load_config(settings.model.checkpoint)
+        max_context = settings.sizing.max_context
         auto = max_context == "auto"  # sized by rank 0 after loading; the plan takes the usual target
         context = choose_context(args.context, None if auto else max_context, preset.get("context"), config=config)
         if max_context is None:  # the ranks then refuse what the plan did not budget for
@@ -264,7 +269,7 @@ def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
         return 1
     if layout.plan is not None:
         print(layout.plan.describe(), file=sys.stderr)
-    elif flag_value(layout.command, "--split") == "auto" and planner.config is not None:
+    elif read_command(layout.command).settings.ring.split == "auto" and planner.config is not None:
         # Some remote host's memory is unknown: the ranks measure, exchange and plan at start-up.
         print("launch: memory_gb missing for " + ", ".join(h.ssh for h in hf.hosts if h.memory_bytes is None)
               + ": the ranks measure it and plan at start-up (--split auto)", file=sys.stderr)
@@ -306,7 +311,7 @@ def _supervised(router_plan, cmd: List[str], run) -> int:
         return run(None)
     from .router.router import Router
 
-    router = Router(router_plan, flag_value(cmd, "--model")).start()
+    router = Router(router_plan, read_command(cmd).settings.model.checkpoint).start()
     try:
         return run(router)
     finally:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, List, Optional, Set
 
 from distributed import TrinityError
+from distributed.cli import read_command
 from distributed.shard.memory_plan import DEFAULT_MARGIN, Plan, plan_layers
 from distributed.startup.auto_split import PLAN_ENV, plan_spec
 
@@ -43,16 +44,6 @@ from .ssh_ring import SSH_FAILED
 
 PROBE_PORT = 22  # ssh's: open on every host SshRing can reach; refused still means "there"
 PROBE_TIMEOUT_S = 3.0
-SERVING_FLAGS = ("--serve", "--http", "--metrics")
-
-
-def flag_value(cmd: List[str], flag: str) -> Optional[str]:
-    for i, a in enumerate(cmd):
-        if a == flag and i + 1 < len(cmd):
-            return cmd[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
 
 
 def probe(ip: str, port: int = PROBE_PORT, timeout: float = PROBE_TIMEOUT_S) -> Optional[str]:
@@ -105,7 +96,7 @@ class Layout:
         """e.g. "A layers 0-9, C layers 10-19"."""
         if self.plan is not None:
             return ", ".join(f"{h.host} layers {h.start}-{h.end - 1}" for h in self.plan.hosts)
-        how = ("the ranks plan the split at start-up" if flag_value(self.command, "--split") == "auto"
+        how = ("the ranks plan the split at start-up" if read_command(self.command).settings.ring.split == "auto"
                else "no split planned")
         return ", ".join(hf.names) + f" ({how})"
 
@@ -120,15 +111,16 @@ class Planner:
         self.command, self.config, self.sizes, self.context, self.margin = list(command), config, sizes, context, margin
 
     def lay_out(self, hf: Hostfile) -> Layout:
+        settings = read_command(self.command).settings
         if self.config is None:
-            split = flag_value(self.command, "--split")
+            split = settings.ring.split
             if split not in (None, "auto") and len(split.split(",")) != len(hf.hosts):
                 raise TrinityError(f"--split {split} was given for {len(split.split(','))} hosts, not "
                                    f"{len(hf.hosts)} (leave --split out to let the launcher plan it)")
             return Layout(list(self.command))
         if any(h.memory_bytes is None for h in hf.hosts):  # measured, exchanged and planned by the ranks
             return Layout([*self.command, "--split", "auto"], [f"{PLAN_ENV}={plan_spec(hf.hosts, self.margin, self.context)}"])
-        plan = make_plan(self.config, self.sizes, hf, self.context, self.margin, flag_value(self.command, "--draft-model"))
+        plan = make_plan(self.config, self.sizes, hf, self.context, self.margin, settings.speculation.draft_model)
         if not plan.fits:
             raise DoesNotFit(plan)
         return Layout([*self.command, "--split", ",".join(map(str, plan.split))], [], plan)
@@ -184,12 +176,14 @@ class Replanner:
         short = ", ".join(f"host {h.name} (rank {h.rank})" for h in lost) + (" is" if one else " are") + " gone"
         rest = drop_hosts(self.hostfile, {h.rank for h in lost})
         rank0_lost = any(h.rank == 0 for h in lost)
-        serving = [f for f in SERVING_FLAGS if flag_value(self.planner.command, f) is not None]
+        given = read_command(self.planner.command).settings.serving
+        serving = [(flag, address) for flag, address in (("--serve", given.serve), ("--http", given.http),
+                                                         ("--metrics", given.metrics)) if address is not None]
         # Behind the router, rank 0's --serve is internal: it moves with rank 0.
-        fixed = [f for f in serving if f != "--serve" or self.move_rank0 is None]
+        fixed = [(flag, address) for flag, address in serving if flag != "--serve" or self.move_rank0 is None]
         if rank0_lost and fixed:
-            flag = fixed[0]
-            log(f"error: {gone}: rank 0 served {flag} {flag_value(self.planner.command, flag)} "
+            flag, address = fixed[0]
+            log(f"error: {gone}: rank 0 served {flag} {address} "
                 "there, which cannot move to another host: not re-planning")
             return self._give_up(f"{short}, and it served this endpoint")
         if not rest.hosts:

@@ -15,6 +15,7 @@ import secrets
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from distributed.cli import read_command, without_flags
 from distributed.serving.options import AUTH_TOKEN_ENV, ServeOptions, check_options, split_hosts
 
 from ..hostfile import Hostfile
@@ -32,39 +33,19 @@ class RouterPlan:
     envs: List[str]  # K=V for every rank
 
 
-def take_flag(cmd: List[str], flag: str) -> Tuple[List[str], Optional[str]]:
-    """cmd without `flag VALUE` / `flag=VALUE` (every occurrence), and the last value."""
-    out, value, i = [], None, 0
-    while i < len(cmd):
-        a = cmd[i]
-        if a == flag and i + 1 < len(cmd):
-            value, i = cmd[i + 1], i + 2
-            continue
-        if a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-        else:
-            out.append(a)
-        i += 1
-    return out, value
-
-
 def plan_router(cmd: List[str], hf: Hostfile) -> Optional[RouterPlan]:
-    """None when the command does not serve (--serve); raises TrinityError on bad options."""
-    rest, values = list(cmd), {}
-    for flag in ROUTER_FLAGS:
-        rest, values[flag] = take_flag(rest, flag)
-    if values["--serve"] is None:
+    """None when the command does not serve (--serve); raises TrinityError on bad options.
+    The ranks' command is read by run-trinity's own parser (distributed/cli.py)."""
+    settings = read_command(cmd).settings
+    given = settings.serving
+    if given.serve is None:
         return None
-    _, token = take_flag(cmd, "--auth-token")
-    _, max_queue = take_flag(cmd, "--max-queue")
-    _, max_batch = take_flag(cmd, "--max-batch")
-    _, allowed = take_flag(cmd, "--allowed-hosts")  # stays in the ranks' command too (rank 0's --metrics)
+    # --allowed-hosts stays in the ranks' command too (rank 0's --metrics)
     options = check_options(ServeOptions(
-        grpc_address=values["--serve"], http_address=values["--http"], auth_token=token,
-        insecure="--insecure" in cmd, tls_cert=values["--tls-cert"], tls_key=values["--tls-key"],
-        max_queue=int(max_queue) if max_queue and max_queue.lstrip("-").isdigit() else 64,
-        max_batch=int(max_batch) if max_batch and max_batch.isdigit() else None,
-        allowed_hosts=split_hosts(allowed) if allowed is not None else None))
+        grpc_address=given.serve, http_address=given.http, auth_token=given.auth_token, insecure=given.insecure,
+        tls_cert=given.tls_cert, tls_key=given.tls_key, max_queue=given.max_queue,
+        max_batch=settings.sizing.max_batch,
+        allowed_hosts=split_hosts(given.allowed_hosts) if given.allowed_hosts is not None else None))
     envs = []
     host = internal_host(hf)
     token = options.auth_token
@@ -72,10 +53,10 @@ def plan_router(cmd: List[str], hf: Hostfile) -> Optional[RouterPlan]:
         # Rank 0 listens on the network: only the router may call it.
         token = secrets.token_urlsafe(24)
         envs.append(f"{AUTH_TOKEN_ENV}={token}")
-    elif token is not None and take_flag(cmd, "--auth-token")[1] is None:  # from our environment: remote ranks too
+    elif token is not None and given.auth_token is None:  # from our environment: remote ranks too
         envs.append(f"{AUTH_TOKEN_ENV}={token}")
     upstream = f"{host}:{free_ports(1)[0]}"
-    return RouterPlan(options, upstream, token, [*rest, "--serve", upstream], envs)
+    return RouterPlan(options, upstream, token, [*without_flags(cmd, ROUTER_FLAGS), "--serve", upstream], envs)
 
 
 def internal_host(hf: Hostfile) -> str:
@@ -89,4 +70,4 @@ def serve_on_first_host(command: List[str], hf: Hostfile) -> Tuple[List[str], st
     was planned out), and that address. The token stays: a lost rank 0 was remote, so
     plan_router gave the ranks one."""
     upstream = f"{internal_host(hf)}:{free_ports(1)[0]}"
-    return [*take_flag(command, "--serve")[0], "--serve", upstream], upstream
+    return [*without_flags(command, ["--serve"]), "--serve", upstream], upstream

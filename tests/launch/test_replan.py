@@ -10,13 +10,14 @@ import time
 
 import pytest
 
+from distributed.cli import read_command
 from distributed.shard import checkpoint
 from distributed.startup.auto_split import PLAN_ENV
 from launch import cli, hostfile
 from launch.host_set import HostSet
 from launch.mlx_launch_ring import MlxLaunchRing
 from launch.router.command import serve_on_first_host
-from launch.replan import DoesNotFit, Planner, Replanner, drop_hosts, flag_value, make_plan, probe
+from launch.replan import DoesNotFit, Planner, Replanner, drop_hosts, make_plan, probe
 from launch.runner import Starter
 from launch.ssh_ring import SshRing
 
@@ -77,7 +78,7 @@ def test_planner_splits_the_rest_as_the_planner_does(sizes):
     config, tensor_sizes = sizes
     planner = Planner(COMMAND, config, tensor_sizes, CONTEXT)
     full, rest = three(), drop_hosts(three(), {1})
-    assert flag_value(planner.lay_out(full).command, "--split").count(",") == 2
+    assert read_command(planner.lay_out(full).command).settings.ring.split.count(",") == 2
     layout = planner.lay_out(rest)
     expected = make_plan(config, tensor_sizes, rest, CONTEXT, planner.margin)
     assert layout.command == [*COMMAND, "--split", ",".join(map(str, expected.split))]
@@ -132,7 +133,7 @@ def test_a_silent_host_is_planned_out_and_the_ring_restarts_without_it(sizes, si
     assert make_ring is not None
     ring = make_ring()
     assert isinstance(ring, SshRing) and [h.ssh for h in ring.hosts] == ["A", "C"] and ring.size == 2
-    split = flag_value(ring.command, "--split").split(",")
+    split = read_command(ring.command).settings.ring.split.split(",")
     assert len(split) == 2 and sum(map(int, split)) == config["num_hidden_layers"]
     assert any(e.startswith("TRINITY_RESTARTS=") for e in ring.envs)
     (line,) = capsys.readouterr().err.splitlines()
@@ -191,7 +192,7 @@ def test_behind_the_router_rank_0_moves_to_the_next_host(sizes, silent, capsys):
     ring = replanner(three(), Planner(internal, config, tensor_sizes, CONTEXT), gone, move_rank0=move_rank0)(None)()
     assert [h.ssh for h in ring.hosts] == ["B", "C"]
     (upstream,) = moved
-    assert upstream.startswith("127.0.0.2:") and flag_value(ring.command, "--serve") == upstream
+    assert upstream.startswith("127.0.0.2:") and read_command(ring.command).settings.serving.serve == upstream
     assert ring.command.count("--serve") == 1
     assert "re-planned over 2 hosts: B layers 0-" in capsys.readouterr().err
     # rank 0's own --metrics lived on the lost host: that cannot move.
@@ -216,7 +217,8 @@ def test_mlx_launch_gets_a_hostfile_of_the_rest_and_the_restart_count(sizes):
         written = hostfile.load(path)
         assert written.names == ["A", "C"] and written.backend == "jaccl"
         assert [h.memory_bytes for h in written.hosts] == [h.memory_bytes for h in rest.hosts]
-        assert flag_value(ring.cmd, "--split").count(",") == 1
+        rank_command = ring.cmd[max(i for i, a in enumerate(ring.cmd) if a == "--") + 1:]  # after mlx.launch's --
+        assert read_command(rank_command).settings.ring.split.count(",") == 1
     finally:
         starter.close()
     assert not starter.files

@@ -3,8 +3,9 @@
 Both of mlx.launch's formats are accepted (mlx/_distributed_utils/common.py):
 a JSON list of hosts, or an object {"backend": ..., "envs": [...], "hosts": [...]}.
 A host is {"ssh": name, "ips": [...], "rdma": [...]}; ours adds "memory_gb" (GiB
-the model may use there; measured at start-up when absent) and "speed" (relative,
-default 1). mlx.launch ignores both, so the same file serves it unchanged.
+the model may use there; measured at start-up when absent), "speed" (relative,
+default 1) and "bandwidth_gb_s" (its memory bandwidth, for the tensor-parallel advice
+of launch/tensor_plan.py). mlx.launch ignores them, so the same file serves it unchanged.
 """
 
 import ipaddress
@@ -17,7 +18,7 @@ from typing import List, Optional
 from distributed import TrinityError
 
 BACKENDS = ("ring", "mpi", "nccl", "jaccl", "jaccl-ring")  # mlx.launch's own list
-HOST_KEYS = {"ssh", "ips", "rdma", "memory_gb", "speed"}
+HOST_KEYS = {"ssh", "ips", "rdma", "memory_gb", "speed", "bandwidth_gb_s"}
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 GIB = 1 << 30
 
@@ -34,6 +35,7 @@ class Host:
     rdma: list = field(default_factory=list)
     memory_bytes: Optional[int] = None  # None: measured by the rank at start-up
     speed: float = 1.0
+    bandwidth_gb_s: Optional[float] = None  # None: launch/tensor_plan.py's default
 
     @property
     def is_local(self) -> bool:
@@ -91,11 +93,12 @@ def _host(i: int, raw, where: str) -> Host:
     if unknown:  # mlx.launch ignores them too; most likely a typo of ours
         print(f"launch: warning: {where}: ignoring unknown key(s) {', '.join(unknown)} "
               f"(known: {', '.join(sorted(HOST_KEYS))})", file=sys.stderr)
-    memory = raw.get("memory_gb")
+    memory, bandwidth = raw.get("memory_gb"), raw.get("bandwidth_gb_s")
     return Host(
         rank=i, ssh=ssh, ips=ips, rdma=rdma,
         memory_bytes=None if memory is None else int(_number(where, "memory_gb", memory) * GIB),
         speed=_number(where, "speed", raw.get("speed", 1)),
+        bandwidth_gb_s=None if bandwidth is None else _number(where, "bandwidth_gb_s", bandwidth),
     )
 
 
@@ -190,5 +193,7 @@ def to_json(hf: Hostfile) -> dict:
             host["memory_gb"] = h.memory_bytes / GIB
         if h.speed != 1:
             host["speed"] = h.speed
+        if h.bandwidth_gb_s is not None:
+            host["bandwidth_gb_s"] = h.bandwidth_gb_s
         hosts.append(host)
     return {"backend": hf.backend, "envs": list(hf.envs), "hosts": hosts}

@@ -1,0 +1,95 @@
+"""launch/tensor_plan.py: which links a hostfile gives, where tensor groups go, what each host holds
+under --tensor-parallel-size, and the advice `trinity-launch plan` prints."""
+
+import json
+
+import pytest
+
+from distributed.shard.sizes import model_sizes, quantize_config
+from launch import bundled, hostfile
+from launch.tensor_plan import active_bytes, advise, group_link, link, place, tensor_plan
+
+
+def preset(name: str, bits: int = 4) -> dict:
+    return quantize_config(json.loads(bundled.resolve("preset", name).read_text())["config"], bits)
+
+
+def hosts(name: str) -> hostfile.Hostfile:
+    return hostfile.load(bundled.resolve("hostfile", name))
+
+
+def jaccl(rdma_pairs, n=4, backend="jaccl") -> hostfile.Hostfile:
+    """n Macs, RDMA only between the pairs given (a device name both ways), null elsewhere."""
+    rdma = [[None] * n for _ in range(n)]
+    for a, b in rdma_pairs:
+        rdma[a][b] = rdma[b][a] = f"rdma_en{a}{b}"
+    return hostfile.parse({"backend": backend, "hosts": [
+        {"ssh": f"mac{i}.local", "ips": [f"10.0.0.{i + 1}"], "rdma": rdma[i], "memory_gb": 64} for i in range(n)]})
+
+
+def test_links_from_the_hostfile():
+    four = hosts("jaccl-4macs")
+    assert link(four, 0, 3) == "rdma" and group_link(four, [0, 1, 2, 3]) == "rdma"
+    assert link(hosts("thunderbolt-ring-2macs"), 0, 1) == "tcp"
+    assert link(hosts("localhost-2"), 0, 1) == "local"
+    partial = jaccl([(0, 2), (1, 3)])
+    assert link(partial, 0, 2) == "rdma" and link(partial, 0, 1) == "tcp"
+    assert group_link(partial, [0, 1, 2]) == "tcp"  # a group waits for its slowest link
+
+
+def test_groups_go_where_rdma_joins_them():
+    """4 hosts in 2 groups of 2: rank 0's group is the host RDMA joins it with, the other two
+    form the second (not the hostfile's order, over TCP)."""
+    config = preset("trinity-large")
+    assert place(jaccl([(0, 2), (1, 3)]), config, 2) == [[0, 2], [1, 3]]
+    assert place(jaccl([(0, 1), (2, 3)]), config, 2) == [[0, 1], [2, 3]]
+    assert place(jaccl([(0, 3), (1, 2)]), config, 4) == [[0, 1, 2, 3]]  # one group: nothing to place
+
+
+def test_each_host_holds_its_share():
+    config = preset("trinity-mini")
+    sizes, four = model_sizes(config), hosts("jaccl-4macs")
+    plan = tensor_plan(sizes, four, [[0, 1, 2, 3]], 4096, 0.1)
+    whole = sizes.weight_bytes(0, 32, False)
+    assert [(h.host, h.start, h.end) for h in plan.hosts] == [(f"mac{i}.local", 0, 32) for i in range(1, 5)]
+    for h in plan.hosts:  # a quarter of every layer, the embedding and head whole
+        assert h.weight_bytes == pytest.approx(whole / 4 + sizes.embed_head, rel=1e-6)
+        assert h.cache_bytes == sizes.cache_bytes(0, 32, 4096) // 4
+    assert plan.fits
+    stages = tensor_plan(sizes, four, [[0, 1], [2, 3]], 4096, 0.1)
+    assert [(h.start, h.end, h.weights["embed_head"] > 0) for h in stages.hosts] == [
+        (0, 16, True), (0, 16, True), (16, 32, False), (16, 32, False)]
+
+
+def test_active_bytes_count_only_the_routed_top_k():
+    config = preset("trinity-mini")
+    b = active_bytes(config)
+    assert 1.0e9 < b["layers"] < 2.0e9  # Trinity-Mini: 3B active, 4-bit
+    assert b["head"] == pytest.approx(200192 * 2048 * (0.5 + 4 / 64), rel=1e-3)
+    assert b["layers"] < 0.2 * sum(model_sizes(config).layer_weight_bytes(l) for l in range(32))
+
+
+def test_advice_follows_the_links():
+    large = preset("trinity-large")
+    rdma = advise(large, hosts("jaccl-4macs"))
+    assert rdma.choice.tensor == 4 and rdma.choice.tok_s > 1.5 * rdma.options[0].tok_s
+    assert "--tensor-parallel-size 4" in rdma.why
+    # 2 x 2 needs Group.split, which JACCL lacks: shown, not chosen.
+    two = next(o for o in rdma.options if o.tensor == 2)
+    assert "Group.split" in two.refused
+    tcp = advise(large, hosts("thunderbolt-ring-2macs"))
+    assert tcp.choice.tensor == 1 and tcp.options[1].tok_s < tcp.options[0].tok_s
+    local = advise(large, hosts("localhost-2"))  # one memory bus: nothing to gain
+    assert local.choice.tensor == 1
+    nano = advise(preset("trinity-nano"), hosts("jaccl-4macs"))
+    assert "num_key_value_heads) = 2" in next(o for o in nano.options if o.tensor == 4).refused
+
+
+def test_bandwidth_from_the_hostfile():
+    hf = hostfile.parse([{"ssh": "a", "ips": ["10.0.0.1"], "bandwidth_gb_s": 819},
+                         {"ssh": "b", "ips": ["10.0.0.2"], "bandwidth_gb_s": 273}])
+    assert [h.bandwidth_gb_s for h in hf.hosts] == [819, 273]
+    assert advise(preset("trinity-mini"), hf).bandwidth_gb_s == 273  # the slowest host sets the pace
+    assert hostfile.to_json(hf)["hosts"][0]["bandwidth_gb_s"] == 819
+    with pytest.raises(hostfile.HostfileError, match="bandwidth_gb_s must be a positive number"):
+        hostfile.parse([{"ssh": "a", "ips": ["10.0.0.1"], "bandwidth_gb_s": 0}])

@@ -10,7 +10,7 @@ token, 404 a model this server does not serve, 429 queue full, 503 loading or
 pipeline down, 507 a rank had no memory for the request (runtime/memory_guard.py). Defaults follow OpenAI: temperature 1; max_tokens 16 for
 completions, the rest of the context (up to the server's cap) for chat.
 
-Before any of that, cheaply (issue 46): without a token, a foreign Host or Origin is 403
+Before any of that, cheaply: without a token, a foreign Host or Origin is 403
 (check_origin); a POST body must be application/json (415), at most MAX_BODY (413, before
 reading past it), UTF-8 JSON, an object nested at most MAX_DEPTH deep without lone
 surrogates (400), its text within text_bound() of the context and its rows within the batch
@@ -18,7 +18,7 @@ surrogates (400), its text within text_bound() of the context and its rows withi
 500 "internal error", never with its text. The transport (uvicorn, worker threads) is
 http_server.py's; GET /openapi.json, openapi.py's.
 
-Monitoring: GET /health (health.py; open without a token, as gRPC's health),
+Monitoring: GET /health (Health; open without a token, as gRPC's health),
 GET /metrics (metrics.py) and GET /v1/status (status.py), which with the status
 page (GET /, pages.py) alone are served on --metrics HOST:PORT; GET /chat is the
 chat page. Each generation request is logged and counted (request_log.py).
@@ -38,9 +38,7 @@ from starlette.datastructures import Headers
 from ..runtime.request import RequestError, failure_kind
 from ..runtime.scheduler import QueueFull, RingUnavailable
 from ..shard.kv_budget import MAX_BATCH
-from . import openapi, pages
-from .adapters import ADAPTERS, ERROR_BODIES, ROUTES
-from .health import Health
+from . import anthropic_api, ollama_api, openapi, pages, responses_api
 from .http_server import BODY_TIMEOUT_S, ClientGone, Exchange, Workers, serve_http
 from .openai_fields import ApiError, param_of, plan
 from .openai_replies import Reply
@@ -54,6 +52,12 @@ BYTES_PER_TOKEN, TEXT_SLACK = 4, 64 * 1024  # a request's text bound: see text_b
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 log = logging.getLogger("distributed.serving.http")
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+# The APIs served besides OpenAI's completions and chat (over api_adapter.py), by route: generation
+# routes (ADAPTERS), plain ones (ROUTES: fn(body, scheduler, tokenizer, info) -> (status, JSON)), and
+# each route's error shape (ERROR_BODIES: fn(ApiError) -> JSON).
+ADAPTERS = {**responses_api.ADAPTERS, **anthropic_api.ADAPTERS, **ollama_api.ADAPTERS}
+ROUTES = {**responses_api.ROUTES, **anthropic_api.ROUTES, **ollama_api.ROUTES}
+ERROR_BODIES = {**responses_api.ERROR_BODIES, **anthropic_api.ERROR_BODIES, **ollama_api.ERROR_BODIES}
 
 
 def _down(reason: str) -> ApiError:
@@ -253,7 +257,7 @@ class _Handler:
                 handle.cancel()
 
     def _adapted(self, adapter, body: dict, scheduler, tokenizer, info):
-        """An API served over chat completions (adapters.py): its body as a chat body, its
+        """An API served over chat completions (ADAPTERS): its body as a chat body, its
         reply made from the OpenAI one, event by event."""
         try:
             chat_body = adapter.to_chat(body, info, tokenizer)  # or a completions body: "prompt", no "messages"
@@ -458,6 +462,49 @@ async def _watch(receive, x: Exchange) -> None:
         if message["type"] == "http.disconnect":
             x.gone.set()
             return
+
+
+LOADING = ("loading", "the model is loading")
+
+
+class Health:
+    """What `GET /health` answers (on the HTTP API's port and on --metrics'): 200 while
+    serving, 503 with the reason otherwise. Its states follow the calls that drive
+    gRPC's health service (grpc_service.py) alike: loading until attach(), serving,
+    down once the ring breaks, stopping at shutdown; and, in the launcher's router
+    (launch/router/), recovering while the ring restarts: requests are still taken
+    then (they wait for it), so `refusal` is None while `reason` is not."""
+
+    def __init__(self):
+        self.state: Tuple[str, Optional[str]] = LOADING  # (status, reason); one attribute: read whole
+
+    def serving(self) -> None:
+        self.state = ("serving", None)
+
+    def down(self, reason: str) -> None:
+        self.state = ("down", f"the pipeline is down: {reason}")
+
+    def recovering(self, reason: str) -> None:
+        self.state = ("recovering", f"the pipeline is down: {reason}; requests wait for it to restart")
+
+    def stopping(self) -> None:
+        self.state = ("stopping", "the server is shutting down")
+
+    @property
+    def reason(self) -> Optional[str]:
+        """Why requests are refused now; None while serving."""
+        return self.state[1]
+
+    @property
+    def refusal(self) -> Optional[str]:
+        """Why requests are refused now; None while serving or recovering."""
+        return None if self.state[0] == "recovering" else self.state[1]
+
+    def answer(self) -> Tuple[int, dict]:
+        """HTTP status and JSON body."""
+        status, reason = self.state
+        return (200, {"status": status}) if reason is None else (503, {"status": status, "reason": reason})
+
 
 
 class HttpFrontEnd:

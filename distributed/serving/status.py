@@ -10,7 +10,7 @@ what the status page (pages/) shows, for scripts too.
                          per second over the last minute) and alive
     requests             running, waiting, max_batch, served (ended so far) and their outcomes
     tokens               prompt, cached, generated (as the clients' usage counts them)
-    last_minute          tokens_per_s, ttft_p50_s, ttft_p99_s (recent.py)
+    last_minute          tokens_per_s, ttft_p50_s, ttft_p99_s (request_log.Recent)
     history              step_s, points: tokens_per_s and ttft_p50_s per step, last five minutes
     prefix_cache         entries, hits, lookups, hit_rate (null where the server has none)
     speculative          passes, drafted, accepted, acceptance, cancelled (null unless it speculates)
@@ -24,7 +24,6 @@ here they are null, and ranks are as GetModelInfo last reported them.
 import time
 from typing import Optional
 
-from .health import Health
 from .metrics import prefix_cache_of, speculation_of
 
 LIVE = ("active_memory_bytes", "cache_memory_bytes", "kv_cache_bytes", "prefix_cache_bytes")  # RankStats
@@ -34,8 +33,8 @@ def _ratio(part: int, whole: int) -> Optional[float]:
     return round(part / whole, 4) if whole else None
 
 
-def status_document(health: Health, requests) -> dict:
-    """The document, from a front end's health and its RequestLog."""
+def status_document(health, requests) -> dict:
+    """The document, from a front end's Health (http_api.py) and its RequestLog."""
     state, reason = health.state
     metrics, totals = requests.metrics, requests.totals()
     scheduler, info = metrics.scheduler, metrics.info

@@ -16,8 +16,7 @@ from mlx_lm.utils import load_tokenizer
 
 from distributed.runtime.scheduler import Scheduler
 from distributed.serving import http_api, http_server, openapi
-from distributed.serving.adapters import ADAPTERS, ROUTES
-from distributed.serving.http_api import MAX_BODY, MAX_DEPTH, start_http_server, text_bound
+from distributed.serving.http_api import ADAPTERS, MAX_BODY, MAX_DEPTH, ROUTES, start_http_server, text_bound
 from distributed.serving.options import ServeOptions
 from distributed.serving.requests import ModelInfo
 from distributed.shard.config import read_config

@@ -1,4 +1,4 @@
-"""Metrics, health and the access log (serving/metrics.py, health.py, request_log.py) on
+"""Metrics, health and the access log (serving/metrics.py, http_api.Health, request_log.py) on
 real servers: a scrape of /metrics, parsed with prometheus_client's text parser, after
 real requests through gRPC and HTTP counts what the clients saw; /health follows the
 ring; every request leaves one access-log line, and the server one line as it stops.

@@ -224,3 +224,22 @@ def test_speculation_through_the_ring_gives_the_same_tokens(hf_checkpoint, tmp_p
     assert max(abs(a - b) for a, b in zip(out["logprobs"], ref_logprobs)) < 1e-4
     spec = out["speculative"]
     assert spec["passes"] > 0 and 0 < spec["accepted"] <= spec["drafted"] <= 3 * spec["passes"], spec
+
+
+def test_every_flag_is_read_into_one_settings_group():
+    """parse_settings reads every flag of the parser into exactly one frozen group, so nothing below
+    the command line needs the argparse Namespace."""
+    from dataclasses import FrozenInstanceError, fields
+
+    from distributed.cli import build_parser
+    from distributed.startup.settings import Settings
+
+    settings = parse_settings(["--model", "M", "--temp", "0.5", "--split", "auto", "--max-context", "auto",
+                               "--serve", "127.0.0.1:1", "--no-draft-ahead", "--log-level", "debug"])
+    groups = [getattr(settings, f.name) for f in fields(Settings) if f.name not in ("model", "log_level")]
+    read = [f.name for group in groups for f in fields(group)] + ["model", "log_level"]
+    assert sorted(read) == sorted(vars(build_parser().parse_args([]))) and len(read) == len(set(read))
+    assert (settings.model.checkpoint, settings.generation.temp, settings.ring.split, settings.sizing.max_context,
+            settings.serving.serve, settings.speculation.draft_ahead) == ("M", 0.5, "auto", "auto", "127.0.0.1:1", False)
+    with pytest.raises(FrozenInstanceError):
+        settings.ring.split = "1,1"

@@ -250,3 +250,35 @@ def test_plan_counts_the_draft_model_on_rank_0(capsys, tmp_path):
     assert [h["draft_bytes"] for h in plan["hosts"][1:]] == [0, 0, 0]
     assert rank0["layers"][1] <= alone["hosts"][0]["layers"][1]
     assert rank0["headroom_bytes"] == rank0["memory_bytes"] - rank0["weight_bytes"] - rank0["cache_bytes"] - rank0["draft_bytes"]
+
+
+def test_the_ranks_command_is_read_as_the_ranks_read_it(capsys, hf_checkpoint):
+    """run-trinity's own parser reads the ranks' command: a flag given twice counts by its last value,
+    an abbreviation as its flag, and what run-trinity would refuse is refused before anything starts."""
+    code, out, _ = cli(capsys, "run", "--single-host", "2", "--dry-run", "--", "run_trinity.py", "--split", "2,6",
+                       "--spl", "3,5")
+    assert code == 0 and "--max-context" not in out  # the user's split: nothing planned
+    code, out, err = cli(capsys, "run", "--single-host", "2", "--via", "mlx.launch", "--dry-run", "--",
+                         "run_trinity.py", "--model", "nowhere", "--model", str(hf_checkpoint), "--max-context=64")
+    assert code == 0 and "context 64 tokens" in err and "split 4,4" in err  # planned from the last --model
+    assert shlex.split(out)[-3:] == ["--max-context=64", "--split", "4,4"]
+    code, _, err = cli(capsys, "run", "--single-host", "2", "--dry-run", "--", "run_trinity.py", "--max-context", "x")
+    assert code == 2 and "launch: error: the ranks' command: argument --max-context: expected a token count or " \
+                         "auto, got 'x'" in err
+    code, _, err = cli(capsys, "run", "--single-host", "2", "--dry-run", "--", "run_trinity.py", "--se", "a:1")
+    assert code == 2 and "ambiguous option: --se could match --seed, --serve" in err
+
+
+def test_the_router_takes_the_last_serve_and_every_http_from_the_ranks():
+    from distributed.cli import read_command
+    from launch.hostfile import local_hosts
+    from launch.router.command import plan_router
+
+    cmd = ["python", "-m", "run_trinity", "--serve", "127.0.0.1:1", "--htt=127.0.0.1:2", "--prompt-lookup",
+           "--serve=127.0.0.1:3", "--max-queue", "5", "--http", "127.0.0.1:4"]
+    plan = plan_router(cmd, local_hosts(2))
+    assert (plan.options.grpc_address, plan.options.http_address, plan.options.max_queue) == ("127.0.0.1:3",
+                                                                                              "127.0.0.1:4", 5)
+    assert plan.command == ["python", "-m", "run_trinity", "--prompt-lookup", "--max-queue", "5",
+                            "--serve", plan.upstream]
+    assert read_command(plan.command).settings.serving.serve == plan.upstream

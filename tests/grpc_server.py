@@ -1,7 +1,6 @@
 """run_trinity.py --serve as real processes, and what gRPC tests check with it
 (tests/serving, tests/startup/test_faults.py, tests/startup/test_netns.py)."""
 
-import json
 import os
 import re
 import signal
@@ -17,6 +16,7 @@ from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from bench.harness import start_ranks
 from conftest import ROOT, RUN, free_port_range, mlx_launch, trinity_launch
 from distributed.serving.proto import generation_pb2 as pb
 from distributed.serving.proto import generation_pb2_grpc as pb_grpc
@@ -80,14 +80,9 @@ class Server:
         with log:
             if ranks == 1:
                 self.procs.append(subprocess.Popen(args, env=env(environment), **popen))
-            elif manual:
-                base = free_port_range(ranks + 1)  # + 1: rank 0's control port is one above the ring's
-                self.hostfile = tempfile.NamedTemporaryFile("w", suffix=".json")
-                json.dump([[f"127.0.0.1:{base + r}"] for r in range(ranks)], self.hostfile)
-                self.hostfile.flush()
-                for r in range(ranks):
-                    self.procs.append(subprocess.Popen(
-                        args, env=dict(env(environment), MLX_RANK=str(r), MLX_HOSTFILE=self.hostfile.name), **popen))
+            elif manual:  # as the benchmarks start a ring (one harness: bench/harness.py)
+                out = dict(stdout=log, stderr=subprocess.STDOUT)
+                self.procs, self.hostfile = start_ranks(args, ranks, env(environment), rank0=out, others=out)
             elif launcher == "mlx.launch":
                 cmd = [mlx_launch(), "-n", str(ranks), "--starting-port", str(free_port_range(ranks + 1)), *args]
                 self.procs.append(subprocess.Popen(cmd, env=env(environment), **popen))
@@ -194,6 +189,9 @@ class Server:
             except ProcessLookupError:
                 pass
             p.wait()
+        if getattr(self, "hostfile", None):
+            os.unlink(self.hostfile)
+            self.hostfile = None
 
 
 def generate(stub, timeout=120, metadata=None, **fields):

@@ -24,14 +24,15 @@ from .rank_stats import RankStats
 
 
 class Pipeline:
-    def __init__(self, stage: Stage, transport: Optional[Transport] = None):
+    def __init__(self, stage: Stage, transport: Optional[Transport] = None,
+                 waker: Optional[Callable[[int], None]] = None, peer_reports: Callable[[], Dict[int, dict]] = dict):
         assert stage.first, "rank 0 holds the first stage"
         self.stage = stage
         self.transport = transport
         self.caches = SlotCaches(stage)
         self._local: deque = deque()  # one rank: replies not yet taken by recv()
         # Parking the other ranks while idle (see park()): the watchdog's wake, or None.
-        self.waker: Optional[Callable[[int], None]] = None
+        self.waker = waker
         self._parked = 0  # number of the PARK frame the ring is parked at; 0: awake
         self._parks = 0
         # --memory-limit, frame by frame (memory_guard.py); a refused frame's reply comes
@@ -40,7 +41,7 @@ class Pipeline:
         self.guard = MemoryGuard(stage, self.caches, 0)
         self.stats = RankStats(self.caches, self.guard)
         # The other ranks' RankStats reports by rank, as last heard (the watchdog's, or in-process workers').
-        self.peer_reports: Callable[[], Dict[int, dict]] = dict
+        self.peer_reports = peer_reports
         # The last hidden state sent, whose computation may still run (timed before the next reply).
         self._computing: Optional[mx.array] = None
         self._hidden: Optional[tuple] = None  # (width, dtype) of the hidden states last sent
@@ -321,7 +322,7 @@ def in_process_pipeline(stages: List[Stage]) -> "Pipeline":
     from .worker import StageWorker
 
     workers = [StageWorker(stage, i + 1, len(stages)) for i, stage in enumerate(stages[1:])]
-    pipeline = Pipeline(stages[0], LocalRing([w.handle for w in workers]) if workers else None)
-    pipeline.peer_reports = lambda: {w.rank: w.stats.report() for w in workers}
+    pipeline = Pipeline(stages[0], LocalRing([w.handle for w in workers]) if workers else None,
+                        peer_reports=lambda: {w.rank: w.stats.report() for w in workers})
     pipeline.time_sends = False
     return pipeline

@@ -41,8 +41,8 @@ def _info_row(stage: Stage, rank: int) -> mx.array:
 
 
 class TensorPipeline(Pipeline):
-    def __init__(self, stage: Stage, group, transport: Optional[Transport] = None):
-        super().__init__(stage, transport)
+    def __init__(self, stage: Stage, group, transport: Optional[Transport] = None, waker=None, peer_reports=dict):
+        super().__init__(stage, transport, waker, peer_reports)
         self.broadcast = Broadcast(group)
         self.tensor_size = group.size()
         self.time_sends = False

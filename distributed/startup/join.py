@@ -198,8 +198,7 @@ def build_pipeline(settings: Settings, group, watchdog: Optional[Watchdog] = Non
             watchdog.report = worker.stats.report  # rank 0's metrics hear it with each heartbeat
         worker.serve(transport)
         return None
-    pipeline = Pipeline(stage, transport)
-    if watchdog is not None:
-        pipeline.waker = watchdog.wake
-        pipeline.peer_reports = lambda: dict(watchdog.reports)
+    # Parked ranks are woken, and their reports heard, through the watchdog's channel.
+    pipeline = Pipeline(stage, transport, waker=watchdog and watchdog.wake,
+                        peer_reports=(lambda: dict(watchdog.reports)) if watchdog is not None else dict)
     return Loaded(pipeline, path, config, [r["memory_bytes"] for r in reports])

@@ -117,10 +117,8 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
         worker.serve(transport)
         release_group(stage)
         return None
-    pipeline = TensorPipeline(stage, tensor, transport)
-    if watchdog is not None:
-        pipeline.waker = watchdog.wake
-        pipeline.peer_reports = lambda: dict(watchdog.reports)
+    pipeline = TensorPipeline(stage, tensor, transport, waker=watchdog and watchdog.wake,
+                              peer_reports=(lambda: dict(watchdog.reports)) if watchdog is not None else dict)
     # Rank 0 sizes the KV caches (--max-batch's default, --max-context auto, the prefix cache's bytes)
     # from the rank table's layers and this config: one rank's share of the heads, so one rank's caches.
     share = dict(config, num_attention_heads=config["num_attention_heads"] // size,

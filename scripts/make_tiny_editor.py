@@ -4,12 +4,12 @@ QA, summaries), where most of the output is a copy of the input.
 
     python scripts/make_tiny_editor.py --out DIR
 
-It takes a second, so tests and bench/bench_speculation.py make it where they need it (40 MB
+It takes a second, so tests and `python -m bench speculation` make it where they need it (40 MB
 of mostly zeros in float32: not package data). Its task: "In the present tense:" and a
 passage on a line, then "In the past tense:", and it writes the passage
 again with every " is" made " was" and every " are" made " were", then an end of text. Prompt
 lookup (`--prompt-lookup`) drafts the copied runs; the edits are where its drafts fail.
-bench/bench_speculation.py `--prompts edit` measures that on held-out text.
+`python -m bench speculation --prompts edit` measures that on held-out text.
 
 Training a model this small to copy took thousands of CPU steps without getting there (the
 induction head a copy needs did not form), so the circuit is written directly, in mlx-lm's
@@ -155,7 +155,7 @@ def editor_config(vocab: int, eot: int) -> dict:
 
 def heldout_prompt() -> str:
     """The task on text the embedded model never trained on: the first held-out paragraph of
-    80 to 112 tokens with two or more " is" or " are" in it (bench_speculation.py's "edit"
+    80 to 112 tokens with two or more " is" or " are" in it (`python -m bench speculation`'s "edit"
     prompt, and the tests')."""
     from tokenizers import Tokenizer
 

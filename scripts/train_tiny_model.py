@@ -273,7 +273,7 @@ def greedy(model, prompts: np.ndarray, length: int) -> np.ndarray:
 
 def agreement_set(teacher, held_text: str, tok, count: int = 20, length: int = 200) -> list:
     """(prompt, the teacher's greedy continuation) for the start (200 characters) of each of
-    the first `count` held-out paragraphs longer than 300 (bench_speculation's held-out
+    the first `count` held-out paragraphs longer than 300 (`python -m bench speculation`'s held-out
     prompt is the first); a continuation ends at its end of text."""
     eot, pairs = tok.token_to_id(EOT), []
     for paragraph in [p for p in held_text.split("\n\n") if len(p) > 300][:count]:

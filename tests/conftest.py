@@ -80,7 +80,7 @@ def system_mpirun() -> str:
 def trinity_launch(ranks: int) -> list:
     """Our launcher's local ring (launch/ring.py DirectRing), the command as it is: no
     planned split, no router. What most multi-rank tests start: mlx.launch's output
-    loop keeps a core and a half busy for as long as its ranks run (bench_launcher_cpu),
+    loop keeps a core and a half busy for as long as its ranks run (docs/benchmarks.md: the launcher's CPU),
     which on this 2-core machine slows every test beside it. The tests of mlx.launch
     itself (its backends, its stdin, its stops) name it."""
     return [sys.executable, "-m", "launch", "run", "--single-host", str(ranks), "--no-plan", "--no-router", "--"]

@@ -1,5 +1,5 @@
 """Real rings started as a user would, and every way of stopping them
-(used by tests/startup/test_lifecycle.py and bench/bench_stop_idle.py).
+(used by tests/startup/test_lifecycle.py).
 
 Every process a launch starts carries an environment marker, so the processes
 are found wherever they end up: an orphaned rank is reparented to init, out of

@@ -4,7 +4,9 @@ json_schema) and `tool_choice` ("required" or a named function: a call in the ch
 template's own tool-call syntax whose arguments keep to the tool's parameter schema,
 read back by mlx-lm's tool parser like any other call); and strict tools under "auto", whose
 calls keep to their schemas once the model opens one (strict_calls_grammar: a lazy grammar,
-free text until the tool-call start token). The other APIs' fields
+free text until the tool-call start token). A custom tool's call (the Responses API's free-form
+tools: a function of one string carrying a Lark grammar under LARK_KEY) keeps its input to that
+grammar inside the call's JSON string (quoted_grammar.py). The other APIs' fields
 (Responses' text.format, Messages' tool_choice, Ollama's format) are translated into
 these first.
 """
@@ -14,9 +16,11 @@ from typing import List, Optional
 
 from ..runtime.grammar import json_schema_grammar, lark_grammar
 from ..runtime.request import RequestError
+from .quoted_grammar import GrammarError, quoted_lark
 
 # Tool-call syntaxes a call can be constrained to, by mlx-lm tool parser (its module's name).
 JSON_CALLS = ("json_tools",)  # {"name": ..., "arguments": {...}} between the start and end strings
+LARK_KEY = "x-lark-grammar"  # in a custom tool's one string parameter: the Lark grammar its input keeps to
 
 
 def response_grammar(response_format) -> Optional[str]:
@@ -82,22 +86,55 @@ def _literal(tokenizer, text: str) -> str:
     return f"<[{added[text]}]>" if text in added else json.dumps(text)
 
 
-def _calls_schema(tools: List[dict], free_unless_strict: bool = False) -> dict:
-    """{"name": …, "arguments": …} of a call to one of `tools`, its arguments keeping to the tool's
-    parameters (with `free_unless_strict`, only a strict tool's: another's are any JSON object)."""
-    calls = []
+def _arguments_schema(function: dict, free: bool = False) -> dict:
+    """A call's arguments: the tool's parameters (`free`: any JSON object), written as the
+    template writes its own calls ({{ arguments | tojson }}: no whitespace but after , and :;
+    by default %json lets it run on), so a model writes a call as it learned to."""
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise RequestError("tools", f"{function['name']}: parameters must be a JSON schema object")
+    if free:
+        parameters = {"type": "object"}
+    return {**parameters, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+
+
+def lark_input(function: dict) -> Optional[tuple]:
+    """(parameter, Lark grammar) of a custom tool (a function of one string whose schema carries
+    its grammar under LARK_KEY), or None."""
+    properties = (function.get("parameters") or {}).get("properties")
+    if isinstance(properties, dict) and len(properties) == 1:
+        (name, schema), = properties.items()
+        if isinstance(schema, dict) and isinstance(schema.get(LARK_KEY), str):
+            return name, schema[LARK_KEY]
+    return None
+
+
+def custom_grammar(name: str, lark: str, field: str = "tools") -> str:
+    """A custom tool's Lark grammar as the grammar of its input inside a call's JSON string;
+    RequestError (a 400 on `field`) naming the tool where it cannot be used."""
+    try:
+        return quoted_lark(lark)
+    except GrammarError as e:
+        raise RequestError(field, f"tool {name!r}: its Lark grammar cannot be used: {e}") from None
+
+
+def _call_bodies(tools: List[dict], free_unless_strict: bool = False) -> str:
+    """Lark: `body`, the JSON of one call to one of `tools`, {"name": …, "arguments": …}: a custom
+    tool's input (a JSON string) keeps to its Lark grammar, another tool's arguments to its
+    parameters (with `free_unless_strict`, only a strict tool's: another's are any JSON object).
+    Each call is its name's literal, then its arguments' grammar: alternatives that part at the name."""
+    rules = []
     for tool in tools:
         function = tool["function"]
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict):
-            raise RequestError("tools", f"{function['name']}: parameters must be a JSON schema object")
-        if free_unless_strict and not function.get("strict"):
-            parameters = {"type": "object"}
-        calls.append({"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-                      "required": ["name", "arguments"], "additionalProperties": False})
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    # Compact JSON, as in response_format (by default %json lets whitespace run on).
-    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+        custom = lark_input(function)
+        if custom is not None:
+            head = json.dumps({"name": function["name"], "arguments": {custom[0]: ""}})[:-3]  # to the string's quote
+            rules.append(f"{json.dumps(head)} %lark {{\n{custom_grammar(function['name'], custom[1])}\n}} \"\\\"}}}}\"")
+        else:
+            head = json.dumps({"name": function["name"], "arguments": ""})[:-3]
+            free = free_unless_strict and not function.get("strict")
+            rules.append(f"{json.dumps(head)} %json {json.dumps(_arguments_schema(function, free))} \"}}\"")
+    return "body: " + "\n    | ".join(rules) + "\n"
 
 
 def _parser(tokenizer) -> str:
@@ -111,11 +148,10 @@ def tool_call_grammar(tokenizer, tools: List[dict], parallel: bool = True) -> st
     if parser not in JSON_CALLS:
         raise RequestError("tool_choice", f"forcing a call is not supported for this model's tool-call format "
                                           f"({parser or 'unknown'}); use \"auto\"")
-    body = json.dumps(_calls_schema(tools))
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
     lark = (f"start: call{'+' if parallel else ''}\n"
             f"call: {_literal(tokenizer, start)} \"\\n\"? body \"\\n\"? {_literal(tokenizer, end)} \"\\n\"?\n"
-            f"body: %json {body}\n")
+            + _call_bodies(tools))
     return lark_grammar(lark)
 
 
@@ -131,9 +167,8 @@ def strict_calls_grammar(tokenizer, tools: List[dict]) -> Optional[str]:
     start, end = added.get(tokenizer.tool_call_start), added.get(tokenizer.tool_call_end)
     if start is None or end is None:
         return None
-    body = json.dumps(_calls_schema(tools, free_unless_strict=True))
     lark = (f"start: text (call text)*\n"
             f"text: <[^{start}]>*\n"
             f"call: <[{start}]> \"\\n\"? body \"\\n\"? <[{end}]>\n"
-            f"body: %json {body}\n")
+            + _call_bodies(tools, free_unless_strict=True))
     return lark_grammar(lark)

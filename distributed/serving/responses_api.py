@@ -6,8 +6,8 @@ Implemented: `model`, `input` (a string, or items: messages with text content, `
 (with its `namespace`) and `function_call_output`, `custom_tool_call` and its output, `reasoning`),
 `instructions`, `max_output_tokens`, `temperature`, `top_p`, `tools` (function tools, `strict`
 honoured as in chat; `namespace` tools flattened into functions named NAMESPACE__NAME, their calls
-mapped back; `custom` free-form tools as a function of one string `input`, a regex grammar its
-pattern, their calls coming back as custom_tool_call items; hosted tools left out of the prompt),
+mapped back; `custom` free-form tools as a function of one string `input`, a regex or Lark grammar
+held over it (constraints.py), their calls coming back as custom_tool_call items; hosted tools left out of the prompt),
 `tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema: constrained
 decoding), `stream` with the Responses event sequence, `usage`. Where the checkpoint thinks
 (think tokens), its reasoning is a `reasoning` output item (its text a `reasoning_text` part,
@@ -32,6 +32,7 @@ import uuid
 from ..runtime.request import RequestError
 from . import sealed
 from .api_adapter import Adapter, sse
+from .constraints import LARK_KEY, custom_grammar
 from .openai_fields import ChatBody
 
 HINTS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "client_metadata", "prompt_cache_retention")
@@ -154,7 +155,8 @@ def _function(tool: dict, where: str, forced: bool, name=None) -> dict:
 
 def _custom(tool: dict, where: str) -> dict:
     """A custom (free-form) tool as a function of one string, `input`: a regex grammar becomes the
-    string's pattern (enforced where the call is constrained), a Lark one is shown in the description."""
+    string's pattern, a Lark one goes under constraints.LARK_KEY (both enforced where the call is
+    constrained: constraints.py); a Lark grammar llguidance cannot take is a 400 naming the tool."""
     extra = next((key for key in tool if key not in ("type", "name", "description", "format")), None)
     if extra is not None or not isinstance(tool.get("name"), str):
         raise RequestError(where + (f".{extra}" if extra else ""), "expected {type, name, description, format}")
@@ -169,11 +171,15 @@ def _custom(tool: dict, where: str) -> dict:
             raise RequestError(f"{where}.format", "a grammar needs syntax \"lark\" or \"regex\" and a string definition")
         if syntax == "regex":
             string["pattern"] = f"^(?:{definition})$"  # the whole input (a JSON schema's pattern matches anywhere)
-        description += f"\n\nThe input follows this {'Lark grammar' if syntax == 'lark' else 'regular expression'}:\n{definition}"
+            description += f"\n\nThe input follows this regular expression:\n{definition}"
+        else:
+            custom_grammar(tool["name"], definition, f"{where}.format.definition")  # a 400 now, whatever tool_choice is
+            string[LARK_KEY] = definition  # the model sees it in the schema
     parameters = {"type": "object", "properties": {CUSTOM_INPUT: string}, "required": [CUSTOM_INPUT],
                   "additionalProperties": False}
+    strict = "pattern" in string or LARK_KEY in string
     return {"type": "function", "function": {"name": tool["name"], "description": description, "parameters": parameters,
-                                             **({"strict": True} if "pattern" in string else {})}}
+                                             **({"strict": True} if strict else {})}}
 
 
 def _tools(tools, forced: bool, ignored: list) -> tuple:

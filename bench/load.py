@@ -60,7 +60,8 @@ def add_arguments(p) -> None:
     p.add_argument("--runner-arg", action="append", default=[], metavar="ARG", help="more run_trinity.py arguments, "
                    "e.g. --runner-arg=--prefix-cache-bytes=0 (repeatable)")
     p.add_argument("--baseline", type=Path, metavar="DIR", help="another checkout, measured after each P")
-    p.add_argument("--against", metavar="ARGS", help="the runner again with these arguments added, after each P")
+    p.add_argument("--against", metavar="ARGS", help="the runner again with these arguments added, after each P "
+                   "(one flag alone: --against=--prompt-lookup)")
     p.add_argument("--mlx-lm-child", metavar="SPEC", help="(the mlx-lm measurement)")
 
 

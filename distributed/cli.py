@@ -27,8 +27,7 @@ from .serving.options import ALLOWED_HOSTS_ENV, AUTH_TOKEN_ENV, ServeOptions, ch
 from .serving.request_log import RequestLog
 from .serving.requests import ModelInfo, prompt_ids
 from .shard.config import model_args
-from .shard.kv_budget import DEFAULT_CONTEXT, MAX_BATCH
-from .shard.memory_limit import parse_memory_limit
+from .shard.memory import DEFAULT_CONTEXT, MAX_BATCH, parse_memory_limit
 from .startup.join import Loaded, build_pipeline, join_ranks
 from .startup.lifecycle import Lifecycle, RankStop, launched_by_launcher, launcher_restarts
 from .startup.preflight import check_launch

@@ -26,8 +26,7 @@ from typing import List, Optional
 from distributed import TrinityError, logs
 from distributed.cli import read_command
 from distributed.help_format import HelpFormatter
-from distributed.shard.memory import usable_memory_bytes
-from distributed.shard.memory_plan import DEFAULT_MARGIN
+from distributed.shard.memory import DEFAULT_MARGIN, usable_memory_bytes
 from distributed.shard.sizes import quantize_config
 
 from . import bundled, hostfile, mlx_launch_ring, runner
@@ -217,7 +216,7 @@ def plan_draft(args):
 def longest_contexts(config: dict, plan, batches=(1, 8, 32)) -> dict:
     """{batch: the longest context at which that many sequences' caches fit beside each
     host's planned weights}, as `--max-context auto` computes it on the ring."""
-    from distributed.shard.kv_budget import longest_context
+    from distributed.shard.memory import longest_context
 
     rows = [{"layers": [h.start, h.end], "parameter_bytes": h.weight_bytes + h.draft_bytes} for h in plan.hosts]
     memory = [h.memory_bytes for h in plan.hosts]

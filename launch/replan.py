@@ -34,7 +34,8 @@ from typing import Callable, List, Optional, Set
 
 from distributed import TrinityError
 from distributed.cli import read_command
-from distributed.shard.memory_plan import DEFAULT_MARGIN, Plan, plan_layers
+from distributed.shard.memory import DEFAULT_MARGIN
+from distributed.shard.plan import Plan, plan_layers
 from distributed.startup.auto_split import PLAN_ENV, plan_spec
 
 from .host_set import HostSet, LostHost

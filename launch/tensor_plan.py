@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from distributed import TrinityError
-from distributed.shard.memory_plan import HostPlan, Plan
+from distributed.shard.plan import HostPlan, Plan
 
 from .hostfile import Hostfile
 

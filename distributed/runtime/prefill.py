@@ -67,8 +67,8 @@ class Admission:
         self.prefill_step_size, self.batch_tokens = prefill_step_size, batch_tokens
         self.waiting: deque = deque()  # admitted, in arrival order, not yet in a batch
         self.current: Optional[PrefillBatch] = None  # the batch whose frames are being sent
-        self.memory = memory  # --memory-limit: a MemoryAdmission a prompt waits for (memory_admission.py)
-        self.chunk_budget = chunk_budget  # --memory-limit, --max-context auto: a ChunkBudget (prefill_chunks.py)
+        self.memory = memory  # --memory-limit: a MemoryAdmission a prompt waits for (memory_guard.py)
+        self.chunk_budget = chunk_budget  # --memory-limit, --max-context auto: a ChunkBudget (memory_guard.py)
 
     def held(self) -> List[Sequence]:
         """Sequences waiting or in the batch being sent."""

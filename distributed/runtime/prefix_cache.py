@@ -225,7 +225,7 @@ DEFAULT_SHARE = 4  # the default budget: 1/DEFAULT_SHARE of the tightest rank's 
 
 def default_budget(free_bytes: List[int]) -> int:
     """Bytes for the prefix cache when --prefix-cache-bytes is not given, from each
-    rank's memory left beside its weights (shard.kv_budget's free_bytes): a quarter
+    rank's memory left beside its weights (shard.memory.kv_budget's free_bytes): a quarter
     of the tightest rank's."""
     return max(0, min(free_bytes) // DEFAULT_SHARE)
 

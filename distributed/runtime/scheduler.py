@@ -14,9 +14,7 @@ from typing import Callable, Iterator, Optional, Union
 
 from .batching import Batcher
 from .grammar import Grammars
-from .memory_admission import MemoryAdmission
-from .prefill_chunks import ChunkBudget
-from .memory_guard import allocation_failed, describe
+from .memory_guard import ChunkBudget, MemoryAdmission, allocation_failed, describe
 from .prefill import PREFILL_STEP_SIZE
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache

@@ -41,7 +41,7 @@ from grpc_reflection.v1alpha import reflection
 from .. import TrinityError
 from ..runtime.request import FinishEvent, GenerationRequest, PromptEvent, RequestError, failure_kind
 from ..runtime.scheduler import QueueFull, RingUnavailable
-from ..shard.kv_budget import MAX_BATCH
+from ..shard.memory import MAX_BATCH
 from .options import ServeOptions, split_address
 from .proto import generation_pb2 as pb
 from .proto import generation_pb2_grpc as pb_grpc

@@ -37,7 +37,7 @@ from starlette.datastructures import Headers
 
 from ..runtime.request import RequestError, failure_kind
 from ..runtime.scheduler import QueueFull, RingUnavailable
-from ..shard.kv_budget import MAX_BATCH
+from ..shard.memory import MAX_BATCH
 from . import anthropic_api, ollama_api, openapi, pages, responses_api
 from .http_server import BODY_TIMEOUT_S, ClientGone, Exchange, Workers, serve_http
 from .openai_fields import ApiError, param_of, plan

@@ -13,9 +13,8 @@ from typing import Dict, Optional
 
 from .. import TrinityError
 from ..shard.draft import draft_reserve
-from ..shard.memory import gather_memory
-from ..shard.memory_limit import limited
-from ..shard.memory_plan import DEFAULT_MARGIN, Plan, plan_layers
+from ..shard.memory import DEFAULT_MARGIN, gather_memory, limited
+from ..shard.plan import Plan, plan_layers
 
 PLAN_ENV = "TRINITY_PLAN"
 

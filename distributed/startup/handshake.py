@@ -51,8 +51,7 @@ def handshake(group, model_path: Path, config: dict, ranges, context: int, memor
     """A collective (all_sum: every backend has it). Returns every rank's report,
     or raises TrinityError naming each rank with a different checkpoint or a
     slice that does not fit. Each rank's memory is its host share, or --memory-limit's bytes."""
-    from ..shard.memory import share_by_host, usable_memory_bytes
-    from ..shard.memory_limit import limited
+    from ..shard.memory import limited, share_by_host, usable_memory_bytes
     from ..shard.sizes import model_sizes
 
     rank = group.rank()

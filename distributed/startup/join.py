@@ -21,8 +21,7 @@ from ..runtime.worker import StageWorker
 from ..shard.checkpoint import load_config
 from ..shard.config import model_args
 from ..shard.loader import fetch_stage_files, load_stage
-from ..shard.memory import share_by_host, usable_memory_bytes
-from ..shard.memory_limit import AUTO, apply_memory_limit
+from ..shard.memory import AUTO, apply_memory_limit, share_by_host, usable_memory_bytes
 from ..shard.plan import layer_ranges, parse_split
 from ..transport.collective import MxCollective
 from ..transport.guarded import GuardedTransport

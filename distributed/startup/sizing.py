@@ -3,12 +3,12 @@ and the prefix cache, all from each rank's memory figure (its host share, or
 --memory-limit) beside the weights it holds.
 
 `--max-context N` is a limit as given; `--max-context auto` is the longest context at
-which --max-batch sequences' caches fit on the tightest rank (kv_budget.longest_context),
+which --max-batch sequences' caches fit on the tightest rank (shard/memory.py: longest_context),
 so a request that could not fit is refused up front, naming the numbers, instead of
 running out of memory mid-prefill. Under --memory-limit or --max-context auto each prefill chunk is also cut
 to what fits: the longest (up to --prefill-step-size) whose activations at its own context
 fit half the margin the plans leave on each rank (what every rank's guard checks each frame
-against: runtime/memory_guard.py; runtime/prefill_chunks.py), so a request the context admits
+against: runtime/memory_guard.py), so a request the context admits
 is not refused mid-prefill.
 """
 
@@ -17,12 +17,10 @@ from dataclasses import dataclass
 from typing import List, Optional, Union
 
 from .. import TrinityError
-from ..runtime.memory_admission import MemoryAdmission
-from ..runtime.prefill_chunks import ChunkBudget
+from ..runtime.memory_guard import ChunkBudget, MemoryAdmission
 from ..runtime.prefix_cache import default_budget
 from ..shard.draft import draft_reserve
-from ..shard.kv_budget import CACHE_STEP, DEFAULT_CONTEXT, kv_budget, longest_context
-from ..shard.memory_plan import DEFAULT_MARGIN
+from ..shard.memory import CACHE_STEP, DEFAULT_CONTEXT, DEFAULT_MARGIN, kv_budget, longest_context
 from .settings import SizingSettings
 
 AUTO = "auto"
@@ -128,7 +126,7 @@ def serving_sizes(sizing: SizingSettings, config: dict, ranks, memory_bytes: Lis
 
 def memory_admission(sizing: SizingSettings, config: dict, ranks, memory_bytes: List[int],
                      sizes: Sizes) -> Optional[MemoryAdmission]:
-    """Under --memory-limit: what a prompt waits for, or is refused for (memory_admission.py)."""
+    """Under --memory-limit: what a prompt waits for, or is refused for (runtime/memory_guard.py)."""
     if sizing.memory_limit is None:
         return None
     return MemoryAdmission(config, ranks, memory_bytes, sizes.prefill_step_size, sizes.max_context,

@@ -14,7 +14,7 @@ from ..runtime.tensor import TensorFollower, TensorPipeline, TensorStageWorker
 from ..shard.checkpoint import load_config
 from ..shard.config import model_args
 from ..shard.loader import fetch_stage_files, load_stage
-from ..shard.memory_limit import apply_memory_limit
+from ..shard.memory import apply_memory_limit
 from ..shard.plan import layer_ranges
 from ..shard.tensor import check_tensor_size, release_group
 from ..transport.guarded import GuardedTransport

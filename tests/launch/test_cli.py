@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from distributed.shard.config import read_config
-from distributed.shard.memory_plan import GIB, plan_layers
+from distributed.shard.plan import GIB, plan_layers
 from distributed.startup.auto_split import PLAN_ENV
 from launch.cli import main
 from launch.mlx_launch_ring import exit_status, failed_ranks, mlx_launch
@@ -210,7 +210,7 @@ def test_help_shows_defaults_and_names_docs_pages_that_exist(capsys):
 def test_plan_reports_the_longest_context_each_batch_gets(capsys):
     """The context `--max-context auto` would give on these hosts: for 8 sequences on three
     96 GB Macs Trinity-Large's full-attention caches bind; for one, the model's own limit."""
-    from distributed.shard.kv_budget import longest_context
+    from distributed.shard.memory import longest_context
 
     code, out, _ = cli(capsys, "plan", "--preset", "trinity-large", "--memory-gb", "96,96,96", "--quantize", "4", "--json")
     plan = json.loads(out)

@@ -11,7 +11,7 @@ import mlx.core as mx
 from conftest import free_port_range
 from distributed.shard.config import read_config
 from distributed.shard.memory import gather_memory, share_by_host, usable_memory_bytes
-from distributed.shard.memory_plan import GIB, plan_layers
+from distributed.shard.plan import GIB, plan_layers
 from distributed.shard.tiny_checkpoint import tiny_config
 from distributed.startup.auto_split import PLAN_ENV, plan_spec, startup_plan
 from launch.hostfile import local_hosts

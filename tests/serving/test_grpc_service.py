@@ -25,7 +25,7 @@ from grpc_server import (CONFIGS, IDS, LONG, MAX_TOKENS, SERVER_ARGS, SERVICE, S
                          generate, reflection_generate, rpc_error)
 from distributed.runtime.grammar import json_schema_grammar
 from distributed.serving.proto import generation_pb2 as pb
-from distributed.shard.kv_budget import MAX_BATCH
+from distributed.shard.memory import MAX_BATCH
 from reference import PROMPT, mlx_lm_greedy, mlx_lm_logprobs, mlx_lm_masked_greedy
 
 # ---------------------------------------------------------------- fixtures

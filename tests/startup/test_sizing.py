@@ -19,8 +19,7 @@ import grpc
 import pytest
 
 from distributed.serving.proto import generation_pb2 as pb
-from distributed.shard.memory_limit import cache_bound
-from distributed.shard.memory_plan import DEFAULT_MARGIN
+from distributed.shard.memory import DEFAULT_MARGIN, cache_bound
 from distributed.shard.tiny_checkpoint import DEFAULT_MODEL
 from distributed.startup.sizing import context_arg
 from grpc_server import SERVING, Server, generate

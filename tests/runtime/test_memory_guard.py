@@ -1,4 +1,4 @@
-"""Prefill chunks cut by a memory budget at their own context (runtime/prefill_chunks.py): a long
+"""Prefill chunks cut by a memory budget at their own context (runtime/memory_guard.py's ChunkBudget): a long
 prompt's early chunks stay long, later ones shrink, no chunk's activations pass the budget, and
 the tokens are exactly those served alone without any budget."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from distributed.runtime.prefill_chunks import ChunkBudget
+from distributed.runtime.memory_guard import ChunkBudget
 from distributed.runtime.request import GenerationRequest
 from prefill_frames import PROMPTS, STEP, FrameLog, assert_alone, assert_no_caches_left, run_admitted, scheduler_for
 

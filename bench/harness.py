@@ -50,29 +50,31 @@ MINI_SMOKE = dict(MINI, vocab_size=1024, hidden_size=128, intermediate_size=256,
                   num_key_value_heads=2, head_dim=32, sliding_window=256,
                   layer_types=["sliding_attention"] * 3 + ["full_attention"])
 
+def int_list(text: str) -> list:
+    """"1,2,8" -> [1, 2, 8]; "1-4" -> [1, 2, 3, 4]; "none" -> []."""
+    if text.strip() == "none":
+        return []
+    out = []
+    for part in filter(None, text.replace(" ", "").split(",")):
+        low, dash, high = part.partition("-")
+        out += list(range(int(low), int(high) + 1)) if dash else [int(part)]
+    return out
+
+
 # One name, one meaning, for every subcommand: (argparse keywords, help).
 FLAGS = {
     "out": (dict(metavar="PATH"), "the results' JSON file (default bench/results/<subcommand>.json)"),
     "smoke": (dict(action="store_true"), "the smallest configuration (the small checkpoint, short runs): checks "
               "the subcommand end to end in a minute or two"),
     "model": (dict(metavar="PATH"), "a checkpoint folder instead of the default one"),
-    "ranks": (dict(type=lambda s: int_list(s), metavar="P,..."), "rank counts to run (a list: 1,2,4, or a range: 1-4)"),
-    "streams": (dict(type=lambda s: int_list(s), metavar="N,..."), "concurrent stream counts"),
+    "ranks": (dict(type=int_list, metavar="P,..."), "rank counts to run (a list: 1,2,4, or a range: 1-4)"),
+    "streams": (dict(type=int_list, metavar="N,..."), "concurrent stream counts"),
     "reps": (dict(type=int, metavar="N"), "interleaved rounds; medians are reported"),
     "max_tokens": (dict(type=int, metavar="N"), "greedy tokens per request"),
     "blas": (dict(choices=["reference", "openblas"]), "openblas preloads the system OpenBLAS into every rank "
              "(the MLX CPU wheel links a slow reference BLAS)"),
     "timeout": (dict(type=float, metavar="S"), "seconds a process or request may take"),
 }
-
-
-def int_list(text: str) -> list:
-    """"1,2,8" -> [1, 2, 8]; "1-4" -> [1, 2, 3, 4]; "none" -> []."""
-    out = []
-    for part in filter(None, text.replace(" ", "").split(",")):
-        low, _, high = part.partition("-")
-        out += [int(part)] if part == "none" or not high else list(range(int(low), int(high) + 1))
-    return [] if text.strip() == "none" else out
 
 
 def flags(parser: argparse.ArgumentParser, **defaults) -> None:
@@ -462,17 +464,19 @@ def concurrent_streams(stub, prompts: list, max_tokens, timeout: float, gap: flo
 
 
 def machine() -> dict:
-    """What the figures were measured on."""
+    """What the figures were measured on: this host, MLX's device and any NVIDIA GPUs."""
     out = {"host": platform.node(), "platform": platform.platform(), "processor": platform.processor(),
            "cpus": os.cpu_count(), "loadavg": os.getloadavg()[0]}
     try:
         import mlx.core as mx
 
         out["mlx"], out["device"] = mx.__version__, str(mx.default_device())
-        if mx.default_device() == mx.gpu:
-            out["gpu"] = mx.device_info().get("device_name")
-    except Exception as e:  # measured all the same; say why the device is unknown
-        out["device"] = f"unknown ({type(e).__name__})"
+    except ImportError as e:  # measured all the same; say why the device is unknown
+        out["device"] = f"unknown ({e})"
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        out["gpus"] = smi.stdout.strip().splitlines()
     return out
 
 

@@ -75,25 +75,31 @@ def wait_http(server: Server, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
+def measure(server: Server, streams: int, args) -> dict:
+    """Rounds alternating loose and strict after a warm-up of each (kernels, the grammar's tokenizer)."""
+    for strict in (False, True):
+        round_of(server.http, streams, strict, 8)
+    rounds = {"loose": [], "strict": []}
+    for _ in range(args.reps):
+        for name in rounds:
+            rounds[name].append(round_of(server.http, streams, name == "strict", args.max_tokens))
+    loose, strict = (statistics.median(r[0] for r in rounds[k]) for k in ("loose", "strict"))
+    print(f"P={server.ranks}, {streams} streams, {args.max_tokens} tokens at most, median of {args.reps}: "
+          f"loose {loose:.1f} tok/s, strict {strict:.1f} tok/s, strict/loose {strict / loose:.3f}", flush=True)
+    if {r[1] for r in rounds["loose"]} != {r[1] for r in rounds["strict"]}:
+        print("  not like for like: the strict rounds generated other tokens (the grammar changed the replies)")
+    return {"ranks": server.ranks, "streams": streams, "loose_tok_s": loose, "strict_tok_s": strict,
+            "ratio": strict / loose, "rounds": rounds}
+
+
 def main(args) -> None:
     if args.smoke:
         args.streams, args.max_tokens, args.reps = [2], 16, 1
     model = str(tool_checkpoint()) if args.model == "tools" else args.model
-    ranks, streams = args.ranks[0], args.streams[0]
-    rounds = {"loose": [], "strict": []}
-    with Server(ranks, ["--model", model, "--max-batch", str(streams)], bench_env(), timeout=args.timeout,
-                http=True) as server:
-        wait_http(server)
-        for strict in (False, True):  # warm-up: kernels compiled, the grammar's tokenizer built
-            round_of(server.http, streams, strict, 8)
-        for _ in range(args.reps):
-            for name in ("loose", "strict"):
-                rounds[name].append(round_of(server.http, streams, name == "strict", args.max_tokens))
-    loose, strict = (statistics.median(r[0] for r in rounds[k]) for k in ("loose", "strict"))
-    print(f"P={ranks}, {streams} streams, {args.max_tokens} tokens at most, median of {args.reps}: "
-          f"loose {loose:.1f} tok/s, strict {strict:.1f} tok/s, strict/loose {strict / loose:.3f}")
-    print("rounds (tok/s, tokens):", rounds)
-    if {r[1] for r in rounds["loose"]} != {r[1] for r in rounds["strict"]}:
-        print("not like for like: the strict rounds generated other tokens (the grammar changed the replies)")
-    results = {"loose_tok_s": loose, "strict_tok_s": strict, "ratio": strict / loose, "rounds": rounds}
-    print(f"wrote {save(out_path(args, 'strict_tools'), results, vars(args))}")
+    rows = []
+    for ranks in args.ranks:
+        with Server(ranks, ["--model", model, "--max-batch", str(max(args.streams))], bench_env(),
+                    timeout=args.timeout, http=True) as server:
+            wait_http(server)
+            rows += [measure(server, n, args) for n in args.streams]
+    print(f"wrote {save(out_path(args, 'strict_tools'), {'rows': rows}, vars(args))}")

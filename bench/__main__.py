@@ -36,6 +36,9 @@ def main(argv=None):
     if str(ROOT) not in sys.path:  # the distributed and launch packages of this checkout
         sys.path.insert(0, str(ROOT))
     args = build_parser().parse_args(argv)
+    from distributed import logs  # progress and diagnostics on stderr, as every process of the project
+
+    logs.configure("info")
     return args.run(args)
 
 

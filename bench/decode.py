@@ -18,15 +18,17 @@ float32 AFMoE, hidden 512, 16 layers, 32 experts, 1024-token prompt, 64 steps (-
 6 layers, 128-token prompt, 16 steps, P <= 2, one round).
 """
 
+import logging
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from bench.harness import (FULL, PY, ROOT, SMALL, bench_env, checkpoint, flags, load_mlx_lm, make_mini, mpirun,
                            out_path, prompt_ids, run_ranks, save)
+
+log = logging.getLogger("bench")
 
 
 def add_arguments(p) -> None:
@@ -163,14 +165,14 @@ def main(args) -> None:
     for rep in range(reps):  # interleaved rounds: drift and neighbours' load hit every config alike
         if "runner ring P=2 direct" in table:
             trips.append(round_trip(hidden, env=env))
-            print(f"[{rep + 1}/{reps}] ring round trip: {trips[-1]:.3f} ms", file=sys.stderr, flush=True)
+            log.info(f"[{rep + 1}/{reps}] ring round trip: {trips[-1]:.3f} ms")
         for name, (prefix, p) in table.items():
             t = time.perf_counter()
             r = run_once(prefix, p, model, ids, decode + 1, env, args.timeout)
             runs[name].append(r)
             status = r.get("error") or (f"prefill {r['prefill_tokens_per_sec']:.1f} tok/s, decode "
                                         f"{r['generation_tokens_per_sec']:.2f} tok/s, load {r['loadavg']:.1f}")
-            print(f"[{rep + 1}/{reps}] {name}: {status} ({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
+            log.info(f"[{rep + 1}/{reps}] {name}: {status} ({time.perf_counter() - t:.0f} s)")
     results = summarize(runs)
     config = json.loads((model / "config.json").read_text())
     mib = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20

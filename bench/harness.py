@@ -5,6 +5,7 @@ flag names, and one results format (JSON headed by the machine, the commit and t
 Nothing here imports mlx or grpc at module level, so `python -m bench --help` stays light.
 """
 
+import logging
 import argparse
 import datetime
 import hashlib
@@ -21,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
+
+log = logging.getLogger("bench")
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -95,7 +98,7 @@ def checkpoint(sizes: dict) -> Path:
     if not (path / "config.json").exists():
         cache.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-"))
-        print(f"making checkpoint {path} ...", file=sys.stderr, flush=True)
+        log.info(f"making checkpoint {path} ...")
         make_checkpoint(tmp, layout="hf", seed=0, **sizes)
         try:
             tmp.rename(path)

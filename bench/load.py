@@ -21,6 +21,7 @@ with random 4-bit weights there (a GPU's model). --smoke: the small checkpoint, 
 8-token prompts, 16 tokens, P = 1, 2, a 64-token long prompt.
 """
 
+import logging
 import json
 import math
 import os
@@ -34,6 +35,8 @@ from pathlib import Path
 from bench.harness import (FULL, PY, ROOT, SMALL, Server, bench_env, checkpoint, concurrent_streams, flags,
                            grpc_generate, int_list, load_mlx_lm, make_mini, out_path, percentile, run_ranks, save,
                            stream_prompts)
+
+log = logging.getLogger("bench")
 
 BASELINE = "mlx-lm"
 WARMUP_TOKENS = 4
@@ -94,7 +97,7 @@ def measure(spec: dict, client, name: str) -> dict:
     spec["check"] prompts alone; then each long prompt's TTFT spec["reps"] times. A client call that
     fails raises RuntimeError: what was measured is kept, with the error."""
     out = {"streams": {}, "long": {}}
-    say = lambda text: print(f"  {name}: {text}", file=sys.stderr, flush=True)  # noqa: E731
+    say = lambda text: log.info(f"  {name}: {text}")  # noqa: E731
     try:
         warm = stream_prompts(min(8, max(spec["streams"] or [1])), 16, tag="warmup")
         client.alone(warm[0], WARMUP_TOKENS)
@@ -323,7 +326,7 @@ def main(args) -> None:
         for base in [False] + ([True] if args.baseline or args.against else []):
             name, results[name] = run_runner(ranks, args, runner_args, env, spec, base)
             keep()
-            print(f"{name}: {results[name].get('error', 'done').splitlines()[0]}", file=sys.stderr, flush=True)
+            log.info(f"{name}: {results[name].get('error', 'done').splitlines()[0]}")
     print(f"\n{model}: {args.max_tokens} tokens a stream; runner --max-batch {max_batch}, P > 1 via {args.backend}")
     print_report(stream_rows(results, spec), results, spec)
     keep()

@@ -32,6 +32,7 @@ measurements of processes and the report in soak_report.py. --smoke: 2 ranks,
 2 clients, 20 seconds.
 """
 
+import logging
 import os
 import re
 import signal
@@ -51,6 +52,8 @@ from bench.soak_load import Reference, Soak, Stats
 from bench.soak_report import alive, cpu_seconds, memory_trend, print_report, rss_bytes
 from distributed.serving.proto import generation_pb2 as pb
 from distributed.serving.proto import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger("bench")
 
 STARTED = re.compile(r"launch: started rank (\d+) \(pid (\d+)\)")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -140,7 +143,7 @@ def drive(args, soak: Soak, stats: Stats, health, launcher: subprocess.Popen, pi
             soak.cut_in_flight()
         if time.monotonic() - last_report > 60:
             last_report = time.monotonic()
-            print(f"soak: {last_report - start:.0f} s: {dict(stats.counts)}", file=sys.stderr, flush=True)
+            log.info(f"soak: {last_report - start:.0f} s: {dict(stats.counts)}")
         if launcher.poll() is not None:
             stats.error(f"the launcher exited ({launcher.returncode}) during the soak")
             soak.broken.set()
@@ -184,9 +187,9 @@ def main(args) -> None:
     log_path = Path(args.log) if args.log else Path(tempfile.mkstemp(prefix="trinity-soak-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "launch", "run", "--single-host", str(args.ranks), "--restart", str(args.restart),
            *args.launch_arg, "--", "run_trinity.py", "--model", str(model), "--serve", address, *args.serve_arg]
-    print(f"soak: {' '.join(cmd)}\nsoak: log {log_path}", file=sys.stderr, flush=True)
-    with open(log_path, "w") as log:
-        launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=bench_env(), cwd=ROOT,
+    log.info(f"soak: {' '.join(cmd)}\nsoak: log {log_path}")
+    with open(log_path, "w") as out:
+        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=bench_env(), cwd=ROOT,
                                     start_new_session=True)
         channel, run = grpc.insecure_channel(address), {}
         try:
@@ -208,8 +211,7 @@ def soak(args, model: Path, channel, launcher: subprocess.Popen, log_path: Path)
     startup_s = time.monotonic() - t0
     pids = rank_pids(log_path, args.ranks)
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
-    print(f"soak: serving after {startup_s:.1f} s; rank pids {pids}; {args.clients} clients for {args.minutes:g} min",
-          file=sys.stderr, flush=True)
+    log.info(f"soak: serving after {startup_s:.1f} s; rank pids {pids}; {args.clients} clients for {args.minutes:g} min")
     reference, stats, start = Reference(model, args.max_new), Stats(), time.monotonic()
     load = Soak(args, stub, info, reference, stats, start + args.minutes * 60)
     samples = drive(args, load, stats, health, launcher, pids, start)

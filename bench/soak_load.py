@@ -6,9 +6,9 @@ one-device mlx-lm (Reference, memoized per prompt), sampled ones checked for sha
 the outcomes. bench/soak.py describes the mix.
 """
 
+import logging
 import json
 import random
-import sys
 import threading
 import time
 from collections import Counter
@@ -19,6 +19,8 @@ import grpc
 
 from distributed.runtime.request import MAX_STOPS
 from distributed.serving.proto import generation_pb2 as pb
+
+log = logging.getLogger("bench")
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven tired engineers watch memory "
          "graphs climb and fall across four small ranks").split()
@@ -89,7 +91,7 @@ class Stats:
             self.counts["errors"] += 1
             if len(self.errors) < 50:
                 self.errors.append(message)
-        print(f"soak: ERROR {message}", file=sys.stderr, flush=True)
+        log.info(f"soak: ERROR {message}")
 
 
 class Soak:
@@ -271,7 +273,7 @@ class Soak:
                 self.stats.counts["wrong_outputs"] += 1
                 if len(self.stats.wrong) < 20:
                     self.stats.wrong.append(record)
-            print(f"soak: WRONG OUTPUT {json.dumps(record)}", file=sys.stderr, flush=True)
+            log.info(f"soak: WRONG OUTPUT {json.dumps(record)}")
             return "wrong"
         diff = max((abs(a - b) for a, b in zip(logprobs, ref_logprobs)), default=0.0)
         with self.stats.lock:
@@ -282,4 +284,4 @@ class Soak:
             record["logprob_diff"] = diff
             if len(self.stats.wrong) < 20:
                 self.stats.wrong.append(record)
-        print(f"soak: WRONG LOGPROBS {json.dumps(record)}", file=sys.stderr, flush=True)
+        log.info(f"soak: WRONG LOGPROBS {json.dumps(record)}")

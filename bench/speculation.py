@@ -28,6 +28,7 @@ for another checkpoint (the GPU's Mini shape).
 --smoke: P = 1, 2, one round of 24 tokens, the held-out prompt, lookup only.
 """
 
+import logging
 import json
 import os
 import shutil
@@ -38,6 +39,8 @@ import time
 from pathlib import Path
 
 from bench.harness import PY, ROOT, bench_env, flags, out_path, run_ranks, save
+
+log = logging.getLogger("bench")
 
 MODEL = ROOT / "distributed" / "shard" / "tiny_model"
 EDITOR = Path(tempfile.gettempdir()) / f"bench-speculation-editor-{os.getpid()}"
@@ -186,8 +189,7 @@ def ring_ceiling(prompt: str, args) -> list:
                         mode = name + ("" if ahead else " -one")
                         r = run_once(ranks, prompt, args.max_tokens, extra, args.timeout, env=env)
                         runs.setdefault((ranks, mode), []).append(r)
-                        print(f"[{rep + 1}/{args.reps}] P={ranks} {mode}: {r.get('error') or '%.1f tok/s' % r['tps']}",
-                              file=sys.stderr, flush=True)
+                        log.info(f"[{rep + 1}/{args.reps}] P={ranks} {mode}: {r.get('error') or '%.1f tok/s' % r['tps']}")
     rows = []
     for (ranks, mode), rs in runs.items():
         ok = [r for r in rs if "error" not in r]
@@ -265,8 +267,8 @@ def compare(texts: dict, modes: list, flags: dict, args) -> list:
             for case in mine:
                 r = combined(results[case])
                 runs[case].append(r)
-                print(f"[{rep + 1}/{args.reps}] {name} P={case[1]} {case[2]}: "
-                      f"{r.get('error') or '%.1f tok/s' % r['tps']}", file=sys.stderr, flush=True)
+                log.info(f"[{rep + 1}/{args.reps}] {name} P={case[1]} {case[2]}: "
+                      f"{r.get('error') or '%.1f tok/s' % r['tps']}")
     rows = []
     for name in texts:
         for ranks in ranks_range:

@@ -24,10 +24,10 @@ the results). --smoke: --mini's shape shrunk (experts wide enough for T = 2's wh
 round of 8 tokens, to check the subcommand on a CPU. --no-mpi: leave out MPI even where mpirun is found.
 """
 
+import logging
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +35,8 @@ from pathlib import Path
 from bench.decode import run_once
 from bench.harness import (FULL, MINI, MINI_SMOKE, PY, ROOT, bench_env, checkpoint, flags, make_mini, mpirun,
                            out_path, prompt_ids, run_ranks, save)
+
+log = logging.getLogger("bench")
 
 WIDTHS = [64, 512, 2048, 3072, 4096]
 
@@ -126,8 +128,7 @@ def decode(args, env: dict, mpi) -> dict:
             runs[name].append(r)
             status = r.get("error") or (f"prefill {r['prefill_tokens_per_sec']:.1f} tok/s, decode "
                                         f"{r['generation_tokens_per_sec']:.2f} tok/s")
-            print(f"[{rep + 1}/{args.reps}] {name}: {status} ({time.perf_counter() - t:.0f} s)",
-                  file=sys.stderr, flush=True)
+            log.info(f"[{rep + 1}/{args.reps}] {name}: {status} ({time.perf_counter() - t:.0f} s)")
     rows = {}
     for name, rs in runs.items():
         ok = [r for r in rs if "error" not in r]

@@ -51,7 +51,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..shard.memory import CACHE_STEP, DEFAULT_MARGIN, applied_limit
+from ..shard.memory import CACHE_STEP, DEFAULT_MARGIN
 from ..shard.sizes import dtype_bytes, model_args, model_sizes
 from ..shard.stage import Stage
 from ..transport import Header, Op
@@ -125,20 +125,20 @@ def describe(payload: mx.array) -> str:
 
 
 class MemoryGuard:
-    def __init__(self, stage: Stage, caches: SlotCaches, rank: int, enabled: bool = True):
-        self.stage, self.caches, self.rank, self.enabled = stage, caches, rank, enabled
+    def __init__(self, stage: Stage, caches: SlotCaches, rank: int, limit: Optional[int] = None):
+        self.stage, self.caches, self.rank = stage, caches, rank
+        self.limit = limit  # the bytes MLX is held to in this process (--memory-limit); None: nothing checked
         self.doomed: Dict[int, mx.array] = {}  # slot -> the payload of the failure that doomed it
         self.refused = 0  # frames refused here (metrics)
 
     def verdict(self, parts: List[Part], itemsize: int) -> Optional[mx.array]:
         """None: a frame of `parts` may run; else the NO_MEMORY payload to pass on instead."""
         doomed = next((self.doomed[s] for _, _, s in parts if s in self.doomed), None)
-        limit = applied_limit() if self.enabled else None
-        if doomed is not None or limit is None:
+        if doomed is not None or self.limit is None:
             return doomed
         needed = sum(frame_bytes(self.stage, self.caches.get(s), r, n, itemsize) for r, n, s in parts)
         in_use = mx.get_active_memory()
-        return None if in_use + needed <= limit else figures(self.rank, needed, in_use, limit)
+        return None if in_use + needed <= self.limit else figures(self.rank, needed, in_use, self.limit)
 
     def failed(self, header: Header, payload: mx.array) -> Tuple[Header, mx.array]:
         """The frame `header` does not run here: its slots are doomed, the buffer cache is
@@ -160,7 +160,7 @@ class MemoryGuard:
 
     def mlx_figures(self) -> mx.array:
         """The NO_MEMORY payload of an allocation MLX refused here (needed 0)."""
-        return figures(self.rank, 0, mx.get_active_memory(), applied_limit() or 0)
+        return figures(self.rank, 0, mx.get_active_memory(), self.limit or 0)
 
     def own_failure(self) -> mx.array:
         """Rank 0 could not evaluate its own part of a reply (the head, the sampler): the

@@ -25,7 +25,8 @@ from .rank_stats import RankStats
 
 class Pipeline:
     def __init__(self, stage: Stage, transport: Optional[Transport] = None,
-                 waker: Optional[Callable[[int], None]] = None, peer_reports: Callable[[], Dict[int, dict]] = dict):
+                 waker: Optional[Callable[[int], None]] = None, peer_reports: Callable[[], Dict[int, dict]] = dict,
+                 memory_limit: Optional[int] = None):
         assert stage.first, "rank 0 holds the first stage"
         self.stage = stage
         self.transport = transport
@@ -38,7 +39,7 @@ class Pipeline:
         # --memory-limit, frame by frame (memory_guard.py); a refused frame's reply comes
         # back as NO_MEMORY (with one rank, from _local). Rank 0 must check its own frames:
         # MLX's CPU allocator does not raise when malloc fails, the process dies (SIGSEGV).
-        self.guard = MemoryGuard(stage, self.caches, 0)
+        self.guard = MemoryGuard(stage, self.caches, 0, memory_limit)
         self.stats = RankStats(self.caches, self.guard)
         # The other ranks' RankStats reports by rank, as last heard (the watchdog's, or in-process workers').
         self.peer_reports = peer_reports
@@ -317,12 +318,13 @@ class Pipeline:
             self.transport = None
 
 
-def in_process_pipeline(stages: List[Stage]) -> "Pipeline":
-    """Single-host mode (--stages N): stage 0 here, the others behind an in-process ring."""
+def in_process_pipeline(stages: List[Stage], memory_limit: Optional[int] = None) -> "Pipeline":
+    """Single-host mode (--stages N): stage 0 here, the others behind an in-process ring.
+    `memory_limit`: what MLX holds this process to, which every stage's guard checks."""
     from .worker import StageWorker
 
-    workers = [StageWorker(stage, i + 1, len(stages)) for i, stage in enumerate(stages[1:])]
+    workers = [StageWorker(stage, i + 1, len(stages), memory_limit=memory_limit) for i, stage in enumerate(stages[1:])]
     pipeline = Pipeline(stages[0], LocalRing([w.handle for w in workers]) if workers else None,
-                        peer_reports=lambda: {w.rank: w.stats.report() for w in workers})
+                        peer_reports=lambda: {w.rank: w.stats.report() for w in workers}, memory_limit=memory_limit)
     pipeline.time_sends = False
     return pipeline

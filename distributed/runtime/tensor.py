@@ -41,8 +41,9 @@ def _info_row(stage: Stage, rank: int) -> mx.array:
 
 
 class TensorPipeline(Pipeline):
-    def __init__(self, stage: Stage, group, transport: Optional[Transport] = None, waker=None, peer_reports=dict):
-        super().__init__(stage, transport, waker, peer_reports)
+    def __init__(self, stage: Stage, group, transport: Optional[Transport] = None, waker=None, peer_reports=dict,
+                 memory_limit: Optional[int] = None):
+        super().__init__(stage, transport, waker, peer_reports, memory_limit)
         self.broadcast = Broadcast(group)
         self.tensor_size = group.size()
         self.time_sends = False
@@ -130,8 +131,9 @@ class TensorStageWorker(StageWorker):
     """The first rank of a later stage's group (T < N): a ring worker that broadcasts each frame
     it runs to the other ranks of its group before running it."""
 
-    def __init__(self, stage: Stage, rank: int, size: int, group, world_rank: int, wait_wake=None):
-        super().__init__(stage, rank, size, wait_wake)
+    def __init__(self, stage: Stage, rank: int, size: int, group, world_rank: int, wait_wake=None,
+                 memory_limit: Optional[int] = None):
+        super().__init__(stage, rank, size, wait_wake, memory_limit)
         self.broadcast = Broadcast(group)
         self.world_rank = world_rank
 
@@ -174,13 +176,14 @@ class TensorFollower:
     """A rank other than its group's first: replay that rank's frames and cache ops on this
     rank's slice."""
 
-    def __init__(self, stage: Stage, group, wait_wake=None, world_rank: Optional[int] = None):
+    def __init__(self, stage: Stage, group, wait_wake=None, world_rank: Optional[int] = None,
+                 memory_limit: Optional[int] = None):
         self.stage = stage
         self.rank = group.rank() if world_rank is None else world_rank
         self.broadcast = Broadcast(group)
         self.wait_wake = wait_wake
         self.caches = SlotCaches(stage)
-        self.guard = MemoryGuard(stage, self.caches, self.rank)
+        self.guard = MemoryGuard(stage, self.caches, self.rank, memory_limit)
         self.stats = RankStats(self.caches, self.guard)
 
     def serve(self) -> None:

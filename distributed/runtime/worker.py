@@ -31,12 +31,13 @@ class Ahead:
 
 
 class StageWorker:
-    def __init__(self, stage: Stage, rank: int, size: int, wait_wake: Optional[Callable[[int], None]] = None):
+    def __init__(self, stage: Stage, rank: int, size: int, wait_wake: Optional[Callable[[int], None]] = None,
+                 memory_limit: Optional[int] = None):
         self.stage = stage
         self.rank, self.is_last = rank, rank == size - 1
         self.wait_wake = wait_wake  # parks this rank off the transport (the watchdog's); None: no parking
         self.caches = SlotCaches(stage)
-        self.guard = MemoryGuard(stage, self.caches, rank)  # --memory-limit, frame by frame
+        self.guard = MemoryGuard(stage, self.caches, rank, memory_limit)  # --memory-limit, frame by frame
         self.stats = RankStats(self.caches, self.guard)  # rank 0 hears it with the watchdog's heartbeats
         self.parameter_bytes = parameter_bytes(stage)
         self._last_forward = Header(Op.FORWARD)  # the last FORWARD frame (build_ahead)

@@ -120,22 +120,13 @@ def cache_bound(limit_bytes: int, margin: float = DEFAULT_MARGIN) -> int:
     return int(limit_bytes * margin)
 
 
-_applied: Optional[int] = None  # the limit this process is held to (None: none given)
-
-
-def applied_limit() -> Optional[int]:
-    """The limit apply_memory_limit set in this process; None: MLX is unbounded here."""
-    return _applied
-
-
 def apply_memory_limit(limit_bytes: Optional[int]) -> Optional[dict]:
-    """Hold MLX to `limit_bytes` (None: leave it as it is); returns what was set."""
-    global _applied
+    """Hold MLX to `limit_bytes` (None: leave it as it is); returns what was set. (Each rank's
+    MemoryGuard is given the same figure: MLX's CPU allocator never reads it.)"""
     if limit_bytes is None:
         return None
     import mlx.core as mx
 
-    _applied = int(limit_bytes)
     mx.set_memory_limit(int(limit_bytes))
     mx.set_cache_limit(cache_bound(limit_bytes))
     return {"memory_limit_bytes": int(limit_bytes), "cache_limit_bytes": cache_bound(limit_bytes)}

@@ -164,11 +164,11 @@ def build_pipeline(settings: Settings, group, watchdog: Optional[Watchdog] = Non
         memory = share_by_host([usable_memory_bytes()] * len(ranges), ["here"] * len(ranges))
         if sizing.memory_limit not in (None, AUTO):  # one process holds every stage: they divide its bytes
             memory = [sizing.memory_limit // len(ranges)] * len(ranges)
-        if sizing.memory_limit is not None:
-            apply_memory_limit(sum(memory))
+        limit = sum(memory) if sizing.memory_limit is not None else None
+        apply_memory_limit(limit)
         path = fetch_stage_files(model, 0, num_layers, True, config_dir)
         stages = [load_stage(path, s, e, i == 0, config) for i, (s, e) in enumerate(ranges)]
-        return Loaded(in_process_pipeline(stages), path, config, memory)
+        return Loaded(in_process_pipeline(stages, limit), path, config, memory)
 
     rank = group.rank()
     start, end = ranges[rank]
@@ -179,8 +179,8 @@ def build_pipeline(settings: Settings, group, watchdog: Optional[Watchdog] = Non
         if watchdog is not None:
             watchdog.close()  # every rank found the same problems, and exits naming them
         raise
-    if sizing.memory_limit is not None:
-        apply_memory_limit(reports[rank]["memory_bytes"])
+    limit = reports[rank]["memory_bytes"] if sizing.memory_limit is not None else None
+    apply_memory_limit(limit)
     stage, path, error = None, None, None
     try:
         path = fetch_stage_files(model, start, end, rank == 0, config_dir)
@@ -192,12 +192,13 @@ def build_pipeline(settings: Settings, group, watchdog: Optional[Watchdog] = Non
     if rank != 0:
         if on_ready is not None:
             on_ready()
-        worker = StageWorker(stage, rank, world, wait_wake=watchdog and watchdog.wait_wake)
+        worker = StageWorker(stage, rank, world, wait_wake=watchdog and watchdog.wait_wake, memory_limit=limit)
         if watchdog is not None:
             watchdog.report = worker.stats.report  # rank 0's metrics hear it with each heartbeat
         worker.serve(transport)
         return None
     # Parked ranks are woken, and their reports heard, through the watchdog's channel.
     pipeline = Pipeline(stage, transport, waker=watchdog and watchdog.wake,
-                        peer_reports=(lambda: dict(watchdog.reports)) if watchdog is not None else dict)
+                        peer_reports=(lambda: dict(watchdog.reports)) if watchdog is not None else dict,
+                        memory_limit=limit)
     return Loaded(pipeline, path, config, [r["memory_bytes"] for r in reports])

@@ -85,8 +85,8 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
         if watchdog is not None:
             watchdog.close()
         raise
-    if settings.sizing.memory_limit is not None:
-        apply_memory_limit(reports[rank]["memory_bytes"])
+    limit = reports[rank]["memory_bytes"] if settings.sizing.memory_limit is not None else None
+    apply_memory_limit(limit)
     stage, path, error = None, None, None
     try:
         path = fetch_stage_files(model, start, end, first, config_dir)
@@ -98,7 +98,7 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
     if rank % size:
         if on_ready is not None:
             on_ready()
-        follower = TensorFollower(stage, tensor, wait_wake=wait_wake, world_rank=rank)
+        follower = TensorFollower(stage, tensor, wait_wake=wait_wake, world_rank=rank, memory_limit=limit)
         if watchdog is not None:
             watchdog.report = follower.stats.report
         follower.serve()
@@ -111,14 +111,15 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
     if rank != 0:
         if on_ready is not None:
             on_ready()
-        worker = TensorStageWorker(stage, rank // size, stages, tensor, rank, wait_wake=wait_wake)
+        worker = TensorStageWorker(stage, rank // size, stages, tensor, rank, wait_wake=wait_wake, memory_limit=limit)
         if watchdog is not None:
             watchdog.report = worker.stats.report
         worker.serve(transport)
         release_group(stage)
         return None
     pipeline = TensorPipeline(stage, tensor, transport, waker=watchdog and watchdog.wake,
-                              peer_reports=(lambda: dict(watchdog.reports)) if watchdog is not None else dict)
+                              peer_reports=(lambda: dict(watchdog.reports)) if watchdog is not None else dict,
+                              memory_limit=limit)
     # Rank 0 sizes the KV caches (--max-batch's default, --max-context auto, the prefix cache's bytes)
     # from the rank table's layers and this config: one rank's share of the heads, so one rank's caches.
     share = dict(config, num_attention_heads=config["num_attention_heads"] // size,

@@ -57,10 +57,15 @@ class RequestHandle:
         self.streamed += isinstance(event, TokenEvent)
         self._events.put(event)
 
-    def events(self) -> Iterator[Event]:
-        """Token events as they are decoded, then one FinishEvent."""
+    def events(self, idle: Optional[float] = None) -> Iterator[Optional[Event]]:
+        """Token events as they are decoded, then one FinishEvent; with `idle`, None after each
+        `idle` seconds without one (a streamed reply's keep-alive)."""
         while True:
-            event = self._events.get()
+            try:
+                event = self._events.get(timeout=idle)
+            except queue.Empty:
+                yield None
+                continue
             yield event
             if isinstance(event, FinishEvent):
                 return

@@ -29,6 +29,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
 import time
 import urllib.parse
 from typing import Optional, Tuple
@@ -50,6 +51,7 @@ MAX_BODY = 16 * 2**20
 MAX_DEPTH = 64  # JSON nesting a body may have (tool schemas included)
 BYTES_PER_TOKEN, TEXT_SLACK = 4, 64 * 1024  # a request's text bound: see text_bound()
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: every client skips it, and its idle timer starts over
 log = logging.getLogger("distributed.serving.http")
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 # The APIs served besides OpenAI's completions and chat (over api_adapter.py), by route: generation
@@ -281,7 +283,11 @@ class _Handler:
                 return self._send_json(200, out.whole(reply.whole()))
             self._open_stream(out.content_type)
             self._chunk(out.opening(choice.opening()))
-            for event in self._trace.events(handle):
+            idle = keepalive_s() if out.content_type == "text/event-stream" else None  # NDJSON has no comments
+            for event in self._trace.events(handle, idle):
+                if event is None:
+                    self._chunk([KEEPALIVE])
+                    continue
                 chunks = choice.add(event)
                 if choice.error:
                     self._chunk([out.failure(self._error_body(_down(choice.error)))])
@@ -323,7 +329,10 @@ class _Handler:
         self._open_stream("text/event-stream")
         for choice, handle in zip(reply.choices, handles):  # choices one after the other, each with its index
             self._events(choice.opening())
-            for event in self._trace.events(handle):
+            for event in self._trace.events(handle, keepalive_s()):
+                if event is None:
+                    self._chunk([KEEPALIVE])
+                    continue
                 chunks = choice.add(event)
                 if choice.error:
                     self._events([_down(choice.error).body()])  # the `openai` package raises APIError on it
@@ -339,6 +348,12 @@ class _Handler:
 
     def _events(self, objs):
         self._chunk([b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n" for obj in objs])
+
+
+def keepalive_s() -> float:
+    """Seconds without an event (a long prefill before the first token) after which a streamed
+    reply gets KEEPALIVE, so clients with idle timeouts wait on: TRINITY_KEEPALIVE_S, 15 by default."""
+    return float(os.environ.get("TRINITY_KEEPALIVE_S", "15"))
 
 
 def _check_json(body) -> None:

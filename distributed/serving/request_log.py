@@ -251,13 +251,16 @@ class Trace:
         self.clamped: List[str] = []  # client limits held to what the server allows
         self.done = False
 
-    def events(self, handle) -> Iterator:
-        """handle.events(), timed as they come."""
+    def events(self, handle, idle: Optional[float] = None) -> Iterator:
+        """handle.events(idle), timed as they come (None: `idle` seconds without one)."""
         itl, ttft = self.log.metrics.itl.labels(self.front_end), self.log.metrics.ttft.labels(self.front_end)
         recent = self.log.recent
         self.handles += 1
         last = None
-        for event in handle.events():
+        for event in handle.events(idle):
+            if event is None:
+                yield None
+                continue
             now = time.perf_counter()
             if isinstance(event, TokenEvent):
                 recent.token()

@@ -36,9 +36,14 @@ class RemoteHandle:
     def emit(self, event) -> None:
         self._events.put(event)
 
-    def events(self):
+    def events(self, idle=None):
+        """As RequestHandle.events: None after each `idle` seconds without an event."""
         while True:
-            event = self._events.get()
+            try:
+                event = self._events.get(timeout=idle)
+            except queue.Empty:
+                yield None
+                continue
             yield event
             if isinstance(event, FinishEvent):
                 return

@@ -5,18 +5,23 @@ run non-interactively with their default settings but the base URL, a key, and t
 keep them off the network (telemetry, updates). Each exits 0 having printed a reply the server
 logged as served, and its second request of the same session (`resume --last`, `--continue`) is
 served from the prefix cache: everything the first request's prompt held is restored, not computed.
+The ring sends keep-alives (SSE comments) every half second while a streamed reply's first token
+is pending: the clients meet them during their long prefills, and a test checks they come.
 Their first prompts are long (Codex ~15k tokens through this tokenizer, Claude Code ~34k): the ranks
 preload OpenBLAS where it is installed (README's set-up), or this CPU's reference BLAS takes minutes.
 The clients come from README's set-up (`npm install --prefix .agents …`), pinned.
 """
 
 import ctypes.util
+import json
 import os
 import re
 import shutil
 import subprocess
 import time
 
+import anthropic
+import openai
 import pytest
 
 from conftest import ROOT
@@ -31,6 +36,7 @@ CLAUDE_WRAPPER = AGENTS / "@anthropic-ai" / "claude-code" / "cli-wrapper.cjs"
 OFFLINE = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "NO_UPDATE_NOTIFIER": "1"}
 TIMEOUT_S = 420
+KEEPALIVE_S = "0.5"  # the ring's keep-alive interval (TRINITY_KEEPALIVE_S), shorter than a long prompt's prefill
 
 
 def installed():
@@ -44,6 +50,7 @@ def installed():
 def ring():
     blas = ctypes.util.find_library("openblas")
     environment = {"LD_PRELOAD": blas, "OPENBLAS_NUM_THREADS": "1"} if blas else {}
+    environment["TRINITY_KEEPALIVE_S"] = KEEPALIVE_S  # the agents' long prefills meet keep-alives too
     server = Server(None, 2, ["--http", "127.0.0.1:0"], environment=environment)
     try:
         server.wait_serving()
@@ -128,3 +135,35 @@ def test_claude_code_print(ring, tmp_path):
     claude = [node, str(CLAUDE_WRAPPER), "-p", "--model", "trinity-tiny"]
     assert_second_from_cache(session(ring, "/v1/messages", [[*claude, "say hello"],
                                                             [*claude, "--continue", "say more"]], tmp_path, env))
+
+
+def long_prompt(tag: str) -> str:
+    """About 4,000 tokens (its prefill takes seconds here), beginning with `tag` so the prefix
+    cache holds nothing of it."""
+    return tag + " " + " ".join(f"item {i}: {i * 7 % 1000}" for i in range(600)) + "\nSay hello."
+
+
+def test_a_streamed_reply_keeps_alive_while_a_long_prompt_prefills(ring):
+    """Before the first token of a long prompt, a streamed reply gets an SSE comment (": keep-alive")
+    every TRINITY_KEEPALIVE_S, so a client with an idle timeout waits on; the `openai` and `anthropic`
+    packages read such streams as any other (and Codex and Claude Code met them above)."""
+    host, port = ring.http
+    client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="none", max_retries=0, timeout=300)
+    ask = dict(model="trinity-tiny", temperature=0, max_tokens=8)
+    with client.chat.completions.with_streaming_response.create(
+            messages=[{"role": "user", "content": long_prompt("raw")}], stream=True, **ask) as response:
+        lines = list(response.iter_lines())
+    first_text = next(i for i, line in enumerate(lines) if line.startswith("data: {")
+                      and json.loads(line[6:])["choices"][0]["delta"].get("content"))
+    assert ": keep-alive" in lines[:first_text], lines[:8]
+    messages = [{"role": "user", "content": long_prompt("openai")}]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        messages=messages, stream=True, **ask) if c.choices)
+    assert streamed == client.chat.completions.create(messages=messages, **ask).choices[0].message.content
+    claude = anthropic.Anthropic(base_url=f"http://{host}:{port}", api_key="none", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": long_prompt("anthropic")}]
+    greedy = dict(model="trinity-tiny", max_tokens=8, messages=messages, extra_body={"temperature": 0})
+    with claude.messages.stream(**greedy) as stream:  # (the SDK has no temperature argument now)
+        streamed = "".join(stream.text_stream)
+    whole = claude.messages.create(**greedy)
+    assert streamed == "".join(block.text for block in whole.content if block.type == "text")

@@ -160,8 +160,10 @@ def test_codex_request_is_served_and_its_ignored_fields_logged(ring):
             {"type": "input_text", "text": ASK}]}], temperature=0, max_output_tokens=40,
             **{k: v for k, v in CODEX.items() if k not in ("stream", "client_metadata")},
             extra_body={"client_metadata": CODEX["client_metadata"]}) as stream:
-        final = stream.get_final_response()
-    assert final.status == "completed" and final.output, final
+        final = list(stream)[-1].response
+    # A call the model opens keeps to its tool (apply_patch's grammar makes a lazy one): it may not close
+    # in 40 tokens, and a call cut short is left out.
+    assert final.status == "incomplete" or final.status == "completed" and final.output, final
     line = access_line(ring, "/v1/responses", before)
     for name in ("reasoning.effort", "reasoning.summary", "tools.web_search", "text.verbosity", "client_metadata",
                  "prompt_cache_key"):

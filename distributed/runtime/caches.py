@@ -231,7 +231,7 @@ def keeping(caches, n: int):
 def hold(caches) -> List[dict]:
     """The caches' state now, to put back (put_back) when a graph built on them is dropped,
     evaluated or not (a step built before its frame came, and the frame was another:
-    worker.py). The cache updates assign in place (`keys[..., i, :] = k` changes the array
+    StageWorker.build_ahead). The cache updates assign in place (`keys[..., i, :] = k` changes the array
     object itself), so each array is held as a new reference to its value now: lazy, nothing
     is copied."""
     return [{name: mx.array(v) if isinstance(v, mx.array) else copy.copy(v) for name, v in vars(c).items()}

@@ -1,4 +1,6 @@
-"""Rank 0's view of the ring.
+"""Each rank's part in the ring: rank 0's view of it (Pipeline), what every other rank runs
+(StageWorker: receive a frame, run its stage, pass it on), and what each counts about its own
+work (RankStats).
 
 Rank 0 embeds and runs the first layers, sends the hidden state on, and gets
 the last rank's output back for the tail (final norm and lm_head). Sends do
@@ -6,21 +8,91 @@ not wait for replies: several frames can be in the ring at once (prefill
 chunks one behind the other, decode micro-batches), and replies come back in
 the order their frames were sent. With one rank there is no transport and
 everything runs here.
+
+What a rank counts about its own work, for rank 0's metrics (RankStats): forward frames
+(and how many carried a prefill chunk beside a decode step), the time of its own forward
+computation, the bytes its KV caches hold, and MLX's memory figures (active, buffer cache,
+peak) with the frames refused for lack of memory (memory_guard.py). Other ranks evaluate each frame apart from its send (which may wait for the next
+rank) and do nothing else meanwhile: their time is their whole computation. Rank
+0 adds no wait: its frames run while its host streams tokens (the batcher's
+lookahead), so it counts from when it sends work of its own (dispatched()) until
+it sees all of it done (its wait before each reply, which would wait for that work
+anyway: computing(drains=True)). That is exact while rank 0 waits for its
+computation; while its host work outlasts it, it counts until the host looks (an
+upper bound). Waits for work not in flight count as they are (the head and
+sampling, one rank's prompt chunks; with --stages N every stage's layers are
+computed within rank 0's waits).
+
+Plain numbers, written by the thread that runs the ring and read by another (a
+scrape on rank 0; on other ranks the watchdog's heartbeat, which carries them to
+rank 0), so the ring never waits for metrics.
 """
 
+import logging
+import time
 from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from ..shard.loader import parameter_bytes
-from ..shard.stage import Stage, flatten
+from ..shard.stage import Stage, flatten, unflatten
 from ..transport import Header, Op, Reply, Transport
 from ..transport.base import LocalRing, PendingFrame
 from . import rank_info
-from .caches import SlotCaches, keeping
-from .memory_guard import MemoryGuard, allocation_failed
-from .rank_stats import RankStats
+from .caches import CACHE_OPS, SlotCaches, hold, keeping, put_back
+from .memory_guard import MemoryGuard, allocation_failed, step_alone
+
+Frame = Tuple[Header, Optional[mx.array]]
+log = logging.getLogger(__name__)
+
+
+class RankStats:
+    """What a rank counts about its own work (see above)."""
+
+    def __init__(self, caches: SlotCaches, guard: Optional[MemoryGuard] = None):
+        self.caches, self.guard = caches, guard
+        self.forward_seconds = 0.0
+        self.forward_frames = 0
+        self.mixed_frames = 0  # of those, decode steps that carried a prefill chunk (Stage.mixed)
+        self._since: Optional[float] = None  # rank 0: since when work of its own is in flight
+
+    def dispatched(self) -> None:
+        """Rank 0 started work of its own without waiting for it."""
+        if self._since is None:
+            self._since = time.perf_counter()
+
+    @contextmanager
+    def computing(self, drains: bool = False):
+        """Time a wait for this rank's own computation; `drains`: all of it in flight."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            if self._since is None:
+                self.forward_seconds += end - start
+            elif drains:
+                self.forward_seconds += end - self._since
+                self._since = None
+
+    def report(self) -> dict:
+        """A snapshot, safe to take from another thread (the slots may change meanwhile)."""
+        slots = list(self.caches.slots.values())
+        entries = list(self.caches.entries.values())
+        return {
+            "forward_seconds": self.forward_seconds,
+            "forward_frames": self.forward_frames,
+            "mixed_frames": self.mixed_frames,
+            "kv_cache_bytes": sum(c.nbytes for caches in slots for c in caches),
+            "prefix_cache_bytes": sum(c.nbytes for caches in entries for c in caches),
+            "active_memory_bytes": mx.get_active_memory(),
+            "cache_memory_bytes": mx.get_cache_memory(),
+            "peak_memory_bytes": mx.get_peak_memory(),
+            "memory_refused_frames": self.guard.refused if self.guard is not None else 0,
+        }
 
 
 class Pipeline:
@@ -142,7 +214,7 @@ class Pipeline:
         """Drop the newest n positions of `slot` (one sequence), on every rank: the drafts
         a verification frame carried that the target rejected (speculation.py).
         `next_length`: the positions of the slot's next frame as rank 0 expects it (0: not
-        known), which the other ranks build ahead on (worker.py); with it the op goes even
+        known), which the other ranks build ahead on (StageWorker.build_ahead); with it the op goes even
         where nothing is dropped."""
         if n > 0:
             self.caches.apply(Op.TRIM, slot, n, ())
@@ -173,7 +245,7 @@ class Pipeline:
         NONE, recv() later returns the reply. `keep`: the positions before it that a
         trim may still take back (a verification frame drafted ahead: caches.keeping).
         `next_length`: the positions of the slot's next frame, where rank 0 expects one
-        (the other ranks build it ahead: worker.py)."""
+        (the other ranks build it ahead: StageWorker.build_ahead)."""
         refused = self.guard.verdict([(tokens.shape[0], tokens.shape[1], slot)], self._itemsize)
         if refused is not None:
             return self._refuse(Header(Op.FORWARD, reply, slot), refused)
@@ -318,11 +390,189 @@ class Pipeline:
             self.transport = None
 
 
+@dataclass
+class Ahead:
+    """A decode step built before its frame came (StageWorker.build_ahead): the frame as a
+    lazy input, the step it was built as, the caches as they were, and the frame to pass on."""
+
+    pending: PendingFrame
+    step: Header
+    held: List[dict]
+    out: Frame
+
+
+class StageWorker:
+    def __init__(self, stage: Stage, rank: int, size: int, wait_wake: Optional[Callable[[int], None]] = None,
+                 memory_limit: Optional[int] = None):
+        self.stage = stage
+        self.rank, self.is_last = rank, rank == size - 1
+        self.wait_wake = wait_wake  # parks this rank off the transport (the watchdog's); None: no parking
+        self.caches = SlotCaches(stage)
+        self.guard = MemoryGuard(stage, self.caches, rank, memory_limit)  # --memory-limit, frame by frame
+        self.stats = RankStats(self.caches, self.guard)  # rank 0 hears it with the watchdog's heartbeats
+        self.parameter_bytes = parameter_bytes(stage)
+        self._last_forward = Header(Op.FORWARD)  # the last FORWARD frame (build_ahead)
+
+    def handle(self, header: Header, payload: Optional[mx.array]) -> Optional[Frame]:
+        """Process one frame; return the frame to pass on, or None to send nothing."""
+        if header.op == Op.FORWARD:
+            return self._forward(header, payload)
+        if header.op in CACHE_OPS:
+            values = [] if payload is None else payload.reshape(-1).tolist()
+            self.caches.apply(header.op, header.slot, header.arg, values)
+            self.guard.settle()
+            # The ring keeps frames in order, so rank 0 needs no acknowledgement.
+            return None if self.is_last else (header, payload)
+        if header.op == Op.INFO:
+            row = rank_info.encode_row(
+                self.rank, self.stage.start, self.stage.end, False, self.parameter_bytes
+            )
+            table = mx.concatenate([payload, row], axis=1)
+            return Header.for_payload(Op.INFO, table), table
+        if header.op == Op.NO_MEMORY:  # a frame a rank before could not run: on to rank 0, as its reply
+            return None if self.is_last and header.reply == Reply.NONE else (header, payload)
+        if header.op == Op.CLEAR:
+            self.caches.clear()
+            self.guard.settle()
+        if header.op in (Op.STOP, Op.PARK, Op.CLEAR):
+            return header, None  # round trips: the last rank passes them back to rank 0
+        raise ValueError(f"rank {self.rank} received unknown op {header.op}")
+
+    def _forward(self, header: Header, h: mx.array) -> Optional[Frame]:
+        self.stats.forward_frames += 1
+        return self._forward_mixed(header, h) if header.mixed else self._forward_plain(header, h)
+
+    def _forward_plain(self, header: Header, h: mx.array) -> Optional[Frame]:
+        refused = self.guard.verdict([(header.batch, header.length, header.slot)], h.dtype.size)
+        if refused is not None:
+            return self.guard.failed(header, refused)
+        caches = self.caches.get(header.slot)
+        with keeping(caches, header.arg):  # a verification frame drafted ahead (speculation.Verifier)
+            h = self.stage(h, caches)
+        if self.is_last:
+            if header.reply in (Reply.NONE, Reply.ACK):
+                self.caches.evaluate(header.slot)
+                return None if header.reply == Reply.NONE else (Header(Op.FORWARD, Reply.ACK, header.slot), None)
+            if header.reply == Reply.LAST:
+                h = h[:, -1:, :]
+        return Header.for_payload(Op.FORWARD, h, reply=header.reply, slot=header.slot, arg=header.arg,
+                                  next_length=header.next_length), h
+
+    def _forward_mixed(self, header: Header, h: mx.array) -> Optional[Frame]:
+        """A decode step and a prefill chunk in one frame (Pipeline.send_mixed)."""
+        self.stats.mixed_frames += 1
+        chunk = (header.chunk_rows, header.chunk_length, header.width)
+        step = (header.length - chunk[0] * chunk[1], 1, header.width)
+        parts = unflatten(h, [step, chunk])
+        if header.chunk_slot in self.guard.doomed:  # the chunk's rows failed here: the step goes on alone
+            return self._forward_plain(step_alone(header, parts[0]), parts[0])
+        refused = self.guard.verdict([(step[0], 1, header.slot), (chunk[0], chunk[1], header.chunk_slot)],
+                                     h.dtype.size)
+        if refused is not None:
+            return self.guard.failed(header, refused)
+        outs = self.stage.mixed([(parts[0], self.caches.get(header.slot)),
+                                 (parts[1], self.caches.get(header.chunk_slot))])
+        if self.is_last:
+            # The step's reply. Evaluating it evaluates the chunk's caches too: each layer's
+            # MLP / MoE ran over both parts, so the chunk's attention is upstream of it.
+            return Header.for_payload(Op.FORWARD, outs[0], reply=header.reply, slot=header.slot), outs[0]
+        payload = flatten(outs)
+        return Header.for_payload(Op.FORWARD, payload, reply=header.reply, slot=header.slot,
+                                  chunk_slot=header.chunk_slot, chunk_rows=header.chunk_rows,
+                                  chunk_length=header.chunk_length), payload
+
+    def build_ahead(self, transport: Transport, frame: Header) -> Optional[Ahead]:
+        """After a decode step (one position per row), the next frame is most likely the same
+        slot's next step; after a step or TRIM that says what the slot's next frame is
+        (speculation.Verifier: a verification frame of that many positions, or a step), that frame: receive it
+        lazily and build its graph now, while the other ranks compute, instead of after it
+        has come. The caches' updates are undone if it is not."""
+        step = self._expected(frame)
+        if step is None:
+            return None
+        shape = step.payload_shape()
+        if self.guard.verdict([(step.batch, step.length, step.slot)], step.payload_dtype().size) is not None:
+            return None  # the frame is checked now: between frames this rank's memory stays as it is
+        pending = transport.recv_ahead(shape, step.payload_dtype())
+        if pending is None:
+            return None
+        caches = self.caches.get(step.slot)
+        held = hold(caches)
+        h = self.stage(pending.payload, caches)
+        return Ahead(pending, step, held, (Header.for_payload(Op.FORWARD, h, reply=step.reply, slot=step.slot), h))
+
+    def _expected(self, frame: Header) -> Optional[Header]:
+        """The frame expected after `frame`, as its header would read (None: not known)."""
+        if frame.op == Op.FORWARD:
+            self._last_forward = frame
+        if frame.op in (Op.FORWARD, Op.TRIM) and frame.next_length > 0 and self._last_forward.slot == frame.slot:
+            n = frame.next_length
+            expected = Header(Op.FORWARD, Reply.LAST if n == 1 else Reply.ALL, frame.slot, 1, n,
+                              self._last_forward.width, self._last_forward.dtype)
+        elif frame.op == Op.FORWARD and frame.length == 1 and not frame.mixed and frame.arg == 0:
+            expected = frame  # the same slot's next step
+        else:
+            return None
+        if expected.slot in self.caches.slots and (expected.reply in (Reply.LAST, Reply.ALL) or not self.is_last):
+            return expected
+        return None
+
+    def take_ahead(self, transport: Transport, ahead: Ahead) -> Tuple[Header, Optional[mx.array], Optional[Frame]]:
+        """The frame received ahead, and what to pass on if it was the step built for it (else
+        None: its caches are as they were, and it is handled as it comes)."""
+        # The step is evaluated with the header, in one wait: were the frame another, its
+        # result is dropped (one position's computation, on the frame's bytes read as a step).
+        with self.stats.computing():
+            header = transport.header_of(ahead.pending, ahead.out[1])
+        step = ahead.step
+        if (header.op, header.reply, header.slot, header.batch, header.length, header.width, header.dtype,
+                header.arg, header.mixed) == (Op.FORWARD, step.reply, step.slot, step.batch, step.length, step.width,
+                                              step.dtype, 0, False):
+            self.stats.forward_frames += 1
+            return header, ahead.pending.payload, (replace(ahead.out[0], next_length=header.next_length), ahead.out[1])
+        put_back(self.caches.get(step.slot), ahead.held)
+        return header, transport.payload_of(ahead.pending, header), None
+
+    def serve(self, transport: Transport) -> None:
+        """Loop until rank 0 sends STOP."""
+        ahead = None
+        while True:
+            if ahead is None:
+                (header, payload), out = transport.recv(), None
+            else:
+                header, payload, out = self.take_ahead(transport, ahead)
+            if header.op == Op.FORWARD:
+                # Evaluated here, not in the send (which may wait for the next rank): the time is
+                # this rank's computation alone.
+                with self.stats.computing():
+                    try:
+                        if out is None:
+                            out = self.handle(header, payload)
+                        if out is not None and out[1] is not None:
+                            mx.eval(out[1])
+                    except Exception as e:  # this frame fails, not the ring (memory_guard.FRAME_ERROR)
+                        if not allocation_failed(e):
+                            log.error("rank %d could not run a frame of slot %d", self.rank, header.slot, exc_info=e)
+                        out = self.guard.mlx_failed(header, e)
+            else:
+                out = self.handle(header, payload)
+            if out is not None:
+                transport.send(*out)
+            ahead = self.build_ahead(transport, header)
+            if header.op == Op.STOP:
+                transport.close()
+                return
+            if header.op == Op.PARK:
+                # Idle ring: block on the control channel, not in a receive that may spin.
+                transport.settle()
+                if self.wait_wake is not None:
+                    self.wait_wake(header.arg)
+
+
+
 def in_process_pipeline(stages: List[Stage], memory_limit: Optional[int] = None) -> "Pipeline":
     """Single-host mode (--stages N): stage 0 here, the others behind an in-process ring.
     `memory_limit`: what MLX holds this process to, which every stage's guard checks."""
-    from .worker import StageWorker
-
     workers = [StageWorker(stage, i + 1, len(stages), memory_limit=memory_limit) for i, stage in enumerate(stages[1:])]
     pipeline = Pipeline(stages[0], LocalRing([w.handle for w in workers]) if workers else None,
                         peer_reports=lambda: {w.rank: w.stats.report() for w in workers}, memory_limit=memory_limit)

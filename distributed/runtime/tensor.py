@@ -27,9 +27,7 @@ from ..transport.broadcast import Broadcast
 from . import rank_info
 from .caches import CACHE_OPS, SlotCaches, keeping
 from .memory_guard import MemoryGuard
-from .pipeline import Pipeline
-from .rank_stats import RankStats
-from .worker import Frame, StageWorker
+from .pipeline import Frame, Pipeline, RankStats, StageWorker
 
 log = logging.getLogger(__name__)
 

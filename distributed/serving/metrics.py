@@ -5,7 +5,7 @@ Each server has a registry of its own, not prometheus-client's global one, so th
 several servers (or tests) in one process do not clash. Requests are counted by the
 front ends as each ends (request_log.py); the ring's state is read at scrape time
 from plain numbers the runtime keeps (the scheduler's queue, the prefix cache's
-counters, each rank's RankStats: runtime/rank_stats.py, the other ranks' as last
+counters, each rank's RankStats: runtime/pipeline.py, the other ranks' as last
 heard with their heartbeats), so a scrape never waits for the ring, nor the ring
 for a scrape, and a scrape still answers while the ring is stuck.
 """
@@ -141,7 +141,7 @@ class _RingCollector:
         families = [
             ("forward_seconds", _counter("rank_forward_seconds", "Seconds of each rank's forward computation (its "
                                          "layers; rank 0 also the embedding, head and sampling, and counted from "
-                                         "sending its work until it sees it done: runtime/rank_stats.py); other "
+                                         "sending its work until it sees it done: runtime/pipeline.py RankStats); other "
                                          "ranks' as of their last heartbeat (about 1 s old at most)", labels=labels)),
             ("forward_frames", _counter("rank_forward_frames", "Forward frames (prompt chunks, decode steps) each "
                                         "rank computed", labels=labels)),

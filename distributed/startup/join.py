@@ -16,8 +16,7 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 
 from .. import TrinityError
-from ..runtime.pipeline import Pipeline, in_process_pipeline
-from ..runtime.worker import StageWorker
+from ..runtime.pipeline import Pipeline, StageWorker, in_process_pipeline
 from ..shard.checkpoint import load_config
 from ..shard.config import model_args
 from ..shard.loader import fetch_stage_files, load_stage

@@ -79,7 +79,7 @@ class Header:
     chunk_rows: int = 0
     chunk_length: int = 0
     # A FORWARD or TRIM: the positions of the slot's next frame as rank 0 expects it, one row
-    # (0: not known); the other ranks build that frame before it comes (runtime/worker.py).
+    # (0: not known); the other ranks build that frame before it comes (StageWorker.build_ahead).
     next_length: int = 0
 
     SIZE = 12

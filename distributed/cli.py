@@ -17,7 +17,7 @@ from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 from . import TrinityError, logs
 from .help_format import HelpFormatter
-from .runtime.prefill import PREFILL_STEP_SIZE
+from .runtime.batching import PREFILL_STEP_SIZE
 from .runtime.request import GenerationRequest, RequestError, TokenEvent
 from .runtime.scheduler import Scheduler
 from .runtime.speculation import DEFAULT_DRAFT_TOKENS

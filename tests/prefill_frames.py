@@ -1,5 +1,6 @@
-"""What the batched-admission tests share (tests/runtime/test_prefill*.py): prompts, a log of
-what rank 0 sends, and ways to admit requests and check them against mlx-lm alone."""
+"""What the batched-admission tests share (tests/runtime/test_batching_admission.py,
+test_memory_guard.py, test_prefix_cache.py): prompts, a log of what rank 0 sends, and ways to
+admit requests and check them against mlx-lm alone."""
 
 import threading
 

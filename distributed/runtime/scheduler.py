@@ -12,10 +12,9 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Iterator, Optional, Union
 
-from .batching import Batcher
+from .batching import PREFILL_STEP_SIZE, Batcher
 from .grammar import Grammars
 from .memory_guard import ChunkBudget, MemoryAdmission, allocation_failed, describe
-from .prefill import PREFILL_STEP_SIZE
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
 from .request import RING_RESET, FinishEvent, GenerationRequest, TokenEvent

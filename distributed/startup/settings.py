@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from .. import TrinityError
-from ..runtime.prefill import PREFILL_STEP_SIZE
+from ..runtime.batching import PREFILL_STEP_SIZE
 from ..runtime.speculation import DEFAULT_DRAFT_TOKENS, SpeculationOptions
 
 

@@ -20,7 +20,7 @@ which bounds thinking and text together: the budget is not enforced apart) or ad
 reasoning as a thinking block (anthropic_reply.py), disabled tells the chat template
 enable_thinking false, and an assistant turn's thinking blocks go back into the prompt
 (reasoning_content). Claude Code's default request works unchanged: what changes nothing here is
-accepted and named in the access log (openai_fields.py's compatibility rule): thinking where the
+accepted and named in the access log (openai_api.py's compatibility rule): thinking where the
 checkpoint does not think (and its thinking blocks, redacted_thinking blocks), output_config.effort,
 metadata, cache_control, inference_geo, service_tier, speed, diagnostics, server tools. Refused by
 name (400): image and document blocks, container, mcp_servers, a last assistant turn (prefill);
@@ -42,7 +42,7 @@ from ..runtime.request import RequestError
 from .anthropic_reply import MessageReply
 from .api_adapter import Adapter
 from .constraints import forced_tools
-from .openai_fields import ApiError, ChatBody, check_fields
+from .openai_api import ApiError, ChatBody, check_fields
 from .requests import chat_ids
 from .tools import NO_THINKING, chat_messages, request_tools
 

@@ -9,7 +9,7 @@ An Adapter is
   body (or a completions one: a body with "prompt" and no "messages"), including
   "stream"; RequestError / ApiError name the API's own fields;
 - `reply(openai_reply, body) -> AdaptedReply`: what the client gets, made from the
-  OpenAI reply (openai_replies.Reply) of its one choice;
+  OpenAI reply (openai_api.Completion) of its one choice;
 - `param(name) -> str`: the API's name for a chat-completions field an error names.
 
 An AdaptedReply has

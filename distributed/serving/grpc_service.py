@@ -47,7 +47,7 @@ from .proto import generation_pb2 as pb
 from .proto import generation_pb2_grpc as pb_grpc
 from .reply_split import ReplySplitter, reply_prompt
 from .request_log import RequestLog, Trace
-from .openai_fields import clamp_max_tokens
+from .openai_api import clamp_max_tokens
 from .requests import ModelInfo, build_request, prompt_ids
 from .tools import NO_THINKING
 from .wire import from_wire

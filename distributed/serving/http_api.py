@@ -3,7 +3,7 @@
 GET /v1/models, POST /v1/completions and POST /v1/chat/completions, streamed
 (server-sent events ending in `data: [DONE]`) or not, shaped as OpenAI's API so
 the `openai` package works unchanged. Which fields are taken, and the requests
-they become, is openai_fields.py's; the JSON that comes back, openai_replies.py's;
+they become, and the JSON that comes back, are openai_api.py's;
 chat messages and tool calls, tools.py's. Errors are OpenAI error bodies: 400 bad
 input or a field that is not implemented (naming it), 401 missing or wrong bearer
 token, 404 a model this server does not serve, 429 queue full, 503 loading or
@@ -41,8 +41,7 @@ from ..runtime.scheduler import QueueFull, RingUnavailable
 from ..shard.memory import MAX_BATCH
 from . import anthropic_api, ollama_api, openapi, pages, responses_api
 from .http_server import BODY_TIMEOUT_S, ClientGone, Exchange, Workers, serve_http
-from .openai_fields import ApiError, param_of, plan
-from .openai_replies import Reply
+from .openai_api import ApiError, Completion, param_of, plan
 from .options import ALLOWED_HOSTS_ENV, ServeOptions, split_address
 from .request_log import RequestLog
 from .status import status_document
@@ -248,7 +247,7 @@ class _Handler:
         try:
             for request in run.requests:  # one per choice
                 handles.append(submit(scheduler, request, run))
-            reply = self._trace.reply = Reply(run, info.model_id, tokenizer)  # its usage: the access log's
+            reply = self._trace.reply = Completion(run, info.model_id, tokenizer)  # its usage: the access log's
             self._stream(handles, reply) if run.stream else self._whole(handles, reply)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}", "rate_limit_exceeded") from None
@@ -270,7 +269,7 @@ class _Handler:
         handle = None
         try:
             handle = submit(scheduler, run.requests[0], run, adapter.param)
-            reply = self._trace.reply = Reply(run, info.model_id, tokenizer)
+            reply = self._trace.reply = Completion(run, info.model_id, tokenizer)
             out, choice = adapter.reply(reply, body), reply.choices[0]
             if not run.stream:
                 choice.opening()

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..runtime.request import RequestError
 from .api_adapter import Adapter, ndjson
-from .openai_fields import ApiError, ChatBody
+from .openai_api import ApiError, ChatBody
 from .tools import NO_THINKING
 
 # Ollama option -> the chat-completions field(s) it becomes (repeat_last_n: llama.cpp's one window for all penalties).

@@ -10,7 +10,7 @@ the instant a client has its answer may not count it yet).
     trinity: request front_end=http route=/v1/completions status=200 outcome=length prompt_tokens=5
         cached_tokens=0 completion_tokens=16 ttft_s=0.041 duration_s=0.210 client=127.0.0.1   (one line)
 
-A request that carried fields accepted with no effect here (openai_fields.py's compatibility
+A request that carried fields accepted with no effect here (openai_api.py's compatibility
 rule: `reasoning.summary`, `context_management`, …) names them at the line's end
 (` ignored=reasoning.summary,include`), and a limit held to what the server allows
 (` clamped=max_tokens`); each is counted by name (trinity_ignored_fields, trinity_clamped_fields).
@@ -245,7 +245,7 @@ class Trace:
         self.first: Optional[float] = None  # when its first token came
         self.finishes: List[FinishEvent] = []
         self.handles = 0  # read so far
-        self.reply = None  # HTTP: the OpenAI reply (openai_replies.Reply), whose usage the client is told
+        self.reply = None  # HTTP: the OpenAI reply (openai_api.Completion), whose usage the client is told
         self.reasoning_tokens = 0  # gRPC with separate_reasoning: of the completion tokens, the reasoning's
         self.ignored: List[str] = []  # client fields accepted with no effect (an HTTP reply's plan has its own)
         self.clamped: List[str] = []  # client limits held to what the server allows

@@ -17,7 +17,7 @@ when the client (Codex, store false) returns the item in `input`; a `reasoning` 
 goes back into the prompt as the next assistant turn's reasoning_content (reply_split.py, tools.py).
 
 Codex CLI's default request works unchanged: what changes nothing here is accepted and named in
-the access log (openai_fields.py's compatibility rule): `reasoning` (effort, summary; effort "none"
+the access log (openai_api.py's compatibility rule): `reasoning` (effort, summary; effort "none"
 turns thinking off where the template can), other `include` values, `client_metadata`, `metadata`,
 `user`, `safety_identifier`, `prompt_cache_key`, `store` (nothing is stored), `service_tier`,
 `truncation` "auto", `text.verbosity`, hosted tools. Stateless: `previous_response_id`,
@@ -33,7 +33,7 @@ from ..runtime.request import RequestError
 from . import sealed
 from .api_adapter import Adapter, sse
 from .constraints import LARK_KEY, custom_grammar
-from .openai_fields import ChatBody
+from .openai_api import ChatBody
 
 HINTS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "client_metadata", "prompt_cache_retention")
 FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",

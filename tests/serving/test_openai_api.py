@@ -1,4 +1,4 @@
-"""The OpenAI fields of the HTTP API (openai_fields.py, openai_replies.py) with the `openai`
+"""The OpenAI fields of the HTTP API (openai_api.py) with the `openai`
 package against a real front end over an in-process 2-stage pipeline: echo and prompt
 logprobs as lm-evaluation-harness's `local-completions` asks for them, top logprobs,
 penalties and logit_bias, n and several prompts, and every refused field. Values are
@@ -20,7 +20,7 @@ from conftest import ROOT, free_port_range
 from distributed.runtime.scheduler import Scheduler
 from distributed.runtime.speculation import PromptLookupDrafter
 from distributed.serving.http_api import start_http_server
-from distributed.serving.openai_fields import NEUTRAL, REFUSED, fields
+from distributed.serving.openai_api import NEUTRAL, REFUSED, fields
 from distributed.serving.options import ServeOptions
 from distributed.serving.requests import ModelInfo
 from distributed.shard.config import read_config

@@ -1,5 +1,6 @@
-"""Which OpenAI request fields the HTTP API takes, and turning a request body into
-the generation requests of its choices.
+"""OpenAI's completions and chat completions: which request fields the HTTP API takes, turning a
+request body into the generation requests of its choices (a CompletionPlan), and the JSON an
+OpenAI client gets back (a Completion).
 
 Every field is implemented, accepted only with the value that changes nothing
 here (NEUTRAL), refused by name (REFUSED), or accepted as a hint with no effect
@@ -12,14 +13,30 @@ named in the access log (`ignored=…`, and the metric trinity_ignored_fields); 
 (max_tokens beyond the context or the cap) is clamped (`clamped=…`), the finish reason
 telling when the clamp ended the reply; only a field whose loss would change the reply's
 meaning and that cannot be honoured is refused by name.
+
+The reply, whole or as stream chunks, is built from the scheduler's events, one Choice per
+generation.
+
+Logprobs follow OpenAI's two formats: completions' (`tokens`, `token_logprobs`,
+`top_logprobs` as {token: logprob} holding the top N and the chosen token,
+`text_offset`; with `echo`, the prompt's tokens come first and the first one has
+null logprobs, as OpenAI and vLLM answer) and chat's (`content`: a list of
+{token, logprob, bytes, top_logprobs}).
+
+Chat replies are split by ReplySplitter: where the checkpoint thinks, the reasoning
+comes in `reasoning_content` (the message's, and streamed deltas', as vLLM and
+DeepSeek send it) and usage counts its tokens (`completion_tokens_details`).
 """
 
 import json
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ..runtime.request import MAX_TOP_LOGPROBS, GenerationRequest, RequestError
+from ..runtime.request import MAX_TOP_LOGPROBS, GenerationRequest, PromptEvent, RequestError, TokenEvent
 from .constraints import forced_tools, response_grammar, strict_calls_grammar, tool_call_grammar
+from .reply_split import ReplySplitter, reply_prompt
 from .requests import ModelInfo, build_request, chat_ids, prompt_ids
 from .tools import chat_messages, request_tools
 
@@ -136,7 +153,7 @@ def check_fields(body: dict, endpoint: str, info: ModelInfo) -> List[str]:
 
 
 @dataclass
-class Plan:
+class CompletionPlan:
     """What a request runs (one GenerationRequest per choice) and how its reply looks."""
 
     chat: bool
@@ -241,7 +258,7 @@ def template_kwargs(body: dict) -> dict:
     return kwargs
 
 
-def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
+def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> CompletionPlan:
     """The choices to run for `body`; RequestError names a bad field (HTTP 400)."""
     ignored = list(getattr(body, "ignored", ())) + check_fields(body, "chat" if chat else "completions", info)
     n = get(body, "n", (int,), 1)
@@ -266,7 +283,7 @@ def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> Plan:
     else:
         prompts = _completion_prompts(body, tokenizer)
         max_name, echo = "max_tokens", get(body, "echo", (bool,), False)
-    out = Plan(chat, [], [], stream=stream, include_usage=bool((options or {}).get("include_usage")),
+    out = CompletionPlan(chat, [], [], stream=stream, include_usage=bool((options or {}).get("include_usage")),
                logprobs=logprobs, tools=tools, constrained_by=constrained_by, ignored=ignored,
                lazy=constrained_by == "tools")
     for k, (ids, text) in enumerate(prompts):
@@ -291,3 +308,170 @@ def param_of(error: RequestError, body: dict, chat: bool) -> str:
     renamed = {"max_tokens": max_name, "token_ids": "messages" if chat else "prompt", "prompt": "messages" if chat else "prompt",
                "top_logprobs": "top_logprobs" if chat else "logprobs"}
     return renamed.get(error.field, error.field)
+
+
+class TokenLogprob:
+    """One token's logprobs: its id, logprob (None: the first prompt token), alternatives, text offset."""
+
+    __slots__ = ("token_id", "logprob", "top", "offset")
+
+    def __init__(self, token_id: int, logprob: Optional[float], top, offset: int):
+        self.token_id, self.logprob, self.top, self.offset = token_id, logprob, top, offset
+
+
+class Choice:
+    """One generation's state as its events arrive; each step returns stream chunks."""
+
+    def __init__(self, reply: "Completion", index: int, echo: Optional[str], scored: bool):
+        self.reply, self.index, self.echo = reply, index, echo
+        request = reply.plan.requests[index]
+        prompt = request.prompt_ids if reply.plan.lazy else reply_prompt(request)  # a lazy grammar binds later
+        # chat: the reply split into reasoning, content and tool calls (completions are text as it comes)
+        self.split = ReplySplitter(reply.tokenizer, reply.plan.tools, prompt) if reply.plan.chat else None
+        self.echo_waits = echo is not None and scored  # the echo goes out with the prompt's logprobs
+        self.text, self.reasoning, self.entries, self.calls = [], [], [], []
+        self.reasoning_tokens = 0  # tokens generated while the reply was reasoning (their </think> too)
+        self.offset = 0  # text_offset of the next entry
+        self.finish = self.error = self.stop_sequence = None
+        self.usage = (0, 0, 0)  # prompt, completion and cached tokens
+
+    def opening(self) -> List[dict]:
+        """Chunks before any event: chat's role, or the echoed prompt."""
+        if self.reply.plan.chat:
+            return [self._chunk({"delta": {"role": "assistant", "content": ""}})]
+        if self.echo is not None and not self.echo_waits:
+            return self._text(self.echo, [])
+        return []
+
+    def add(self, event) -> List[dict]:
+        """Take one event; returns the chunks it makes."""
+        logprobs = self.reply.plan.logprobs is not None
+        if isinstance(event, PromptEvent):
+            entries = [self._entry(*e) for e in zip(event.token_ids, event.logprobs, event.top_logprobs)] \
+                if logprobs and self.echo is not None else []
+            return self._text(self.echo or "", entries) if self.echo_waits else []
+        if isinstance(event, TokenEvent):
+            entries = [self._entry(event.token_id, event.logprob, event.top_logprobs or [])] if logprobs else []
+            self.reasoning_tokens += self.split is not None and self.split.state == "reasoning"
+            return self._text(event.text, entries)
+        self.error = event.error if event.finish_reason == "error" else None
+        self.stop_sequence = event.stop_sequence  # the Messages API names it
+        self.usage = (event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+        chunks = self._text(event.text, [])
+        reasoning, tail, calls = self.split.finish() if self.split else ("", "", [])
+        self.finish = "length" if event.finish_reason == "length" else "stop"  # "cancelled": nobody listens
+        if self.calls or calls:
+            self.finish = "tool_calls" if self.finish == "stop" else self.finish
+        return chunks + self._content(tail, calls, [], self.finish, reasoning)
+
+    def _entry(self, token_id: int, logprob: Optional[float], top) -> TokenLogprob:
+        """Offsets add up the tokens' own texts, from the choice's start (as vLLM counts them)."""
+        entry = TokenLogprob(token_id, logprob, top, self.offset)
+        self.offset += len(self.reply.token(token_id))
+        return entry
+
+    def _text(self, text: str, entries: List[TokenLogprob]) -> List[dict]:
+        calls, reasoning = [], ""
+        if self.split is not None:
+            reasoning, text, calls = self.split.feed(text)
+        return self._content(text, calls, entries, None, reasoning)
+
+    def _content(self, text: str, calls: List[dict], entries: List[TokenLogprob], finish, reasoning: str = "") -> List[dict]:
+        self.text.append(text)
+        self.reasoning.append(reasoning)
+        self.entries += entries
+        self.calls += calls
+        if not (text or calls or entries or finish or reasoning):
+            return []
+        if not self.reply.plan.chat:
+            return [self._chunk({"text": text}, entries, finish)]
+        delta = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": text} if text else {}),
+                 **({"tool_calls": calls} if calls else {})}
+        return [self._chunk({"delta": delta}, entries, finish)]
+
+    def _chunk(self, part: dict, entries=(), finish=None) -> dict:
+        """One stream chunk: `part` is the choice's text (completions) or delta (chat)."""
+        choice = {"index": self.index, **part, "logprobs": self.reply.logprobs(entries) if entries else None,
+                  "finish_reason": finish}
+        return self.reply.frame("chat.completion.chunk" if self.reply.plan.chat else "text_completion", [choice])
+
+    def whole(self) -> dict:
+        text = "".join(self.text)
+        out = {"index": self.index}
+        if self.reply.plan.chat:
+            calls = [{k: v for k, v in c.items() if k != "index"} for c in self.calls]
+            reasoning = "".join(self.reasoning)
+            out["message"] = {"role": "assistant", "content": text if text or not calls else None,
+                              **({"tool_calls": calls} if calls else {}), "refusal": None,
+                              **({"reasoning_content": reasoning or None} if self.split.thinks else {})}
+        else:
+            out["text"] = text
+        return {**out, "logprobs": self.reply.logprobs(self.entries), "finish_reason": self.finish}
+
+
+class Completion:
+    """A completion's choices and the frames around them."""
+
+    def __init__(self, plan: CompletionPlan, model: str, tokenizer):
+        self.plan, self.model, self.tokenizer = plan, model, tokenizer
+        self.id = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self._tokens = {}
+        self.choices = [Choice(self, i, echo, r.prompt_logprobs)
+                        for i, (echo, r) in enumerate(zip(plan.echo or [None] * len(plan.requests), plan.requests))]
+
+    @property
+    def error(self) -> Optional[str]:
+        return next((c.error for c in self.choices if c.error), None)
+
+    def frame(self, kind: str, choices: List[dict]) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def usage(self) -> dict:
+        firsts = {}  # a prompt counts once, however many choices it has
+        for prompt, choice in zip(self.plan.prompts, self.choices):
+            firsts.setdefault(prompt, choice)
+        prompt = sum(c.usage[0] for c in firsts.values())
+        completion = sum(c.usage[1] for c in self.choices)
+        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               "prompt_tokens_details": {"cached_tokens": sum(c.usage[2] for c in firsts.values())}}
+        if self.plan.chat and self.tokenizer.has_thinking:  # OpenAI's reasoning models count them so
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in self.choices)}
+        return out
+
+    def whole(self) -> dict:
+        kind = "chat.completion" if self.plan.chat else "text_completion"
+        return {**self.frame(kind, [c.whole() for c in self.choices]), "usage": self.usage()}
+
+    def usage_chunk(self) -> dict:
+        kind = "chat.completion.chunk" if self.plan.chat else "text_completion"
+        return {**self.frame(kind, []), "usage": self.usage()}
+
+    def token(self, token_id: int) -> str:
+        """A token's own text (cached: each reply decodes the same few ids again and again)."""
+        text = self._tokens.get(token_id)
+        if text is None:
+            text = self._tokens[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def logprobs(self, entries) -> Optional[dict]:
+        if self.plan.logprobs is None:
+            return None
+        if self.plan.chat:
+            def item(token_id, logprob):
+                token = self.token(token_id)
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top or []]}
+                                for e in entries], "refusal": None}
+        tokens = [self.token(e.token_id) for e in entries]
+        tops = []
+        for token, e in zip(tokens, entries):
+            if e.top is None:
+                tops.append(None)  # the first prompt token
+            else:
+                top = {self.token(i): v for i, v in e.top}
+                top.setdefault(token, e.logprob)  # OpenAI: the chosen token is always there
+                tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+                "text_offset": [e.offset for e in entries]}

@@ -17,7 +17,7 @@ to the turns before templating: clear_thinking_*, clear_tool_uses_*), max_tokens
 cap and the context's room, never refused: stop_reason max_tokens tells). thinking: where the
 checkpoint thinks (think tokens), enabled (budget_tokens at least 1024 and below max_tokens,
 which bounds thinking and text together: the budget is not enforced apart) or adaptive return the
-reasoning as a thinking block (anthropic_reply.py), disabled tells the chat template
+reasoning as a thinking block (MessageReply), disabled tells the chat template
 enable_thinking false, and an assistant turn's thinking blocks go back into the prompt
 (reasoning_content). Claude Code's default request works unchanged: what changes nothing here is
 accepted and named in the access log (openai_api.py's compatibility rule): thinking where the
@@ -31,6 +31,11 @@ those the prefix cache restored (their sum is the prompt, count_tokens' input_to
 cache_creation_input_tokens 0 (entries are stored without being asked for). Errors are
 Anthropic's {"type": "error", "error": {"type", "message"}}, with the status the server
 gives (503 while loading or the ring is down: overloaded_error, not Anthropic's 529).
+
+What a client gets back (MessageReply): the Message, or its server-sent events, made from
+the OpenAI reply of its one choice. Where the checkpoint
+thinks (think tokens), the reasoning comes first as a `thinking` block (streamed as
+thinking_delta; its `signature` is empty: nothing here signs or checks one).
 """
 
 import json
@@ -39,8 +44,7 @@ import weakref
 from jinja2 import TemplateError
 
 from ..runtime.request import RequestError
-from .anthropic_reply import MessageReply
-from .api_adapter import Adapter
+from .api_adapter import Adapter, sse
 from .constraints import forced_tools
 from .openai_api import ApiError, ChatBody, check_fields
 from .requests import chat_ids
@@ -439,6 +443,110 @@ def count_tokens(body: dict, scheduler, tokenizer, info):
         name = param(e.field)
         raise ApiError(400, f"{name}: {str(e).split(': ', 1)[1]}", param=name) from None
     return 200, {"input_tokens": len(ids)}
+
+
+def _usage(usage: dict) -> dict:
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def _tool_use(call: dict) -> dict:
+    arguments = call["function"]["arguments"]
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
+            "input": json.loads(arguments) if arguments else {}}
+
+
+def _thinking_block(text: str) -> dict:
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+class MessageReply:
+    """The Message (or its events) made from the OpenAI reply of its one choice."""
+
+    content_type = "text/event-stream"
+
+    def __init__(self, reply, body: dict):
+        self.reply = reply
+        self.id = "msg_" + reply.id.split("-", 1)[1]
+        self.blocks = 0  # blocks started
+        self.open = None  # the type of the last one while it is not stopped
+
+    def _message(self, content: list, stop_reason, stop_sequence, usage: dict) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.reply.model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+
+    def _stop_reason(self, finish: str):
+        """(stop_reason, stop_sequence) of an OpenAI finish reason."""
+        if finish == "tool_calls":
+            return "tool_use", None
+        if finish == "length":
+            return "max_tokens", None
+        hit = self.reply.choices[0].stop_sequence  # the runtime names the stop string that ended it
+        return ("stop_sequence", hit) if hit else ("end_turn", None)
+
+    def whole(self, openai_whole: dict) -> dict:
+        choice = openai_whole["choices"][0]
+        message = choice["message"]
+        content = [_thinking_block(message["reasoning_content"])] if message.get("reasoning_content") else []
+        content += [{"type": "text", "text": message["content"]}] if message["content"] else []
+        content += [_tool_use(call) for call in message.get("tool_calls") or []]
+        return self._message(content, *self._stop_reason(choice["finish_reason"]), _usage(openai_whole["usage"]))
+
+    def _start(self, block: dict) -> list:
+        frames = self._stop()
+        frames.append(sse("content_block_start", {"type": "content_block_start", "index": self.blocks,
+                                                  "content_block": block}))
+        self.blocks, self.open = self.blocks + 1, block["type"]
+        return frames
+
+    def _delta(self, delta: dict) -> bytes:
+        return sse("content_block_delta", {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta})
+
+    def _stop(self) -> list:
+        if not self.open:
+            return []
+        self.open = None
+        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
+
+    def opening(self, chunks) -> list:
+        """message_start (the prompt's tokens; what the cache restored comes in message_delta) and a ping."""
+        usage = {"input_tokens": len(self.reply.plan.requests[0].prompt_ids), "output_tokens": 0,
+                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        return [sse("message_start", {"type": "message_start", "message": self._message([], None, None, usage)}),
+                sse("ping", {"type": "ping"})]
+
+    def add(self, chunks) -> list:
+        frames = []
+        for chunk in chunks:
+            delta = chunk["choices"][0]["delta"]
+            if delta.get("reasoning_content"):
+                if self.open != "thinking":
+                    frames += self._start(_thinking_block(""))
+                frames.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
+            if delta.get("content"):
+                if self.open != "text":
+                    frames += self._start({"type": "text", "text": ""})
+                frames.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+            for call in delta.get("tool_calls") or []:  # each call comes whole
+                block = _tool_use(call)
+                frames += self._start({**block, "input": {}})
+                frames.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
+                frames += self._stop()
+        return frames
+
+    def closing(self) -> list:
+        choice = self.reply.choices[0]
+        stop_reason, stop_sequence = self._stop_reason(choice.finish)
+        return self._stop() + [
+            sse("message_delta", {"type": "message_delta",
+                                  "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                  "usage": _usage(self.reply.usage())}),
+            sse("message_stop", {"type": "message_stop"})]
+
+    def failure(self, error_body: dict) -> bytes:
+        return sse("error", error_body)
+
 
 
 def error_body(e: ApiError) -> dict:

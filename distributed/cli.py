@@ -25,7 +25,7 @@ from .serving.front_ends import start_front_ends
 from .serving.metrics import Metrics
 from .serving.options import ALLOWED_HOSTS_ENV, AUTH_TOKEN_ENV, ServeOptions, check_options, split_hosts
 from .serving.request_log import RequestLog
-from .serving.requests import ModelInfo, prompt_ids
+from .serving.chat_format import ModelInfo, prompt_ids
 from .shard.config import model_args
 from .shard.memory import DEFAULT_CONTEXT, MAX_BATCH, parse_memory_limit
 from .startup.join import Loaded, build_pipeline, join_ranks

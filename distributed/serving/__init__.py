@@ -4,5 +4,5 @@
 `grpc_service` (trinity.v1.Generation, health, reflection; messages in `proto/`)
 and `http_api` (OpenAI-compatible: `openai_api` which fields, into which requests, and the
 JSON back; `tools` chat messages and tool calls). Both turn a client's input into a validated
-request with `requests`. `client` is the command-line gRPC client.
+request with `chat_format`. `client` is the command-line gRPC client.
 """

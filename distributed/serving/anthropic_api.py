@@ -45,9 +45,9 @@ from jinja2 import TemplateError
 
 from ..runtime.request import RequestError
 from .api_adapter import Adapter, sse
+from .chat_format import chat_ids
 from .constraints import forced_tools
 from .openai_api import ApiError, ChatBody, check_fields
-from .requests import chat_ids
 from .tools import NO_THINKING, chat_messages, request_tools
 
 PROMPT = ("model", "messages", "system", "tools", "tool_choice", "output_config", "thinking", "context_management")

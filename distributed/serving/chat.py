@@ -8,7 +8,7 @@ runs on a thread of its own, as the network front ends do, while the scheduler
 runs on the main thread (parking the other ranks between turns).
 
 Where the checkpoint thinks (think tokens), each reply is split as the servers split it
-(reply_split.py): the reasoning streams to stderr after "thinking: ", apart from the answer
+(chat_format.py): the reasoning streams to stderr after "thinking: ", apart from the answer
 on stdout, and stays in the history (the assistant turn's reasoning_content, which the chat
 template renders as it renders an API client's).
 """
@@ -23,8 +23,7 @@ from typing import Callable, List, Optional, TextIO
 from .. import TrinityError
 from ..runtime.request import GenerationRequest, RequestError, TokenEvent
 from ..runtime.scheduler import Scheduler
-from .reply_split import ReplySplitter
-from .requests import prompt_ids
+from .chat_format import ReplySplitter, prompt_ids
 
 PROMPT = ">>> "
 COMMANDS = {

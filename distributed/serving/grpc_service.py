@@ -21,7 +21,7 @@ Each Generate call is logged and counted as it ends (request_log.py), calls the
 token check refuses excepted (they never reach it).
 
 Reasoning (think tokens): `separate_reasoning` splits each response's text into the answer
-(`text`) and the reasoning (`reasoning_text`) with reply_split.py; messages' reasoning_content
+(`text`) and the reasoning (`reasoning_text`) with chat_format.py; messages' reasoning_content
 goes to the chat template. Unset, `text` stays all that was generated (the launcher's router
 forwards it so and splits it in its own front ends).
 """
@@ -42,13 +42,12 @@ from .. import TrinityError
 from ..runtime.request import FinishEvent, GenerationRequest, PromptEvent, RequestError, failure_kind
 from ..runtime.scheduler import QueueFull, RingUnavailable
 from ..shard.memory import MAX_BATCH
+from .chat_format import ModelInfo, ReplySplitter, build_request, prompt_ids, reply_prompt
 from .options import ServeOptions, split_address
 from .proto import generation_pb2 as pb
 from .proto import generation_pb2_grpc as pb_grpc
-from .reply_split import ReplySplitter, reply_prompt
 from .request_log import RequestLog, Trace
 from .openai_api import clamp_max_tokens
-from .requests import ModelInfo, build_request, prompt_ids
 from .tools import NO_THINKING
 from .wire import from_wire
 

@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..runtime.request import MAX_TOP_LOGPROBS, GenerationRequest, PromptEvent, RequestError, TokenEvent
+from .chat_format import ModelInfo, ReplySplitter, build_request, chat_ids, prompt_ids, reply_prompt
 from .constraints import forced_tools, response_grammar, strict_calls_grammar, tool_call_grammar
-from .reply_split import ReplySplitter, reply_prompt
-from .requests import ModelInfo, build_request, chat_ids, prompt_ids
 from .tools import chat_messages, request_tools
 
 

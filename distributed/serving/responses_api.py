@@ -14,7 +14,7 @@ decoding), `stream` with the Responses event sequence, `usage`. Where the checkp
 streamed as response.reasoning_text.delta events) and usage counts its tokens; with
 include ["reasoning.encrypted_content"] the item carries its text sealed (sealed.py), read back
 when the client (Codex, store false) returns the item in `input`; a `reasoning` item in `input`
-goes back into the prompt as the next assistant turn's reasoning_content (reply_split.py, tools.py).
+goes back into the prompt as the next assistant turn's reasoning_content (chat_format.py, tools.py).
 
 Codex CLI's default request works unchanged: what changes nothing here is accepted and named in
 the access log (openai_api.py's compatibility rule): `reasoning` (effort, summary; effort "none"

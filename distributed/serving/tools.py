@@ -6,14 +6,14 @@ arguments as objects, as mlx-lm's server passes them), and `tools` reach the
 template. An assistant message's `reasoning_content` (what an earlier reply's
 reasoning was) goes to the template under that name, which Qwen3- and
 Trinity-Thinking-style templates render inside <think>...</think>; a checkpoint
-without think tokens refuses it. Replies are split by reply_split.py.
+without think tokens refuses it. Replies are split by chat_format.py.
 """
 
 import json
 from typing import List, Optional
 
 from ..runtime.request import RequestError
-from .requests import check_role
+from .chat_format import check_role
 
 NO_TOOLS = "this model's chat template has no tool support"
 # Message keys that must be absent or empty: OpenAI sends them back with earlier replies.

@@ -27,7 +27,7 @@ import grpc
 from distributed.serving.front_ends import start_front_ends
 from distributed.serving.metrics import Metrics
 from distributed.serving.request_log import RequestLog
-from distributed.serving.requests import ModelInfo
+from distributed.serving.chat_format import ModelInfo
 
 from ..hostfile import Hostfile
 from .command import RouterPlan, serve_on_first_host

@@ -17,7 +17,7 @@ from agent_ring import TOOLS, access_line, access_lines, start_agent_ring
 from distributed.runtime.scheduler import Scheduler
 from distributed.serving.http_api import start_http_server
 from distributed.serving.options import ServeOptions
-from distributed.serving.requests import ModelInfo
+from distributed.serving.chat_format import ModelInfo
 from distributed.shard.config import read_config
 from stages import in_process_pipeline
 from tool_checkpoint import ADDED, CALL

@@ -22,7 +22,7 @@ from distributed.runtime.request import FinishEvent
 from distributed.runtime.scheduler import RequestHandle, RingUnavailable, Scheduler
 from distributed.serving.http_api import start_http_server
 from distributed.serving.options import ServeOptions
-from distributed.serving.requests import ModelInfo
+from distributed.serving.chat_format import ModelInfo
 from distributed.shard.config import read_config
 from reference import PROMPT
 from stages import in_process_pipeline

@@ -18,7 +18,7 @@ from distributed.runtime.scheduler import Scheduler
 from distributed.serving import http_api, http_server, openapi
 from distributed.serving.http_api import ADAPTERS, MAX_BODY, MAX_DEPTH, ROUTES, start_http_server, text_bound
 from distributed.serving.options import ServeOptions
-from distributed.serving.requests import ModelInfo
+from distributed.serving.chat_format import ModelInfo
 from distributed.shard.config import read_config
 from reference import PROMPT
 from stages import in_process_pipeline

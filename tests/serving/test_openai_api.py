@@ -22,7 +22,7 @@ from distributed.runtime.speculation import PromptLookupDrafter
 from distributed.serving.http_api import start_http_server
 from distributed.serving.openai_api import NEUTRAL, REFUSED, fields
 from distributed.serving.options import ServeOptions
-from distributed.serving.requests import ModelInfo
+from distributed.serving.chat_format import ModelInfo
 from distributed.shard.config import read_config
 from grpc_server import Server
 from reference import PROMPT, mlx_lm_greedy, mlx_lm_logprobs

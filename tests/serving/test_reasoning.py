@@ -1,7 +1,7 @@
 """Reasoning (think tokens) through every API, streamed and not, with each ecosystem's own
 client: a real HTTP front end over an in-process 2-stage pipeline of the thinking tiny
 checkpoint (tests/tool_checkpoint.py: its generation prompt opens a <think>, its greedy
-answer is REASONING, </think>, ANSWER). The reply is split by reply_split.py; what a
+answer is REASONING, </think>, ANSWER). The reply is split by chat_format.py's ReplySplitter; what a
 client sends back goes into the prompt where the template renders it (<think>…</think>)."""
 
 import json
@@ -24,9 +24,8 @@ from distributed.serving.http_api import start_http_server
 from distributed.serving.options import ServeOptions
 from distributed.serving.proto import generation_pb2 as pb
 from distributed.serving.proto import generation_pb2_grpc as pb_grpc
-from distributed.serving.reply_split import ReplySplitter
 from distributed.serving.request_log import RequestLog
-from distributed.serving.requests import ModelInfo
+from distributed.serving.chat_format import ModelInfo, ReplySplitter
 from distributed.shard.config import read_config
 from stages import in_process_pipeline
 from tool_checkpoint import ANSWER, REASONING, make_think_checkpoint

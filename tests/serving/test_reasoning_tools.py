@@ -15,7 +15,7 @@ from mlx_lm.utils import load_tokenizer
 from distributed.runtime.scheduler import Scheduler
 from distributed.serving.http_api import start_http_server
 from distributed.serving.options import ServeOptions
-from distributed.serving.requests import ModelInfo
+from distributed.serving.chat_format import ModelInfo
 from distributed.shard.config import read_config
 from stages import in_process_pipeline
 from tool_checkpoint import CALL, FORMS, REASONING, make_think_checkpoint

@@ -1,5 +1,5 @@
 """Tool calling over the OpenAI chat API (serving/tools.py, the calls split out by
-reply_split.py) with the `openai` package: a real front end over an in-process 2-stage
+chat_format.py) with the `openai` package: a real front end over an in-process 2-stage
 pipeline of a checkpoint whose chat template takes tools and whose weights always answer
 with one call (tests/tool_checkpoint.py), in both of the forms mlx-lm parses: json_tools'
 and qwen3_coder's."""
@@ -15,8 +15,7 @@ from distributed.runtime.request import RequestError
 from distributed.runtime.scheduler import Scheduler
 from distributed.serving.http_api import start_http_server
 from distributed.serving.options import ServeOptions
-from distributed.serving.requests import ModelInfo
-from distributed.serving.reply_split import ReplySplitter
+from distributed.serving.chat_format import ModelInfo, ReplySplitter
 from distributed.serving.tools import chat_messages
 from distributed.shard.config import read_config
 from stages import in_process_pipeline

@@ -1,4 +1,4 @@
-"""reply_split.py on text: reasoning, content and tool calls split as they stream, markers
+"""chat_format.py's ReplySplitter on text: reasoning, content and tool calls split as they stream, markers
 cut between pieces, the reasoning state begun by the prompt's open think or by a generated
 one, with the thinking tiny checkpoint's tokenizer (tests/tool_checkpoint.py) and, for calls
 after reasoning, that tokenizer wrapped by mlx-lm's TokenizerWrapper with each tool parser."""
@@ -11,7 +11,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
 from distributed.runtime.request import GenerationRequest
-from distributed.serving.reply_split import ReplySplitter, prompt_opens_reasoning, reply_prompt
+from distributed.serving.chat_format import ReplySplitter, prompt_opens_reasoning, reply_prompt
 from tool_checkpoint import make_think_checkpoint, make_tool_checkpoint
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",

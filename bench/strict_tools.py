@@ -1,14 +1,18 @@
 """Strict tool arguments under tool_choice "auto": what the lazy grammar costs a batch.
 
-One server (run_trinity.py --serve … --http …, a ring of --ranks processes) of --model: by default the
-tests' tool checkpoint (tests/tool_checkpoint.py: its weights answer with a get_weather call, in the
-json_tools form whose call markers are added tokens, so a strict tool's lazy grammar is built; the
-embedded model's markers are not, and strict changes nothing there). Rounds alternate between
+One server (run_trinity.py --serve … --http …, a ring of --ranks processes) of --model: by default a
+checkpoint whose greedy reply is get_weather calls one after the other until max_tokens (a bigram
+chain, tests/tool_checkpoint.py: the json_tools form, whose call markers are added tokens, so a strict
+tool's lazy grammar is built; each call 8 tokens, its JSON cut as the grammar allows it, so the
+grammar changes no token). Rounds alternate between
   loose   n concurrent chat completions with one tool (strict: false), tool_choice "auto"
   strict  the same n with the tool strict: true (its arguments held to the schema once the model
-          opens a call: a grammar that allows free text until the tool-call token)
+          opens a call: a grammar that allows free text until the tool-call token, then the call)
 and aggregate tok/s = completion tokens / (last reply - first request sent), median of --reps rounds
-each, and strict / loose. Both send the same prompt (the tool in the template), greedy.
+each, and strict / loose (and the median of each strict round over the loose one before it, which
+shares more of what a busy machine does meanwhile). Like for like: the same prompts, greedy, every
+reply max_tokens long and made of tool calls in both (the run says if not). (The embedded model's
+markers are no added tokens: strict changes nothing there.)
 """
 
 import json
@@ -27,20 +31,27 @@ TOOL = {"type": "function", "function": {
                    "additionalProperties": False}}}
 
 
+# One call, cut into added tokens where the grammar would have it cut: where it forces text
+# ({"city": "), llguidance allows the tokens that text is tokenized into.
+CALL = ['{"name": "get_weather", "arguments": ', '{"city": "', "Par", "is", '"}}']
+
+
 def add_arguments(p) -> None:
-    flags(p, smoke=False, out=None, ranks=[2], streams=[8], max_tokens=64, reps=3, timeout=600.0,
+    flags(p, smoke=False, out=None, ranks=[2], streams=[8], max_tokens=128, reps=3, timeout=600.0,
           model="tools")
 
 
 def tool_checkpoint() -> Path:
+    """A checkpoint whose greedy reply is "<tool_call>" CALL "</tool_call>\\n", again and again."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from tool_checkpoint import make_tool_checkpoint
+    from tool_checkpoint import TOOL_TEMPLATE, _chain_checkpoint
 
-    return make_tool_checkpoint(Path(tempfile.mkdtemp(prefix="strict-tools-")))
+    links = ["\n", "<tool_call>", *CALL, "</tool_call>", "\n"]  # the prompt ends in "\n": a call, "\n", a call…
+    return _chain_checkpoint(Path(tempfile.mkdtemp(prefix="strict-tools-")), links[1:-1], TOOL_TEMPLATE, links)
 
 
 def chat(address: str, i: int, strict: bool, max_tokens: int) -> tuple:
-    """One chat completion: (sent, done, completion tokens)."""
+    """One chat completion: (sent, done, completion tokens, tool calls)."""
     tool = {**TOOL, "function": {**TOOL["function"], "strict": strict}}
     body = {"messages": [{"role": "user", "content": f"Stream {i}: find the word list."}],
             "tools": [tool], "tool_choice": "auto", "temperature": 0, "max_tokens": max_tokens}
@@ -48,17 +59,19 @@ def chat(address: str, i: int, strict: bool, max_tokens: int) -> tuple:
                                      {"Content-Type": "application/json"})
     sent = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as reply:
-        return sent, time.perf_counter(), json.loads(reply.read())["usage"]["completion_tokens"]
+        answer = json.loads(reply.read())
+    calls = answer["choices"][0]["message"].get("tool_calls") or []
+    return sent, time.perf_counter(), answer["usage"]["completion_tokens"], len(calls)
 
 
 def round_of(address: str, n: int, strict: bool, max_tokens: int) -> tuple:
-    """(aggregate tok/s, tokens) of n chats released together."""
+    """(aggregate tok/s, tokens, tool calls) of n chats released together."""
     runs = concurrent([lambda i=i: chat(address, i, strict, max_tokens) for i in range(n)])
     failed = [r["error"] for r in runs if isinstance(r, dict)]
     if failed:
         raise RuntimeError(failed[0])
     tokens = sum(r[2] for r in runs)
-    return tokens / (max(r[1] for r in runs) - min(r[0] for r in runs)), tokens
+    return tokens / (max(r[1] for r in runs) - min(r[0] for r in runs)), tokens, sum(r[3] for r in runs)
 
 
 def wait_http(server: Server, timeout: float = 60) -> None:
@@ -84,12 +97,15 @@ def measure(server: Server, streams: int, args) -> dict:
         for name in rounds:
             rounds[name].append(round_of(server.http, streams, name == "strict", args.max_tokens))
     loose, strict = (statistics.median(r[0] for r in rounds[k]) for k in ("loose", "strict"))
+    # Each strict round over the loose one just before it: what a busy machine shares between the two.
+    paired = statistics.median(s[0] / l[0] for l, s in zip(rounds["loose"], rounds["strict"]))
     print(f"P={server.ranks}, {streams} streams, {args.max_tokens} tokens at most, median of {args.reps}: "
-          f"loose {loose:.1f} tok/s, strict {strict:.1f} tok/s, strict/loose {strict / loose:.3f}", flush=True)
-    if {r[1] for r in rounds["loose"]} != {r[1] for r in rounds["strict"]}:
-        print("  not like for like: the strict rounds generated other tokens (the grammar changed the replies)")
+          f"loose {loose:.1f} tok/s, strict {strict:.1f} tok/s, strict/loose {strict / loose:.3f} "
+          f"(paired rounds: {paired:.3f})", flush=True)
+    if {r[1:] for r in rounds["loose"]} != {r[1:] for r in rounds["strict"]} or not rounds["loose"][0][2]:
+        print("  not like for like: the rounds differ in tokens or tool calls (or made none)", rounds)
     return {"ranks": server.ranks, "streams": streams, "loose_tok_s": loose, "strict_tok_s": strict,
-            "ratio": strict / loose, "rounds": rounds}
+            "ratio": strict / loose, "paired_ratio": paired, "rounds": rounds}
 
 
 def main(args) -> None:

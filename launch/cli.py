@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--draft-model", metavar="PATH_OR_REPO", help="plan rank 0 with run_trinity's --draft-model "
                       "beside its layers (its weights and caches; only its config.json is read); a preset's name "
                       "plans with its config, quantized as --quantize says")
+    plan.add_argument("--tensor-parallel-size", type=int, default=1, metavar="T", help="plan run-trinity's "
+                      "--tensor-parallel-size T: each host 1/T of its group's layers, groups placed by the links; "
+                      "without it the plan also says which size the speed model advises for one chat")
     plan.add_argument("--json", action="store_true", help='print {"fits", "hosts": [...]} as JSON')
     run = sub.add_parser("run", help="plan, then start the ranks (ring backend: ourselves, locally or over "
                          "ssh; others through mlx.launch)", formatter_class=HelpFormatter)
@@ -169,6 +172,7 @@ def choose_context(*candidates, config: dict) -> int:
 
 def cmd_plan(args) -> int:
     from distributed.shard import checkpoint  # imports mlx_lm (slow): only when planning
+    from distributed.shard.sizes import model_sizes
 
     preset = load_preset(args.preset)
     if args.model is None and "config" in preset:
@@ -186,13 +190,18 @@ def cmd_plan(args) -> int:
         h = unknown[0]
         raise TrinityError(f"host {h.ssh} (rank {h.rank}) has no memory_gb in the hostfile; `launch plan` needs "
                            "one per remote host (`launch run` measures it at start-up instead)")
-    plan = make_plan(config, sizes, hf, context, args.margin, plan_draft(args))
-    longest = longest_contexts(config, plan) if plan.fits else {}
+    plan, advice = plan_hosts(args, config, sizes, hf, context)
+    longest = longest_contexts(config, plan) if plan.fits and args.tensor_parallel_size == 1 else {}
     if args.json:
-        print(json.dumps({**plan.to_json(), "longest_context": longest}))
+        print(json.dumps({**plan.to_json(), "longest_context": longest, "tensor_parallel_size": args.tensor_parallel_size,
+                          "advice": advice.to_json(hf)}))
     else:
-        print(f"{label}: {sum(plan.split)} layers over {len(plan.hosts)} hosts")
+        layers = model_sizes(config).num_layers
+        print(f"{label}: {layers} layers over {len(plan.hosts)} hosts" + (
+            f", each 1/{args.tensor_parallel_size} of its group's" if args.tensor_parallel_size > 1 else ""))
         print(plan.describe())
+        if len(hf.hosts) > 1:
+            print(advice.describe(hf))
         if longest:
             print("longest context these hosts hold (run_trinity --max-context auto): "
                   + ", ".join(f"{c} tokens for {b} sequence{'s' if b > 1 else ''}" for b, c in longest.items()))
@@ -200,6 +209,24 @@ def cmd_plan(args) -> int:
         print(f"launch: the model does not fit:\n{plan.shortfall()}", file=sys.stderr)
         return 1
     return 0
+
+
+def plan_hosts(args, config: dict, sizes, hf: hostfile.Hostfile, context: int):
+    """(the memory plan, the tensor-parallel advice): the pipeline's split, or with
+    --tensor-parallel-size each host's share of its group (groups placed by the links)."""
+    from distributed.shard.sizes import model_args, model_sizes
+    from distributed.shard.tensor import check_tensor_size
+
+    from .tensor_plan import advise, place, tensor_plan
+
+    size = args.tensor_parallel_size
+    if size == 1:
+        return make_plan(config, sizes, hf, context, args.margin, plan_draft(args)), advise(config, hf)
+    if len(hf.hosts) % size:
+        raise TrinityError(f"--tensor-parallel-size {size} must divide the number of hosts, {len(hf.hosts)}")
+    check_tensor_size(model_args(config), size, config.get("quantization"))
+    groups = place(hf, config, size)
+    return tensor_plan(model_sizes(config, sizes), hf, groups, context, args.margin), advise(config, hf)
 
 
 def plan_draft(args):

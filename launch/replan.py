@@ -119,12 +119,43 @@ class Planner:
                 raise TrinityError(f"--split {split} was given for {len(split.split(','))} hosts, not "
                                    f"{len(hf.hosts)} (leave --split out to let the launcher plan it)")
             return Layout(list(self.command))
+        if settings.ring.tensor_parallel_size > 1:
+            return self._tensor_layout(hf, settings.ring.tensor_parallel_size)
         if any(h.memory_bytes is None for h in hf.hosts):  # measured, exchanged and planned by the ranks
             return Layout([*self.command, "--split", "auto"], [f"{PLAN_ENV}={plan_spec(hf.hosts, self.margin, self.context)}"])
         plan = make_plan(self.config, self.sizes, hf, self.context, self.margin, settings.speculation.draft_model)
         if not plan.fits:
             raise DoesNotFit(plan)
         return Layout([*self.command, "--split", ",".join(map(str, plan.split))], [], plan)
+
+    def _tensor_layout(self, hf: Hostfile, size: int) -> Layout:
+        """--tensor-parallel-size: the ranks split the layers evenly themselves (no --split). A host
+        set it does not divide (a re-plan without a lost host) runs the largest size that runs there
+        (dividing the hosts and the model; T < N only under MPI), the pipeline (1) at least."""
+        from distributed.shard.sizes import model_args, model_sizes
+        from distributed.shard.tensor import check_tensor_size
+
+        from .tensor_plan import tensor_plan
+
+        def runs(t: int) -> bool:
+            try:
+                check_tensor_size(model_args(self.config), t, self.config.get("quantization"))
+            except TrinityError:
+                return False
+            return len(hf.hosts) % t == 0 and (t == len(hf.hosts) or hf.backend == "mpi")
+
+        if len(hf.hosts) % size:
+            smaller = max(t for t in range(1, size) if t == 1 or runs(t))
+            log(f"--tensor-parallel-size {size} does not run on these {len(hf.hosts)} hosts: {smaller} instead")
+            return Planner([*self.command, "--tensor-parallel-size", str(smaller)], self.config, self.sizes,
+                           self.context, self.margin).lay_out(hf)
+        if any(h.memory_bytes is None for h in hf.hosts):  # the ranks' start-up check measures and checks
+            return Layout(list(self.command))
+        groups = [list(range(s, s + size)) for s in range(0, len(hf.hosts), size)]
+        plan = tensor_plan(model_sizes(self.config, self.sizes), hf, groups, self.context, self.margin)
+        if not plan.fits:
+            raise DoesNotFit(plan)
+        return Layout(list(self.command), [], plan)
 
 
 def gone_after(restarts: int) -> str:

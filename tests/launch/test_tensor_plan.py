@@ -93,3 +93,52 @@ def test_bandwidth_from_the_hostfile():
     assert hostfile.to_json(hf)["hosts"][0]["bandwidth_gb_s"] == 819
     with pytest.raises(hostfile.HostfileError, match="bandwidth_gb_s must be a positive number"):
         hostfile.parse([{"ssh": "a", "ips": ["10.0.0.1"], "bandwidth_gb_s": 0}])
+
+
+def plan_cli(capsys, *argv):
+    from launch.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *argv])
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_launch_plan_advises_and_plans_a_tensor_group(capsys):
+    """`trinity-launch plan` prints the advice; with --tensor-parallel-size, each host's share."""
+    code, out, _ = plan_cli(capsys, "--preset", "trinity-large", "--quantize", "4", "--hostfile", "jaccl-4macs",
+                            "--context", "8192")
+    assert code == 1  # the pipeline over 48 + 48 + 24 + 24 GiB: Large does not fit, the advice still prints
+    assert "choose: --tensor-parallel-size 4: about 1.8" in out
+    code, out, _ = plan_cli(capsys, "--preset", "trinity-mini", "--quantize", "4", "--hostfile", "jaccl-4macs",
+                            "--tensor-parallel-size", "4", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["fits"] and data["tensor_parallel_size"] == 4
+    assert [h["layers"] for h in data["hosts"]] == [[0, 32]] * 4
+    assert data["advice"]["choice"] in (2, 4) and data["advice"]["options"][0]["tensor_parallel_size"] == 1
+    code, _, err = plan_cli(capsys, "--preset", "trinity-nano", "--hostfile", "jaccl-4macs", "--tensor-parallel-size", "4")
+    assert code != 0 and "num_key_value_heads) = 2" in err
+    code, _, err = plan_cli(capsys, "--preset", "trinity-mini", "--memory-gb", "64,64,64", "--tensor-parallel-size", "2")
+    assert code != 0 and "--tensor-parallel-size 2 must divide the number of hosts, 3" in err
+
+
+def test_launch_run_passes_the_size_through_without_a_split(capsys, hf_checkpoint):
+    """`launch run` plans no --split for a tensor-parallel command (the ranks split evenly), and
+    a host set the size does not divide (a re-plan after a lost host) runs a size that divides it."""
+    from distributed.cli import read_command
+    from launch.replan import DoesNotFit, Planner, drop_hosts
+    from distributed.shard import checkpoint
+
+    model, path, config = checkpoint.load_config(str(hf_checkpoint))
+    sizes = checkpoint.tensor_sizes(model, path)
+    command = ["python", "-m", "run_trinity", "--model", str(hf_checkpoint), "--tensor-parallel-size", "2"]
+    two = hostfile.parse([{"ssh": h, "ips": [f"127.0.0.{i + 1}"], "memory_gb": 4} for i, h in enumerate("AB")])
+    layout = Planner(command, config, sizes, 2048).lay_out(two)
+    assert layout.command == command and layout.plan.fits
+    assert [(h.start, h.end) for h in layout.plan.hosts] == [(0, 8), (0, 8)]
+    one = Planner(command, config, sizes, 2048).lay_out(drop_hosts(two, {1}))
+    settings = read_command(one.command).settings
+    assert settings.ring.tensor_parallel_size == 1 and settings.ring.split == "8"
+    tiny = hostfile.parse([{"ssh": h, "ips": [f"127.0.0.{i + 1}"], "memory_gb": 0.001} for i, h in enumerate("AB")])
+    with pytest.raises(DoesNotFit):
+        Planner(command, config, sizes, 2048).lay_out(tiny)

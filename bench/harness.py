@@ -87,6 +87,14 @@ def flags(parser: argparse.ArgumentParser, **defaults) -> None:
         parser.add_argument("--" + name.replace("_", "-"), default=default, help=text, **kwargs)
 
 
+def shrink(args, **small) -> None:
+    """--smoke: each of these flags left at its default takes its smallest value (a flag given still holds)."""
+    if args.smoke:
+        for name, value in small.items():
+            if getattr(args, name) == args.parser.get_default(name):
+                setattr(args, name, value)
+
+
 def checkpoint(sizes: dict) -> Path:
     """The float32 benchmark checkpoint of `sizes`, made once per machine (a rename makes it appear whole)."""
     from distributed.shard.tiny_checkpoint import make_checkpoint, tiny_config
@@ -497,7 +505,7 @@ def save(path, results: dict, settings: dict = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     head = {"machine": machine(), "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc)
             .isoformat(timespec="seconds"), "command": "python -m bench " + " ".join(sys.argv[1:]),
-            "settings": {k: v for k, v in (settings or {}).items() if k != "run" and not callable(v)}}
+            "settings": {k: v for k, v in (settings or {}).items() if k not in ("run", "parser")}}
     path.write_text(json.dumps({**head, **results}, indent=1, default=str))
     return path
 

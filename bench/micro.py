@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from bench.harness import PY, ROOT, flags, out_path, run_ranks, save, bench_env
+from bench.harness import PY, ROOT, bench_env, flags, out_path, run_ranks, save, shrink
 
 WARM_UP = 20
 SYSTEM = 500  # tokens of the chat workload's shared system prompt
@@ -33,18 +33,18 @@ def add_arguments(p) -> None:
     trip.add_argument("--hidden", type=int, default=128, help="the frame's width")
     trip.add_argument("--trips", type=int, default=300)
     trip.add_argument("--child", action="store_true", help="(a rank of the measurement)")
-    trip.set_defaults(run=lambda a: print_trip(a) if not a.child else trip_child(a.hidden, a.trips))
+    trip.set_defaults(parser=trip, run=lambda a: print_trip(a) if not a.child else trip_child(a.hidden, a.trips))
     verify = subs.add_parser("verify", help="a pass over K + 1 positions against one")
     flags(verify, model=None, reps=30, out=None, smoke=False)
     verify.add_argument("--context", type=int, default=512, help="prompt tokens before the passes")
     verify.add_argument("--max-k", type=int, default=8)
-    verify.set_defaults(run=verify_main)
+    verify.set_defaults(parser=verify, run=verify_main)
     index = subs.add_parser("prefix-index", help="the prefix-cache index's host time per request")
     flags(index, out=None, smoke=False)
     index.add_argument("--baseline", metavar="DIR", help="another checkout, measured the same way")
     index.add_argument("--sizes", default="100,1000,4000", help="index sizes (entries) to measure at")
     index.add_argument("--requests", type=int, default=200, help="timed requests per size")
-    index.set_defaults(run=index_main)
+    index.set_defaults(parser=index, run=index_main)
 
 
 def trip_child(hidden: int, trips: int) -> None:
@@ -102,7 +102,8 @@ def verify_main(args) -> None:
     from distributed.transport import Reply
 
     model = args.model or str(checkpoint(SMALL) if args.smoke else ROOT / "distributed" / "shard" / "tiny_model")
-    context, reps, max_k = (32, 3, 2) if args.smoke else (args.context, args.reps, args.max_k)
+    shrink(args, context=32, reps=3, max_k=2)
+    context, reps, max_k = args.context, args.reps, args.max_k
     config = read_config(model)
     if context + 1 >= config.get("sliding_window", 1 << 30):
         sys.exit(f"--context must stay below the sliding window ({config['sliding_window']}): the K = 0 pass "
@@ -173,7 +174,8 @@ def index_timings(sizes: list, count: int) -> dict:
 
 
 def index_main(args) -> None:
-    sizes, count = ([10, 50], 20) if args.smoke else ([int(s) for s in args.sizes.split(",")], args.requests)
+    shrink(args, sizes="10,50", requests=20)
+    sizes, count = [int(s) for s in args.sizes.split(",")], args.requests
     this, base = index_timings(sizes, count), None
     if args.baseline:  # run from the other checkout, so that its distributed/ comes first on sys.path
         code = (f"import sys, json; sys.path.insert(1, {str(ROOT)!r}); from bench.micro import index_timings; "

@@ -14,7 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import MINI, MINI_SMOKE, Server, bench_env, flags, grpc_generate, int_list, make_mini, out_path, save
+from bench.harness import (MINI, MINI_SMOKE, Server, bench_env, flags, grpc_generate, int_list, make_mini, out_path,
+                           save, shrink)
 
 
 def add_arguments(p) -> None:
@@ -26,9 +27,7 @@ def add_arguments(p) -> None:
 def main(args) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    if args.smoke:
-        args.model, args.lengths, args.limit = str(Path(tempfile.gettempdir()) / "trinity-bench" / "mini-smoke"), \
-            [64, 256], "2G"
+    shrink(args, model=str(Path(tempfile.gettempdir()) / "trinity-bench" / "mini-smoke"), lengths=[64, 256], limit="2G")
     model = make_mini(Path(args.model), MINI_SMOKE if args.smoke else MINI)
     limit = [] if args.limit == "none" else ["--memory-limit", args.limit]
     rows = []

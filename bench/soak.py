@@ -47,7 +47,7 @@ from typing import Dict, List, Optional
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.harness import ROOT, bench_env, flags, free_ports, out_path, save
+from bench.harness import ROOT, bench_env, flags, free_ports, out_path, save, shrink
 from bench.soak_load import Reference, Soak, Stats
 from bench.soak_report import alive, cpu_seconds, memory_trend, print_report, rss_bytes
 from distributed.serving.proto import generation_pb2 as pb
@@ -177,8 +177,7 @@ def stop(launcher: subprocess.Popen):
 def main(args) -> None:
     from distributed.shard.tiny_checkpoint import default_checkpoint
 
-    if args.smoke:
-        args.ranks, args.clients, args.minutes, args.sample_every = [2], 2, 1 / 3, 5.0
+    shrink(args, ranks=[2], clients=2, minutes=1 / 3, sample_every=5.0)
     if args.max_new < 4:
         sys.exit("--max-new must be at least 4")
     args.ranks = args.ranks[0]

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import PY, ROOT, bench_env, flags, out_path, run_ranks, save
+from bench.harness import PY, ROOT, bench_env, flags, out_path, run_ranks, save, shrink
 
 log = logging.getLogger("bench")
 
@@ -211,8 +211,7 @@ def main(args) -> None:
     from distributed.runtime.speculation import DEFAULT_DRAFT_TOKENS
 
     args.k = args.k or DEFAULT_DRAFT_TOKENS
-    if args.smoke:
-        args.ranks, args.reps, args.max_tokens, args.prompts, args.modes = [1, 2], 1, 24, "held-out", "lookup"
+    shrink(args, ranks=[1, 2], reps=1, max_tokens=24, prompts="held-out", modes="lookup")
     texts = prompts(held_out_prompts=1 if args.ceiling or args.ring_ceiling else args.held_out)
     if args.ceiling:
         rows = ceiling(texts["held-out"], args.max_tokens, args.k, args.reps, args.model)

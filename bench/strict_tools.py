@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.harness import ROOT, Server, bench_env, concurrent, flags, out_path, save
+from bench.harness import ROOT, Server, bench_env, concurrent, flags, out_path, save, shrink
 
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -109,8 +109,7 @@ def measure(server: Server, streams: int, args) -> dict:
 
 
 def main(args) -> None:
-    if args.smoke:
-        args.streams, args.max_tokens, args.reps = [2], 16, 1
+    shrink(args, streams=[2], max_tokens=16, reps=1)
     model = str(tool_checkpoint()) if args.model == "tools" else args.model
     rows = []
     for ranks in args.ranks:

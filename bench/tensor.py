@@ -34,7 +34,7 @@ from pathlib import Path
 
 from bench.decode import run_once
 from bench.harness import (FULL, MINI, MINI_SMOKE, PY, ROOT, bench_env, checkpoint, flags, make_mini, mpirun,
-                           out_path, prompt_ids, run_ranks, save)
+                           out_path, prompt_ids, run_ranks, save, shrink)
 
 log = logging.getLogger("bench")
 
@@ -85,9 +85,8 @@ def add_arguments(p) -> None:
 def main(args) -> None:
     if args.allreduce_child:
         return allreduce_child(args.allreduce_child)
-    if args.smoke:
-        args.iters, args.reps, args.decode_tokens, args.prompt_len = 100, 1, 8, 16
-        args.mini = args.mini or str(Path(tempfile.gettempdir()) / "trinity-bench" / "mini-smoke-t2")
+    shrink(args, iters=100, reps=1, decode_tokens=8, prompt_len=16,
+           mini=str(Path(tempfile.gettempdir()) / "trinity-bench" / "mini-smoke-t2"))
     env = bench_env(args.blas)
     mpi = None if args.no_mpi else mpirun()
     results = {}
@@ -137,7 +136,7 @@ def decode(args, env: dict, mpi) -> dict:
             row["generation_tokens_per_sec"] = statistics.median(r["generation_tokens_per_sec"] for r in ok)
             row["prefill_tokens_per_sec"] = statistics.median(r["prefill_tokens_per_sec"] for r in ok)
         rows[name] = row
-    ref = next(r["token_ids"] for r in runs["mlx-lm (1 process)"] if "error" not in r)
+    ref = next((r["token_ids"] for r in runs["mlx-lm (1 process)"] if "error" not in r), None)
     for name, row in rows.items():
         row["tokens_equal_mlx_lm"] = all(r.get("token_ids") == ref for r in row["runs"] if "error" not in r)
         for base, key in (("mlx-lm (1 process)", "ratio_to_mlx_lm"), ("runner P=1", "ratio_to_runner_p1"),
@@ -149,9 +148,12 @@ def decode(args, env: dict, mpi) -> dict:
     result = {"model": str(model), "model_sizes": sizes, "prompt_tokens": args.prompt_len,
               "decode_tokens": args.decode_tokens, "reps": args.reps, "configs": rows}
     print(f"\ndecode, {args.prompt_len}-token prompt, {args.decode_tokens} tokens, median of {args.reps}:")
+    x = lambda row, key: f"x{row[key]:.2f}" if key in row else "  -  "  # noqa: E731 (a base that failed)
     for name, row in rows.items():
-        if "generation_tokens_per_sec" in row:
-            print(f"  {name:24} {row['generation_tokens_per_sec']:7.2f} tok/s  x{row['ratio_to_mlx_lm']:.2f} mlx-lm  "
-                  f"x{row['ratio_to_runner_p1']:.2f} P=1  x{row['ratio_to_ring_p2']:.2f} ring P=2  "
-                  f"tokens equal: {row['tokens_equal_mlx_lm']}")
+        if "generation_tokens_per_sec" not in row:
+            print(f"  {name:24} failed: {row['runs'][0].get('error', '')[-300:]}")
+            continue
+        print(f"  {name:24} {row['generation_tokens_per_sec']:7.2f} tok/s  {x(row, 'ratio_to_mlx_lm')} mlx-lm  "
+              f"{x(row, 'ratio_to_runner_p1')} P=1  {x(row, 'ratio_to_ring_p2')} ring P=2  "
+              f"tokens equal: {row['tokens_equal_mlx_lm']}")
     return result

@@ -1,6 +1,6 @@
-"""`python -m distributed.client`: the command-line gRPC client (serving/client.py)."""
+"""`python -m distributed.client`: the command-line gRPC client (serving/grpc_client.py)."""
 
-from .serving.client import main
+from .serving.grpc_client import main
 
 if __name__ == "__main__":
     main()

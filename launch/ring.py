@@ -26,7 +26,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass

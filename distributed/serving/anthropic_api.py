@@ -1,4 +1,4 @@
-"""Anthropic's Messages API over chat completions' path (api_adapter.py): POST /v1/messages,
+"""Anthropic's Messages API over chat completions' path (openai_api.Adapter): POST /v1/messages,
 whole or streamed as Anthropic's server-sent events, and POST /v1/messages/count_tokens, so
 the `anthropic` package works unchanged (headers such as anthropic-version and
 anthropic-beta are not read; --auth-token takes `x-api-key` as well as a bearer token).
@@ -44,11 +44,10 @@ import weakref
 from jinja2 import TemplateError
 
 from ..runtime.request import RequestError
-from .api_adapter import Adapter, sse
 from .chat_format import chat_ids
 from .constraints import forced_tools
-from .openai_api import ApiError, ChatBody, check_fields
-from .tools import NO_THINKING, chat_messages, request_tools
+from .openai_api import Adapter, ApiError, ChatBody, check_fields, sse
+from .tools import chat_messages, request_tools
 
 PROMPT = ("model", "messages", "system", "tools", "tool_choice", "output_config", "thinking", "context_management")
 GENERATE = ("max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream")

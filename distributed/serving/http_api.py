@@ -53,7 +53,7 @@ LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: every client skips it, and its idle timer starts over
 log = logging.getLogger("distributed.serving.http")
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
-# The APIs served besides OpenAI's completions and chat (over api_adapter.py), by route: generation
+# The APIs served besides OpenAI's completions and chat (openai_api.Adapter), by route: generation
 # routes (ADAPTERS), plain ones (ROUTES: fn(body, scheduler, tokenizer, info) -> (status, JSON)), and
 # each route's error shape (ERROR_BODIES: fn(ApiError) -> JSON).
 ADAPTERS = {**responses_api.ADAPTERS, **anthropic_api.ADAPTERS, **ollama_api.ADAPTERS}

@@ -1,4 +1,4 @@
-"""Ollama's API on the HTTP port, served over chat completions (api_adapter.py), so the
+"""Ollama's API on the HTTP port, served over chat completions (openai_api.Adapter), so the
 `ollama` package works unchanged and a greedy message gets the same text as through
 /v1/chat/completions.
 
@@ -33,9 +33,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..runtime.request import RequestError
-from .api_adapter import Adapter, ndjson
-from .openai_api import ApiError, ChatBody
-from .tools import NO_THINKING
+from .openai_api import Adapter, ApiError, ChatBody, ndjson
 
 # Ollama option -> the chat-completions field(s) it becomes (repeat_last_n: llama.cpp's one window for all penalties).
 OPTIONS = {"temperature": ("temperature",), "top_p": ("top_p",), "top_k": ("top_k",), "min_p": ("min_p",),

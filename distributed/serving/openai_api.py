@@ -32,7 +32,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ..runtime.request import MAX_TOP_LOGPROBS, GenerationRequest, PromptEvent, RequestError, TokenEvent
 from .chat_format import ModelInfo, ReplySplitter, build_request, chat_ids, prompt_ids, reply_prompt
@@ -112,7 +112,7 @@ def _same(value, allowed) -> bool:
 
 
 class ChatBody(dict):
-    """A chat-completions body an adapter (api_adapter.py) made of its API's request, with the
+    """A chat-completions body an adapter (Adapter, below) made of its API's request, with the
     names of the client's fields it accepted and ignored (named in the access log)."""
 
     def __init__(self, *args, ignored=(), **kwargs):
@@ -474,3 +474,46 @@ class Completion:
                 tops.append(top)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
                 "text_offset": [e.offset for e in entries]}
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """What an API served over chat completions' request path provides (http_api.ADAPTERS lists
+    them): the Responses, Messages and Ollama APIs. One path for all: the same chat
+    template, sampling, constraints, prefix cache, metrics, access log, cancellation and
+    queue bound as /v1/chat/completions (http_api.py runs it), so the same greedy message
+    gives the same text through every API.
+
+    An Adapter is
+    - `to_chat(body, info, tokenizer) -> dict`: the API's body as an OpenAI chat-completions
+      body (or a completions one: a body with "prompt" and no "messages"), including
+      "stream"; RequestError / ApiError name the API's own fields;
+    - `reply(openai_reply, body) -> AdaptedReply`: what the client gets, made from the
+      OpenAI reply (Completion) of its one choice;
+    - `param(name) -> str`: the API's name for a chat-completions field an error names.
+
+    An AdaptedReply has
+    - `content_type`: of the stream ("text/event-stream", "application/x-ndjson");
+    - `opening(chunks) -> [bytes]`: the stream's first frames (`chunks`: the OpenAI
+      chunks of Choice.opening());
+    - `add(chunks) -> [bytes]`: the frames for the OpenAI chunks one event made
+      (Choice.add(event): reasoning, text and tool-call deltas, the finish);
+    - `closing() -> [bytes]`: the last frames, after the finish;
+    - `failure(error_body) -> bytes`: the frame that ends a stream whose generation failed;
+    - `whole(openai_whole) -> dict`: the non-streamed answer, from Completion.whole().
+
+    Frames are whole: an SSE event (sse()) or an NDJSON line (ndjson()).
+    """
+
+    to_chat: Callable
+    reply: Callable
+    param: Callable = lambda name: name
+
+
+def sse(event: str, data: dict) -> bytes:
+    """One server-sent event with a name (as the Responses and Messages APIs send them)."""
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def ndjson(obj: dict) -> bytes:
+    return json.dumps(obj).encode() + b"\n"

@@ -1,5 +1,5 @@
 """OpenAI's Responses API on the HTTP port (POST /v1/responses), served over chat completions
-(api_adapter.py), so `client.responses.create` / `.stream` (and Codex-style agents) work
+(openai_api.Adapter), so `client.responses.create` / `.stream` (and Codex-style agents) work
 unchanged and a greedy input gets the same text as through /v1/chat/completions.
 
 Implemented: `model`, `input` (a string, or items: messages with text content, `function_call`
@@ -31,9 +31,8 @@ import uuid
 
 from ..runtime.request import RequestError
 from . import sealed
-from .api_adapter import Adapter, sse
 from .constraints import LARK_KEY, custom_grammar
-from .openai_api import ChatBody
+from .openai_api import Adapter, ChatBody, sse
 
 HINTS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "client_metadata", "prompt_cache_retention")
 FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",

@@ -17,7 +17,6 @@ One line per outage on stderr (the pause each request saw is logged as it resume
 
 import logging
 import statistics
-import sys
 import threading
 from dataclasses import replace
 from typing import List, Optional

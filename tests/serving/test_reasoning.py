@@ -18,7 +18,7 @@ from mlx_lm.utils import load_tokenizer
 from browser import Browser, chat as page_chat
 from conftest import wait_until
 from distributed.runtime.scheduler import Scheduler
-from distributed.serving.client import generate as client_generate
+from distributed.serving.grpc_client import generate as client_generate
 from distributed.serving.grpc_service import start_grpc_server
 from distributed.serving.http_api import start_http_server
 from distributed.serving.options import ServeOptions

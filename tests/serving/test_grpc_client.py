@@ -3,7 +3,7 @@ servers in test_grpc_service.py)."""
 
 import json
 
-from distributed.serving.client import message_json
+from distributed.serving.grpc_client import message_json
 from distributed.serving.proto import generation_pb2 as pb
 
 

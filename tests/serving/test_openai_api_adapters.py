@@ -1,4 +1,4 @@
-"""One request path for every API (api_adapter.py): chat completions, the Responses, Messages
+"""One request path for every API (openai_api.Adapter): chat completions, the Responses, Messages
 and Ollama APIs over an in-process 2-stage pipeline. A streamed request whose client hangs up
 is cancelled and loses nothing else; a full queue is a 429 in the API's own error shape."""
 

@@ -38,6 +38,19 @@ def _info_row(stage: Stage, rank: int) -> mx.array:
     return row
 
 
+def tensor_share(stage: Stage, rank: int, size: int) -> dict:
+    """What rank `rank` of a tensor group of `size` holds of each layer (every group's layers are
+    shaped alike): its query and KV heads, and of every routed expert its slice of the width."""
+    attn = stage.layers[0].self_attn  # n_heads / n_kv_heads: this rank's, once sharded
+    share = {"rank": rank, "size": size, "heads": [rank * attn.n_heads, (rank + 1) * attn.n_heads],
+             "kv_heads": [rank * attn.n_kv_heads, (rank + 1) * attn.n_kv_heads], "experts": 0, "expert_width": None}
+    moe = next((layer.mlp for layer in stage.layers if hasattr(layer.mlp, "experts")), None)
+    if moe is not None:  # SwitchGLU's gate_proj: (experts, this rank's width, hidden)
+        experts, width = moe.experts.gate_proj.weight.shape[:2]
+        share.update(experts=experts, expert_width=[rank * width, (rank + 1) * width])
+    return share
+
+
 class TensorPipeline(Pipeline):
     def __init__(self, stage: Stage, group, transport: Optional[Transport] = None, waker=None, peer_reports=dict,
                  memory_limit: Optional[int] = None):
@@ -114,7 +127,7 @@ class TensorPipeline(Pipeline):
             _, table = self.transport.recv()
         rows = rank_info.decode_rows(table)
         for row in rows:
-            row["tensor"] = {"rank": row["rank"] % self.tensor_size, "size": self.tensor_size}
+            row["tensor"] = tensor_share(self.stage, row["rank"] % self.tensor_size, self.tensor_size)
         return rows
 
     def close(self) -> None:

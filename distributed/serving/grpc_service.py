@@ -191,11 +191,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         memory_bytes=planned.get(r["rank"], {}).get("memory_bytes", 0),
                         memory_limited=planned.get(r["rank"], {}).get("memory_limited", False),
                         active_memory_bytes=live.get(r["rank"], {}).get("active_memory_bytes", 0),
-                        cache_memory_bytes=live.get(r["rank"], {}).get("cache_memory_bytes", 0))
+                        cache_memory_bytes=live.get(r["rank"], {}).get("cache_memory_bytes", 0),
+                        tensor=_tensor_share(r.get("tensor")))
             for r in rows
         ]
         return pb.ModelInfo(model_id=info.model_id, vocab_size=info.vocab_size, max_context=info.max_context,
                             max_tokens_cap=info.max_tokens_cap, ranks=ranks, max_batch=info.max_batch)
+
+
+def _tensor_share(share: Optional[dict]) -> Optional[pb.TensorShare]:
+    """A rank row's "tensor" (runtime/tensor.py's tensor_share), or None without tensor parallelism."""
+    if not share:
+        return None
+    width = share["expert_width"] or [0, 0]
+    return pb.TensorShare(rank=share["rank"], size=share["size"], head_start=share["heads"][0],
+                          head_end=share["heads"][1], kv_head_start=share["kv_heads"][0],
+                          kv_head_end=share["kv_heads"][1], experts=share["experts"],
+                          expert_width_start=width[0], expert_width_end=width[1])
 
 
 def _top(top) -> pb.TopLogprobs:

@@ -61,8 +61,9 @@ def test_ring_of_two_equals_mlx_lm(hf_checkpoint):
     assert_reference(out, hf_checkpoint)
     one = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "1"])["ranks"][0]
     ranks = out["ranks"]
-    assert [(r["rank"], r["layers"], r["embed"], r["head"], r["tensor"]) for r in ranks] == [
-        (0, [0, 8], True, True, {"rank": 0, "size": 2}), (1, [0, 8], True, False, {"rank": 1, "size": 2})]
+    assert [(r["rank"], r["layers"], r["embed"], r["head"]) for r in ranks] == [(0, [0, 8], True, True),
+                                                                                 (1, [0, 8], True, False)]
+    assert [r["tensor"] for r in ranks] == SHARES  # each rank's heads and its slice of every expert
     # Each rank holds half of every layer, and the (replicated) embedding and head whole.
     assert ranks[0]["parameter_bytes"] == ranks[1]["parameter_bytes"] < 0.6 * one["parameter_bytes"]
 
@@ -79,7 +80,9 @@ def test_ring_of_four_equals_mlx_lm(kv4_checkpoint):
     out = run_json(["--model", str(kv4_checkpoint), "--prompt-ids", IDS, "--max-tokens", str(MAX_TOKENS),
                     "--tensor-parallel-size", "4", "--prefill-step-size", "16"], ranks=4)
     assert_reference(out, kv4_checkpoint)
-    assert [r["tensor"] for r in out["ranks"]] == [{"rank": r, "size": 4} for r in range(4)]
+    assert [r["tensor"] for r in out["ranks"]] == [
+        {"rank": r, "size": 4, "heads": [r, r + 1], "kv_heads": [r, r + 1], "experts": 8, "expert_width": [16 * r, 16 * r + 16]}
+        for r in range(4)]
 
 
 def test_quantized_ring_of_two_equals_mlx_lm(quantized_checkpoint):
@@ -115,8 +118,8 @@ def test_mpi_two_groups_of_two_equal_mlx_lm(hf_checkpoint):
                     "--max-tokens", str(MAX_TOKENS), "--tensor-parallel-size", "2"], ranks=4, backend="mpirun")
     assert_reference(out, hf_checkpoint, prompt)
     assert [(r["rank"], r["layers"], r["embed"], r["head"], r["tensor"]) for r in out["ranks"]] == [
-        (0, [0, 4], True, True, {"rank": 0, "size": 2}), (1, [0, 4], True, False, {"rank": 1, "size": 2}),
-        (2, [4, 8], False, False, {"rank": 0, "size": 2}), (3, [4, 8], False, False, {"rank": 1, "size": 2})]
+        (0, [0, 4], True, True, SHARES[0]), (1, [0, 4], True, False, SHARES[1]),
+        (2, [4, 8], False, False, SHARES[0]), (3, [4, 8], False, False, SHARES[1])]
 
 
 @pytest.mark.skipif(not Path(system_mpirun()).exists(), reason="no mpirun")
@@ -126,14 +129,19 @@ def test_mpi_equals_mlx_lm(hf_checkpoint):
     assert_reference(out, hf_checkpoint)
 
 
+SHARES = [{"rank": r, "size": 2, "heads": [2 * r, 2 * r + 2], "kv_heads": [r, r + 1], "experts": 8,
+           "expert_width": [32 * r, 32 * r + 32]} for r in range(2)]  # the tiny model: 4 / 2 heads, 8 experts 64 wide
+
+
 def test_serving_equals_mlx_lm(hf_checkpoint):
     from grpc_server import SERVER_ARGS, Server, generate
 
     prompts = [PROMPT, PROMPT[5:], PROMPT[:20]]
     refs = [mlx_lm_greedy(hf_checkpoint, p, MAX_TOKENS, 512) for p in prompts]
-    server = Server(hf_checkpoint, ranks=2, extra=["--tensor-parallel-size", "2", *SERVER_ARGS])
+    server = Server(hf_checkpoint, ranks=2, extra=["--tensor-parallel-size", "2", *SERVER_ARGS, "--http", "127.0.0.1:0"])
     try:
         server.wait_serving()
+        assert_shares_shown(server)
         for _ in range(2):  # the second time, from the prefix cache
             out = generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0)
             assert out["token_ids"] == refs[0][0]
@@ -147,6 +155,36 @@ def test_serving_equals_mlx_lm(hf_checkpoint):
         server.alive()
     finally:
         server.stop()
+
+
+def assert_shares_shown(server):
+    """Each rank's heads and experts: in GetModelInfo, /v1/status, and drawn on the status page."""
+    import json
+    import urllib.request
+
+    from browser import Browser, page_state, ranks
+    from distributed.serving.proto import generation_pb2 as pb
+
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert [(r.tensor.rank, r.tensor.size, r.tensor.head_start, r.tensor.head_end, r.tensor.kv_head_start,
+             r.tensor.kv_head_end, r.tensor.experts, r.tensor.expert_width_start, r.tensor.expert_width_end)
+            for r in info.ranks] == [(t["rank"], t["size"], *t["heads"], *t["kv_heads"], t["experts"], *t["expert_width"])
+                                     for t in SHARES]
+    host, port = server.http_address()
+    with urllib.request.urlopen(f"http://{host}:{port}/v1/status", timeout=30) as r:
+        assert [row["tensor"] for row in json.loads(r.read())["ranks"]] == SHARES
+    browser = Browser()
+    try:
+        browser.open(f"http://{host}:{port}/")
+        browser.wait(lambda: page_state(browser) == "serving" and len(ranks(browser)) == 2, "the ring drawn")
+        texts = [box["text"] for box in ranks(browser)]
+        assert "tensor 0/2 · heads [0, 2) · KV [0, 1) · 8 experts, width [0, 32)" in texts[0], texts
+        assert "tensor 1/2 · heads [2, 4) · KV [1, 2) · 8 experts, width [32, 64)" in texts[1], texts
+        bars = browser.js("return [...document.querySelectorAll('.share-bar span')].map((n) => n.style.left)")
+        assert bars == ["0%", "50%"]  # each rank's half of the heads, to scale
+        assert browser.console_errors() == []
+    finally:
+        browser.close()
 
 
 @pytest.mark.skipif(not Path(system_mpirun()).exists(), reason="no mpirun")

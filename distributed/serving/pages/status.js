@@ -36,6 +36,7 @@ function drawRing(ranks) {
     if (r.head) tags.append(el("span", "", "head"));
     if (!r.alive) tags.append(el("span", "", "down"));
     box.append(tags);
+    if (r.tensor) box.append(drawShare(r.tensor));
     // Used: MLX's active bytes now (the router knows only the peak at load); of them weights, caches, the rest.
     const used = typeof r.active_memory_bytes === "number" ? r.active_memory_bytes : r.peak_memory_bytes;
     const memory = el("div", "memory"), whole = Math.max(r.memory_bytes || 0, used || 0, 1);
@@ -53,6 +54,21 @@ function drawRing(ranks) {
     ring.append(box);
   }
   document.getElementById("ring-note").textContent = ranks.length ? ranks.length + " ranks, " + total + " layers" : "no ranks yet";
+}
+
+// A tensor-parallel rank's share of each of its layers (--tensor-parallel-size): its slice of the
+// query heads drawn to scale, its KV heads and its slice of every expert's width named.
+function drawShare(t) {
+  const share = el("div", "share");
+  const [a, b] = t.heads, heads = (b - a) * t.size;
+  const bar = el("div", "share-bar"), part = el("span");
+  part.style.left = (100 * a / heads).toFixed(2) + "%";
+  part.style.width = (100 * (b - a) / heads).toFixed(2) + "%";
+  bar.append(part);
+  const experts = t.experts ? " · " + t.experts + " experts, width [" + t.expert_width.join(", ") + ")" : "";
+  share.append(bar, el("div", "muted", "tensor " + t.rank + "/" + t.size + " · heads [" + t.heads.join(", ") +
+    ") · KV [" + t.kv_heads.join(", ") + ")" + experts));
+  return share;
 }
 
 function drawCounters(doc) {

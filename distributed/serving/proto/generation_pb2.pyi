@@ -134,7 +134,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankInfo(_message.Message):
-    __slots__ = ("rank", "host", "layer_start", "layer_end", "embed", "head", "peak_memory_bytes", "parameter_bytes", "memory_bytes", "memory_limited", "active_memory_bytes", "cache_memory_bytes")
+    __slots__ = ("rank", "host", "layer_start", "layer_end", "embed", "head", "peak_memory_bytes", "parameter_bytes", "memory_bytes", "memory_limited", "active_memory_bytes", "cache_memory_bytes", "tensor")
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class RankInfo(_message.Message):
     MEMORY_LIMITED_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
     rank: int
     host: str
     layer_start: int
@@ -159,7 +160,30 @@ class RankInfo(_message.Message):
     memory_limited: bool
     active_memory_bytes: int
     cache_memory_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., embed: _Optional[bool] = ..., head: _Optional[bool] = ..., peak_memory_bytes: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_limited: _Optional[bool] = ..., active_memory_bytes: _Optional[int] = ..., cache_memory_bytes: _Optional[int] = ...) -> None: ...
+    tensor: TensorShare
+    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., embed: _Optional[bool] = ..., head: _Optional[bool] = ..., peak_memory_bytes: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_limited: _Optional[bool] = ..., active_memory_bytes: _Optional[int] = ..., cache_memory_bytes: _Optional[int] = ..., tensor: _Optional[_Union[TensorShare, _Mapping]] = ...) -> None: ...
+
+class TensorShare(_message.Message):
+    __slots__ = ("rank", "size", "head_start", "head_end", "kv_head_start", "kv_head_end", "experts", "expert_width_start", "expert_width_end")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_WIDTH_START_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_WIDTH_END_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    size: int
+    head_start: int
+    head_end: int
+    kv_head_start: int
+    kv_head_end: int
+    experts: int
+    expert_width_start: int
+    expert_width_end: int
+    def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., experts: _Optional[int] = ..., expert_width_start: _Optional[int] = ..., expert_width_end: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "vocab_size", "max_context", "max_tokens_cap", "ranks", "max_batch")

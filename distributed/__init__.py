@@ -5,7 +5,7 @@ Layers, each importing only the ones below it:
     cli.py       run_trinity.py: a rank's main, wiring the layers below together
     serving/     rank 0's gRPC and OpenAI HTTP front ends, the gRPC client
     startup/     joining the ring, handshake, watchdog, how a rank process ends
-    runtime/     the ring runtime: pipeline, worker, scheduler, batching, caches
+    runtime/     the ring runtime: pipeline, scheduler, batching, caches
     shard/       what a rank holds: config, layer plan, stage, weights, sizes
     transport/   how frames move between ranks
 

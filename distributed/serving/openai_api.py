@@ -7,7 +7,7 @@ here (NEUTRAL), refused by name (REFUSED), or accepted as a hint with no effect
 (HINTS); any other name is refused as unknown. docs/serving.md's field table lists the
 same sets (a test compares them).
 
-The compatibility rule (DESIGN.md "HTTP extras"): what a real client sends by default
+The compatibility rule (docs/serving.md, "OpenAI fields"): what a real client sends by default
 works. A field whose value changes nothing for this server and model is accepted and
 named in the access log (`ignored=…`, and the metric trinity_ignored_fields); a limit
 (max_tokens beyond the context or the cap) is clamped (`clamped=…`), the finish reason

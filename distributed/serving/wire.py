@@ -1,6 +1,6 @@
 """A GenerationRequest (runtime/request.py) on the gRPC wire and back: the one conversion the
 gRPC service, the command-line client and the launcher's router share, so that a request
-means the same on every path (DESIGN.md "HTTP extras").
+means the same on every path.
 
 Every field of GenerationRequest goes on the wire (tests/serving/test_wire.py iterates the
 dataclass's fields, so a field added later and left out here fails it), save those in

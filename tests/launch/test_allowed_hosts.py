@@ -1,4 +1,4 @@
-"""--allowed-hosts (issue 46) reaches every HTTP front end: rank 0's (run_trinity.py's
+"""--allowed-hosts reaches every HTTP front end: rank 0's (run_trinity.py's
 parser, or TRINITY_ALLOWED_HOSTS) and the launcher's router's, which leaves it in the ranks'
 command too (rank 0 keeps --metrics)."""
 

@@ -142,7 +142,7 @@ def test_finished_requests_leave_nothing_behind(scheduler):
     assert scheduler._active == set() and scheduler.batcher.idle and scheduler.pipeline.caches.slots == {}
 
 
-# ---------------------------------------------------------------- resuming a cut-off stream (issue 15)
+# ---------------------------------------------------------------- resuming a cut-off stream
 
 
 @pytest.fixture(scope="module", params=["cold", "prefix-cache"])

@@ -132,7 +132,7 @@ def test_top_k_at_or_above_the_vocabulary_keeps_every_token(hf_checkpoint):
         assert [a.sample(row(i)).item() for i in range(6)] == [b.sample(row(i)).item() for i in range(6)]
 
 
-# ---------------------------------------------------------------- resuming a cut-off stream (issue 15)
+# ---------------------------------------------------------------- resuming a cut-off stream
 
 
 def replay(tokenizer, tokens, resume=0, **sampling):

@@ -1,6 +1,6 @@
 """Every route of GET /openapi.json driven by schemathesis (hypothesis) against one real
 2-rank ring (tests/agent_ring.py), valid and invalid bodies alike, bounded so the module
-takes well under a minute here. The invariants (issue 46): no 5xx but the documented 503
+takes well under a minute here. The invariants: no 5xx but the documented 503
 and 507 (and 501 on the routes that are not supported), no Python exception text in any
 reply, and after each route's batch the ring still serves a greedy request exactly as before."""
 

@@ -1,5 +1,5 @@
-"""The HTTP front end against hostile clients, over real sockets to an in-process server
-(issue 46): request smuggling, bodies that are not JSON or not text, foreign Hosts and
+"""The HTTP front end against hostile clients, over real sockets to an in-process server:
+request smuggling, bodies that are not JSON or not text, foreign Hosts and
 Origins, sizes checked before tokenizing, internal errors answered without their text, and
 the OpenAPI document."""
 

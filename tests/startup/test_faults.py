@@ -1,4 +1,4 @@
-"""Faults become clean errors, never hangs (issue 6): real processes, real signals.
+"""Faults become clean errors, never hangs: real processes, real signals.
 
 A rank killed (SIGKILL) or frozen (SIGSTOP) mid-stream: the stream ends
 UNAVAILABLE naming the rank and its host, and every surviving rank exits

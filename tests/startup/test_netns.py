@@ -1,5 +1,5 @@
 """Two hosts as network namespaces joined by a veth pair: cut the link
-mid-generation and the failure is as clean as a killed rank's (issue 6).
+mid-generation and the failure is as clean as a killed rank's.
 
 Rank 0 runs in namespace A (10.77.0.1), rank 1 in B (10.77.0.2), ring backend,
 started directly with MLX_RANK / MLX_HOSTFILE as mlx.launch would. Nothing is

@@ -251,42 +251,53 @@ def longest_contexts(config: dict, plan, batches=(1, 8, 32)) -> dict:
     return {b: longest_context(config, rows, memory, b, limit, margin=plan.margin).context for b in batches}
 
 
-def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
-    """host_set: where the hosts in use and the lost ones are told (launch/host_set.py), e.g. for a front end."""
-    preset = load_preset(args.preset)
-    hf = load_hosts(args)
+def rank_command(args, preset: dict) -> List[str]:
+    """The ranks' command: run-trinity as a module of the ranks' interpreter, with the preset's
+    model and sampling where the command gives none (read as run-trinity reads it)."""
     cmd = list(args.command)
     if cmd[0].endswith(".py"):  # mlx.launch runs the command as it is
         cmd.insert(0, args.python or sys.executable)
     elif cmd[0] == RUN_SCRIPT:  # its module, as remote hosts' PATH lacks this environment's bin
         cmd[:1] = [args.python or sys.executable, "-m", "run_trinity"]
-    command = read_command(cmd)  # as run-trinity reads it
+    command = read_command(cmd)
     if preset.get("model") and command.settings.model.checkpoint is None:
         cmd += ["--model", preset["model"]]
     for key, (flag, dest) in SAMPLING_FLAGS.items():
         if key in preset.get("sampling", {}) and dest not in command.given:
             cmd += [flag, str(preset["sampling"][key])]
-    settings = read_command(cmd).settings
-    planner = Planner(cmd)  # the command as it is: --no-plan, or the user's own --split
-    if not args.no_plan and settings.ring.split is None:
-        from distributed.shard import checkpoint  # imports mlx_lm (slow): only when planning
+    return cmd
 
-        model, path, config = checkpoint.load_config(settings.model.checkpoint)
-        max_context = settings.sizing.max_context
-        auto = max_context == "auto"  # sized by rank 0 after loading; the plan takes the usual target
-        context = choose_context(args.context, None if auto else max_context, preset.get("context"), config=config)
-        if max_context is None:  # the ranks then refuse what the plan did not budget for
-            cmd += ["--max-context", str(context)]
-        fill_local_memory(hf)
-        sizes = None if any(h.memory_bytes is None for h in hf.hosts) else checkpoint.tensor_sizes(model, path)
-        planner = Planner(cmd, config, sizes, context, args.margin)
+
+def make_planner(args, preset: dict, hf: hostfile.Hostfile, cmd: List[str]) -> Planner:
+    """The memory planner over the model, or (--no-plan, the user's own --split) the command as it is."""
+    settings = read_command(cmd).settings
+    if args.no_plan or settings.ring.split is not None:
+        return Planner(cmd)
+    from distributed.shard import checkpoint  # imports mlx_lm (slow): only when planning
+
+    model, path, config = checkpoint.load_config(settings.model.checkpoint)
+    max_context = settings.sizing.max_context
+    auto = max_context == "auto"  # sized by rank 0 after loading; the plan takes the usual target
+    context = choose_context(args.context, None if auto else max_context, preset.get("context"), config=config)
+    if max_context is None:  # the ranks then refuse what the plan did not budget for
+        cmd = [*cmd, "--max-context", str(context)]
+    fill_local_memory(hf)
+    sizes = None if any(h.memory_bytes is None for h in hf.hosts) else checkpoint.tensor_sizes(model, path)
+    return Planner(cmd, config, sizes, context, args.margin)
+
+
+def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
+    """host_set: where the hosts in use and the lost ones are told (launch/host_set.py), e.g. for a front end."""
+    preset = load_preset(args.preset)
+    hf = load_hosts(args)
+    planner = make_planner(args, preset, hf, rank_command(args, preset))
     router_plan = None
     if not args.no_router:
         from .router.command import plan_router
 
         router_plan = plan_router(planner.command, hf)
         if router_plan is not None:  # every layout's command serves rank 0 on the internal address
-            planner.command = router_plan.command
+            planner = planner.with_command(router_plan.command)
     try:
         layout = planner.lay_out(hf)
     except DoesNotFit as e:

@@ -111,6 +111,10 @@ class Planner:
                  margin: float = DEFAULT_MARGIN):
         self.command, self.config, self.sizes, self.context, self.margin = list(command), config, sizes, context, margin
 
+    def with_command(self, command: List[str]) -> "Planner":
+        """This planner for another command (rank 0 moved, the router's internal address)."""
+        return Planner(command, self.config, self.sizes, self.context, self.margin)
+
     def lay_out(self, hf: Hostfile) -> Layout:
         settings = read_command(self.command).settings
         if self.config is None:
@@ -147,8 +151,7 @@ class Planner:
         if len(hf.hosts) % size:
             smaller = max(t for t in range(1, size) if t == 1 or runs(t))
             log(f"--tensor-parallel-size {size} does not run on these {len(hf.hosts)} hosts: {smaller} instead")
-            return Planner([*self.command, "--tensor-parallel-size", str(smaller)], self.config, self.sizes,
-                           self.context, self.margin).lay_out(hf)
+            return self.with_command([*self.command, "--tensor-parallel-size", str(smaller)]).lay_out(hf)
         if any(h.memory_bytes is None for h in hf.hosts):  # the ranks' start-up check measures and checks
             return Layout(list(self.command))
         groups = [list(range(s, s + size)) for s in range(0, len(hf.hosts), size)]
@@ -222,7 +225,7 @@ class Replanner:
             log(f"error: {gone}: no host left")
             return self._give_up(f"{short}: no host left")
         if rank0_lost and serving:  # (if the rest cannot hold the model, the router gives up anyway)
-            self.planner.command = self.move_rank0(rest, self.planner.command)
+            self.planner = self.planner.with_command(self.move_rank0(rest, self.planner.command))
         try:
             layout = self.planner.lay_out(rest)
         except DoesNotFit as e:

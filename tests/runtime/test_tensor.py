@@ -227,3 +227,32 @@ def test_mpi_two_groups_of_two_serve_a_batch(hf_checkpoint, tmp_path):
                 assert max(abs(a - b) for a, b in zip(out["logprobs"], logprobs)) < 1e-5
     finally:
         kill_group(proc)
+
+
+def test_memory_limit_refuses_a_frame_and_the_group_serves_on(hf_checkpoint):
+    """--memory-limit under T = 2: both ranks plan with the limit; a prompt whose frames outgrow it
+    is refused by rank 0 before a frame the followers would run (RESOURCE_EXHAUSTED), the group
+    stays in step, and the next request is served exactly."""
+    import grpc
+
+    from distributed.serving.proto import generation_pb2 as pb
+    from grpc_server import Server, generate
+
+    limit = 3_500_000  # a rank's weights (~2.0 MB) and about a thousand tokens of caches and frames
+    server = Server(hf_checkpoint, ranks=2, extra=["--tensor-parallel-size", "2", "--memory-limit", str(limit),
+                                                   "--max-context", "2048", "--max-batch", "1",
+                                                   "--prefix-cache-bytes", "0"])
+    try:
+        server.wait_serving()
+        info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        assert [(r.memory_bytes, r.memory_limited) for r in info.ranks] == [(limit, True)] * 2
+        with pytest.raises(grpc.RpcError) as e:
+            generate(server.stub, token_ids=[5 + i % 50 for i in range(1800)], max_tokens=4, temperature=0.0)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of memory on rank 0" in e.value.details()
+        tokens, logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, MAX_TOKENS, 512)
+        out = generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0)
+        assert out["token_ids"] == tokens
+        assert max(abs(a - b) for a, b in zip(out["logprobs"], logprobs)) < 1e-5
+        server.alive()
+    finally:
+        server.stop()

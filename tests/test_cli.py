@@ -243,3 +243,4 @@ def test_every_flag_is_read_into_one_settings_group():
             settings.serving.serve, settings.speculation.draft_ahead) == ("M", 0.5, "auto", "auto", "127.0.0.1:1", False)
     with pytest.raises(FrozenInstanceError):
         settings.ring.split = "1,1"
+    assert parse_settings([]) == Settings()  # the groups' defaults are the parser's

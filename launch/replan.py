@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, List, Optional, Set
 
 from distributed import TrinityError
-from distributed.cli import read_command
+from distributed.command_line import read_command
 from distributed.shard.memory import DEFAULT_MARGIN
 from distributed.shard.plan import Plan, plan_layers
 from distributed.startup.auto_split import PLAN_ENV, plan_spec

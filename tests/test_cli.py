@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, run_cli, run_json
 from draft_checkpoint import truncated_draft
-from distributed.cli import parse_settings
+from distributed.command_line import parse_settings
 from reference import PROMPT, mlx_lm_greedy
 from shard.test_loader import checkpoint_bytes
 
@@ -231,7 +231,7 @@ def test_every_flag_is_read_into_one_settings_group():
     the command line needs the argparse Namespace."""
     from dataclasses import FrozenInstanceError, fields
 
-    from distributed.cli import build_parser
+    from distributed.command_line import build_parser
     from distributed.startup.settings import Settings
 
     settings = parse_settings(["--model", "M", "--temp", "0.5", "--split", "auto", "--max-context", "auto",

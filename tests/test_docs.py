@@ -61,7 +61,7 @@ def test_every_option_is_documented(heading):
     """Each parser's options are in its section's tables on docs/command-line.md, so no flag goes
     undocumented (and the page names no flag the parser lacks)."""
     if heading == "run-trinity":
-        from distributed.cli import build_parser
+        from distributed.command_line import build_parser
     else:
         from launch.cli import build_parser
     options = set(option_strings(build_parser()))

@@ -4,7 +4,8 @@ itself back through others; no function grows past a screen.
 
 Layers, bottom to top: the `distributed` package's own __init__ (TrinityError);
 transport/ and shard/; runtime/; startup/ and serving/ (side by side, neither
-imports the other); distributed's entry points (cli.py, client.py); launch/.
+imports the other); run-trinity's command line (command_line.py) and the client (client.py); the
+rank's main (cli.py); launch/.
 """
 
 import ast
@@ -20,9 +21,10 @@ LAYERS = {
     "distributed.runtime": 2,
     "distributed.startup": 3,
     "distributed.serving": 3,
-    "distributed.cli": 4,
+    "distributed.command_line": 4,
     "distributed.client": 4,
-    "launch": 5,
+    "distributed.cli": 5,
+    "launch": 6,
 }
 MAX_FUNCTION_LINES = 80
 

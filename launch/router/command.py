@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from distributed.cli import read_command, without_flags
+from distributed.command_line import read_command, without_flags
 from distributed.serving.options import AUTH_TOKEN_ENV, ServeOptions, check_options, split_hosts
 
 from ..hostfile import Hostfile

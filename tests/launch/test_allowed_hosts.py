@@ -2,7 +2,8 @@
 parser, or TRINITY_ALLOWED_HOSTS) and the launcher's router's, which leaves it in the ranks'
 command too (rank 0 keeps --metrics)."""
 
-from distributed.cli import parse_settings, serve_options
+from distributed.cli import serve_options
+from distributed.command_line import parse_settings
 from distributed.serving.options import ALLOWED_HOSTS_ENV
 from launch.hostfile import local_hosts
 from launch.router.command import plan_router

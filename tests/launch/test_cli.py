@@ -270,7 +270,7 @@ def test_the_ranks_command_is_read_as_the_ranks_read_it(capsys, hf_checkpoint):
 
 
 def test_the_router_takes_the_last_serve_and_every_http_from_the_ranks():
-    from distributed.cli import read_command
+    from distributed.command_line import read_command
     from launch.hostfile import local_hosts
     from launch.router.command import plan_router
 

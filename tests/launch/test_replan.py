@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from distributed.cli import read_command
+from distributed.command_line import read_command
 from distributed.shard import checkpoint
 from distributed.startup.auto_split import PLAN_ENV
 from launch import cli, hostfile

@@ -125,7 +125,7 @@ def test_launch_plan_advises_and_plans_a_tensor_group(capsys):
 def test_launch_run_passes_the_size_through_without_a_split(capsys, hf_checkpoint):
     """`launch run` plans no --split for a tensor-parallel command (the ranks split evenly), and
     a host set the size does not divide (a re-plan after a lost host) runs a size that divides it."""
-    from distributed.cli import read_command
+    from distributed.command_line import read_command
     from launch.replan import DoesNotFit, Planner, drop_hosts
     from distributed.shard import checkpoint
 

@@ -228,7 +228,7 @@ def test_auto_context_bounds_the_prefill_chunk_to_the_margin(max_context):
     (half: the rest holds replies and logits) at its own context: a prompt's first chunk longer
     than its last, near the auto context; a fixed context without --memory-limit keeps the
     chunk asked for."""
-    from distributed.cli import parse_settings
+    from distributed.command_line import parse_settings
     from distributed.runtime.memory_guard import activation_bytes
     from distributed.shard.config import model_args
     from distributed.startup.sizing import serving_sizes

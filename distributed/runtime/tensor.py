@@ -15,6 +15,8 @@ to the other ranks of its group, which replay it as above.
 """
 
 import logging
+import threading
+from contextlib import contextmanager
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
@@ -53,17 +55,32 @@ def tensor_share(stage: Stage, rank: int, size: int) -> dict:
 
 class TensorPipeline(Pipeline):
     def __init__(self, stage: Stage, group, transport: Optional[Transport] = None, waker=None, peer_reports=dict,
-                 memory_limit: Optional[int] = None):
+                 memory_limit: Optional[int] = None, watchdog=None):
         super().__init__(stage, transport, waker, peer_reports, memory_limit)
         self.broadcast = Broadcast(group)
         self.tensor_size = group.size()
         self.time_sends = False
+        self.watchdog = watchdog
+
+    @contextmanager
+    def _collectives(self):
+        """A collective that fails (a rank of the group died: the ring backend's "connection to a
+        peer was lost") waits for the watchdog's verdict, as a guarded transport's call does: with
+        one, the watchdog reports the ring down and ends the process (the launcher restarts it, its
+        router replays the requests), rather than this frame failing as an internal error."""
+        try:
+            yield
+        except Exception:
+            if self.watchdog is not None and self.watchdog.verdict(self.watchdog.peer_timeout + 2.0) is not None:
+                threading.Event().wait()
+            raise
 
     def _tell(self, header: Header, values: Sequence[int] = ()) -> None:
         if self._parked:
             self.waker(self._parked)
             self._parked = 0
-        self.broadcast.send(header, values)
+        with self._collectives():
+            self.broadcast.send(header, values)
 
     def _tell_others(self, op: Op, slot: int, arg: int = 0, values: Sequence[int] = ()) -> None:
         self._tell(Header(op, slot=slot, arg=arg), values)
@@ -88,7 +105,7 @@ class TensorPipeline(Pipeline):
         # Evaluated now, before anything else is broadcast (or sent: a send is evaluated on a
         # stream of its own): the other ranks run this frame's all_sums now. (A failure here,
         # allocation included, would leave them mid-frame: it fails the ring, which the watchdog reports.)
-        with self.stats.computing():
+        with self.stats.computing(), self._collectives():
             mx.eval(out, [c.state for c in caches])
         if self.transport is not None:
             self._sent(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot, arg=keep, next_length=next_length), h)
@@ -109,7 +126,8 @@ class TensorPipeline(Pipeline):
         """The other ranks block on the watchdog's channel, not in the next broadcast."""
         if self.waker is None or self._parked:
             return
-        self.broadcast.send(Header(Op.PARK, arg=self._parks + 1))
+        with self._collectives():
+            self.broadcast.send(Header(Op.PARK, arg=self._parks + 1))
         if self.transport is not None:
             return super().park()
         self._parks += 1
@@ -121,7 +139,8 @@ class TensorPipeline(Pipeline):
 
     def rank_info(self) -> List[dict]:
         self._tell(Header(Op.INFO))
-        table = self.broadcast.gather_rows(_info_row(self.stage, 0))
+        with self._collectives():
+            table = self.broadcast.gather_rows(_info_row(self.stage, 0))
         if self.transport is not None:
             self._send(Header.for_payload(Op.INFO, table), table)
             _, table = self.transport.recv()

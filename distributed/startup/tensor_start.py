@@ -119,7 +119,7 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
         return None
     pipeline = TensorPipeline(stage, tensor, transport, waker=watchdog and watchdog.wake,
                               peer_reports=(lambda: dict(watchdog.reports)) if watchdog is not None else dict,
-                              memory_limit=limit)
+                              memory_limit=limit, watchdog=watchdog)
     # Rank 0 sizes the KV caches (--max-batch's default, --max-context auto, the prefix cache's bytes)
     # from the rank table's layers and this config: one rank's share of the heads, so one rank's caches.
     share = dict(config, num_attention_heads=config["num_attention_heads"] // size,

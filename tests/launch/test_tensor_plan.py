@@ -142,3 +142,31 @@ def test_launch_run_passes_the_size_through_without_a_split(capsys, hf_checkpoin
     tiny = hostfile.parse([{"ssh": h, "ips": [f"127.0.0.{i + 1}"], "memory_gb": 0.001} for i, h in enumerate("AB")])
     with pytest.raises(DoesNotFit):
         Planner(command, config, sizes, 2048).lay_out(tiny)
+
+
+@pytest.mark.slow
+def test_launch_run_restarts_a_tensor_parallel_ring(hf_checkpoint, tmp_path):
+    """`launch run --single-host 2 --restart 1 -- run-trinity --tensor-parallel-size 2 --serve`:
+    the ranks start with the size and no --split; rank 1 killed mid-stream, the restarted ring
+    finishes the stream (the launcher's router replays it) with the undisturbed run's tokens."""
+    import os
+    import signal
+
+    from grpc_stream import Stream
+    from reference import PROMPT
+    from router_launcher import Launcher, assert_same, serving
+
+    launcher = Launcher(hf_checkpoint, tmp_path / "launch.log", 2, "--restart", "1",
+                        serve_args=("--tensor-parallel-size", "2"))
+    with serving(launcher):
+        undisturbed = Stream(launcher.stub, token_ids=PROMPT, max_tokens=120, temperature=0.0)
+        undisturbed.result()
+        stream = Stream(launcher.stub, token_ids=PROMPT, max_tokens=120, temperature=0.0)
+        stream.wait_tokens(12)
+        before = launcher.ranks()
+        os.kill(before[1], signal.SIGKILL)
+        assert_same(stream, undisturbed)
+        after = launcher.ranks()
+        assert after[1] != before[1] and len(after) == 2
+        assert "launch: router: replayed a request after" in launcher.output()
+        assert "--split" not in launcher.output()

@@ -20,17 +20,19 @@ import numpy as np
 from .request import RequestError
 
 _WORKERS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+COMPILED_KEPT = 32  # grammars whose compiled matcher is kept, for the next request with the same one
 # From host memory, not mx.arange: a lazy array would belong to the importing thread's stream.
 _BITS = mx.array(np.arange(32, dtype=np.uint32))
 
 
 class Grammars:
     """The llguidance tokenizer of a model (built once: about a second for a real
-    vocabulary), and the constraints made with it."""
+    vocabulary), the grammars compiled lately, and the constraints made with them."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self._lock, self._ll = threading.Lock(), None
+        self._compiled = {}  # grammar -> its matcher as compiled, before any token; least recently used first
 
     @property
     def ll_tokenizer(self):
@@ -45,6 +47,22 @@ class Grammars:
 
     def constraint(self, grammar: str) -> "Constraint":
         return Constraint(self, grammar)
+
+    def matcher(self, grammar: str):
+        """A fresh matcher of `grammar`: a copy of the one compiled for it lately, if any (an agent
+        sends the same tools with every request: compiling Codex's takes tens of milliseconds, a
+        copy microseconds)."""
+        import llguidance
+
+        with self._lock:
+            compiled = self._compiled.pop(grammar, None)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        with self._lock:
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > COMPILED_KEPT:
+                del self._compiled[next(iter(self._compiled))]
+        return compiled.deep_copy()
 
 
 def one_line(message: str, limit: int = 300) -> str:
@@ -78,10 +96,8 @@ class Constraint:
     """One sequence's matcher and its next mask (see the module's docstring)."""
 
     def __init__(self, grammars: Grammars, grammar: str):
-        import llguidance
-
         self.vocab_size = grammars.vocab_size
-        self.matcher = llguidance.LLMatcher(grammars.ll_tokenizer, grammar, log_level=0)
+        self.matcher = grammars.matcher(grammar)
         self._check()
         self.consumed = 0  # generated tokens given to the matcher
         # The next position's mask: (the job writing it, its row in the job's words), or None: not started.

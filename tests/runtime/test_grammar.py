@@ -137,6 +137,27 @@ def test_a_token_the_matcher_refuses_ends_only_its_sequence(hf_checkpoint):
     assert constraint.valid_prefix([a, z], [a]) == []
 
 
+def test_each_request_of_a_grammar_compiled_once_has_a_matcher_of_its_own(hf_checkpoint):
+    """A grammar is compiled once (agents send the same tools with every request) and each
+    constraint of it gets a copy: one sequence's tokens do not move another's matcher."""
+    from distributed.runtime.grammar import Grammars
+
+    tokenizer = load_tokenizer(hf_checkpoint)
+    grammars = Grammars(tokenizer, mlx_lm_model(hf_checkpoint).args.vocab_size)
+    grammar = regex_grammar("ab|ba")
+    a, b = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "ab")
+
+    def allows(words, token):
+        return bool((words.view(np.uint32)[token // 32] >> (token % 32)) & 1)
+
+    first, second = grammars.constraint(grammar), grammars.constraint(grammar)
+    after_a = first.words([a]).copy()
+    after_b = second.words([b])
+    assert after_b is not None and second.error is None
+    assert allows(after_a, b) and not allows(after_a, a) and allows(after_b, a) and not allows(after_b, b)
+    assert np.array_equal(grammars.constraint(grammar).words([a]), after_a)
+
+
 def test_masks_prepared_for_a_group_equal_masks_made_row_by_row(hf_checkpoint):
     """prepare_masks' one array for a group (rows without a grammar allow everything) is
     what each row's own mask is; apply_masks takes it as it is when the rows line up and

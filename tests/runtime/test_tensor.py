@@ -123,10 +123,14 @@ def test_mpi_two_groups_of_two_equal_mlx_lm(hf_checkpoint):
 
 
 @pytest.mark.skipif(not Path(system_mpirun()).exists(), reason="no mpirun")
-def test_mpi_equals_mlx_lm(hf_checkpoint):
+def test_mpi_equals_mlx_lm(hf_checkpoint, kv4_checkpoint):
+    """T = 2 and T = 4 (every rank 1/4 of every layer) under mpirun."""
     out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", str(MAX_TOKENS),
                     "--tensor-parallel-size", "2"], ranks=2, backend="mpirun")
     assert_reference(out, hf_checkpoint)
+    out = run_json(["--model", str(kv4_checkpoint), "--prompt-ids", IDS, "--max-tokens", str(MAX_TOKENS),
+                    "--tensor-parallel-size", "4"], ranks=4, backend="mpirun")
+    assert_reference(out, kv4_checkpoint)
 
 
 SHARES = [{"rank": r, "size": 2, "heads": [2 * r, 2 * r + 2], "kv_heads": [r, r + 1], "experts": 8,
@@ -152,9 +156,30 @@ def test_serving_equals_mlx_lm(hf_checkpoint):
         for out, (tokens, logprobs) in zip(outs, refs):
             assert out["token_ids"] == tokens
             assert max(abs(a - b) for a, b in zip(out["logprobs"], logprobs)) < 1e-5
+        assert_constrained(server, hf_checkpoint)
         server.alive()
     finally:
         server.stop()
+
+
+def assert_constrained(server, hf_checkpoint):
+    """Constrained decoding at T = 2: greedy under a JSON schema is mlx-lm's masked by llguidance
+    itself; a sampled regex always matches."""
+    import json
+    import re
+
+    from distributed.runtime.grammar import json_schema_grammar
+    from grpc_server import generate
+    from reference import mlx_lm_masked_greedy
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["n"], "additionalProperties": False}
+    reference = mlx_lm_masked_greedy(hf_checkpoint, PROMPT, json_schema_grammar(schema), 40)
+    out = generate(server.stub, token_ids=PROMPT, max_tokens=40, json_schema=json.dumps(schema))
+    assert out["token_ids"] == reference and json.loads(out["text"])["n"] >= 0
+    for seed in range(2):
+        out = generate(server.stub, token_ids=PROMPT, max_tokens=20, temperature=1.3, seed=seed, regex=r"[0-9]{3}-[ab]+")
+        assert re.fullmatch(r"[0-9]{3}-[ab]+", out["text"]) or out["finish_reason"] == "length", out
 
 
 def assert_shares_shown(server):
@@ -256,3 +281,15 @@ def test_memory_limit_refuses_a_frame_and_the_group_serves_on(hf_checkpoint):
         server.alive()
     finally:
         server.stop()
+
+
+def test_speculation_equals_mlx_lm(hf_checkpoint):
+    """Prompt lookup at T = 2, far past the window: drafts verified by the group, the rejected ones
+    trimmed on both ranks (a broadcast TRIM), the greedy output and logprobs as without."""
+    tokens, logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, 200, 8)
+    out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "200", "--prompt-lookup",
+                    "--speculate", "always", "--num-draft-tokens", "3", "--tensor-parallel-size", "2"], ranks=2)
+    assert out["token_ids"] == tokens
+    assert max(abs(a - b) for a, b in zip(out["logprobs"], logprobs)) < 1e-4
+    spec = out["speculative"]
+    assert spec["passes"] > 0 and 0 < spec["accepted"] < spec["drafted"], spec  # some drafts taken, some trimmed

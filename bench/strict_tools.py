@@ -10,12 +10,14 @@ grammar changes no token). Rounds alternate between
           opens a call: a grammar that allows free text until the tool-call token, then the call)
 and aggregate tok/s = completion tokens / (last reply - first request sent), median of --reps rounds
 each, and strict / loose (and the median of each strict round over the loose one before it, which
-shares more of what a busy machine does meanwhile). Like for like: the same prompts, greedy, every
-reply max_tokens long and made of tool calls in both (the run says if not). (The embedded model's
-markers are no added tokens: strict changes nothing there.)
+shares more of what a busy machine does meanwhile; and, where /proc tells it, tokens a second of the
+ranks' CPU time, which other work on the machine leaves as it is). Like for like: the same prompts,
+greedy, every reply max_tokens long and made of tool calls in both (the run says if not). (The
+embedded model's markers are no added tokens: strict changes nothing there.)
 """
 
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -64,14 +66,25 @@ def chat(address: str, i: int, strict: bool, max_tokens: int) -> tuple:
     return sent, time.perf_counter(), answer["usage"]["completion_tokens"], len(calls)
 
 
-def round_of(address: str, n: int, strict: bool, max_tokens: int) -> tuple:
-    """(aggregate tok/s, tokens, tool calls) of n chats released together."""
+def cpu_seconds(server: Server):
+    """User and system CPU time the ranks (every thread) took so far; None without /proc (macOS)."""
+    try:
+        stats = [Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split() for p in server.procs]
+    except OSError:
+        return None
+    return sum(int(s[11]) + int(s[12]) for s in stats) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def round_of(server: Server, n: int, strict: bool, max_tokens: int) -> tuple:
+    """(aggregate tok/s, tokens, tool calls, the ranks' CPU seconds) of n chats released together."""
+    address, cpu = server.http, cpu_seconds(server)
     runs = concurrent([lambda i=i: chat(address, i, strict, max_tokens) for i in range(n)])
     failed = [r["error"] for r in runs if isinstance(r, dict)]
     if failed:
         raise RuntimeError(failed[0])
     tokens = sum(r[2] for r in runs)
-    return tokens / (max(r[1] for r in runs) - min(r[0] for r in runs)), tokens, sum(r[3] for r in runs)
+    cpu = cpu_seconds(server) - cpu if cpu is not None else None
+    return tokens / (max(r[1] for r in runs) - min(r[0] for r in runs)), tokens, sum(r[3] for r in runs), cpu
 
 
 def wait_http(server: Server, timeout: float = 60) -> None:
@@ -91,21 +104,26 @@ def wait_http(server: Server, timeout: float = 60) -> None:
 def measure(server: Server, streams: int, args) -> dict:
     """Rounds alternating loose and strict after a warm-up of each (kernels, the grammar's tokenizer)."""
     for strict in (False, True):
-        round_of(server.http, streams, strict, 8)
+        round_of(server, streams, strict, 8)
     rounds = {"loose": [], "strict": []}
     for _ in range(args.reps):
         for name in rounds:
-            rounds[name].append(round_of(server.http, streams, name == "strict", args.max_tokens))
+            rounds[name].append(round_of(server, streams, name == "strict", args.max_tokens))
     loose, strict = (statistics.median(r[0] for r in rounds[k]) for k in ("loose", "strict"))
     # Each strict round over the loose one just before it: what a busy machine shares between the two.
     paired = statistics.median(s[0] / l[0] for l, s in zip(rounds["loose"], rounds["strict"]))
     print(f"P={server.ranks}, {streams} streams, {args.max_tokens} tokens at most, median of {args.reps}: "
           f"loose {loose:.1f} tok/s, strict {strict:.1f} tok/s, strict/loose {strict / loose:.3f} "
           f"(paired rounds: {paired:.3f})", flush=True)
-    if {r[1:] for r in rounds["loose"]} != {r[1:] for r in rounds["strict"]} or not rounds["loose"][0][2]:
+    cpu = None
+    if rounds["loose"][0][3] is not None:  # other work on a busy machine takes wall time, not the ranks' CPU time
+        cpu = statistics.median(r[1] / r[3] for r in rounds["strict"]) / statistics.median(
+            r[1] / r[3] for r in rounds["loose"])
+        print(f"  tokens a second of the ranks' CPU time: strict/loose {cpu:.3f} (medians of rounds)", flush=True)
+    if {r[1:3] for r in rounds["loose"]} != {r[1:3] for r in rounds["strict"]} or not rounds["loose"][0][2]:
         print("  not like for like: the rounds differ in tokens or tool calls (or made none)", rounds)
     return {"ranks": server.ranks, "streams": streams, "loose_tok_s": loose, "strict_tok_s": strict,
-            "ratio": strict / loose, "paired_ratio": paired, "rounds": rounds}
+            "ratio": strict / loose, "paired_ratio": paired, "cpu_ratio": cpu, "rounds": rounds}
 
 
 def main(args) -> None:

@@ -58,9 +58,9 @@ def handshake(group, model_path: Path, config: dict, ranges, context: int, memor
     start, end = ranges[rank]
     sizes = model_sizes(config)
     need = sizes.weight_bytes(start, end, rank == 0) + sizes.cache_bytes(start, end, context)
-    if tensor > 1:  # --tensor-parallel-size: 1/T of every layer and its caches, the embedding and head whole
-        layers = sizes.weight_bytes(start, end, False)
-        need = layers // tensor + sizes.weight_bytes(start, end, True) - layers + sizes.cache_bytes(start, end, context) // tensor
+    if tensor > 1:  # --tensor-parallel-size: 1/T of its stage's layers and caches; the first stage's ranks
+        layers = sizes.weight_bytes(start, end, False)  # hold the embedding and head whole
+        need = layers // tensor + sizes.weight_bytes(start, end, start == 0) - layers + sizes.cache_bytes(start, end, context) // tensor
     row = _row(rank, usable_memory_bytes(), fingerprint(model_path), start, end, need, socket.gethostname())
     table = mx.zeros((group.size(), len(row)), dtype=mx.int32)
     table[rank] = mx.array(row, dtype=mx.int32)

@@ -210,6 +210,13 @@ def _tensor_share(share: Optional[dict]) -> Optional[pb.TensorShare]:
                           expert_width_start=width[0], expert_width_end=width[1])
 
 
+def tensor_share_row(t: pb.TensorShare) -> dict:
+    """A RankInfo's TensorShare as a rank row's "tensor" again (the launcher's router)."""
+    return {"rank": t.rank, "size": t.size, "heads": [t.head_start, t.head_end],
+            "kv_heads": [t.kv_head_start, t.kv_head_end], "experts": t.experts,
+            "expert_width": [t.expert_width_start, t.expert_width_end] if t.experts else None}
+
+
 def _top(top) -> pb.TopLogprobs:
     """(token id, logprob) pairs; None (the first prompt token) is empty."""
     return pb.TopLogprobs(token_ids=[t for t, _ in top or ()], logprobs=[v for _, v in top or ()])

@@ -20,6 +20,7 @@ import grpc
 from distributed.runtime.grammar import one_line
 from distributed.runtime.request import FinishEvent, GenerationRequest, RequestError
 from distributed.runtime.scheduler import QueueFull, RingUnavailable
+from distributed.serving.grpc_service import tensor_share_row
 
 from .replay import Forwarded
 from .upstream import Upstream
@@ -149,7 +150,11 @@ def check_grammar(grammar: str) -> None:
 
 def rank_rows(info) -> List[dict]:
     """pb.ModelInfo's ranks as the runtime's rank_info() rows."""
-    return [{"rank": r.rank, "host": r.host, "layers": [r.layer_start, r.layer_end], "embed": r.embed,
-             "head": r.head, "peak_memory_bytes": r.peak_memory_bytes, "parameter_bytes": r.parameter_bytes,
-             "memory_bytes": r.memory_bytes, "memory_limited": r.memory_limited}
-            for r in info.ranks]
+    rows = []
+    for r in info.ranks:
+        rows.append({"rank": r.rank, "host": r.host, "layers": [r.layer_start, r.layer_end], "embed": r.embed,
+                     "head": r.head, "peak_memory_bytes": r.peak_memory_bytes, "parameter_bytes": r.parameter_bytes,
+                     "memory_bytes": r.memory_bytes, "memory_limited": r.memory_limited})
+        if r.HasField("tensor"):  # --tensor-parallel-size
+            rows[-1]["tensor"] = tensor_share_row(r.tensor)
+    return rows

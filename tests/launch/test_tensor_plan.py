@@ -151,6 +151,7 @@ def test_launch_run_restarts_a_tensor_parallel_ring(hf_checkpoint, tmp_path):
     finishes the stream (the launcher's router replays it) with the undisturbed run's tokens."""
     import os
     import signal
+    import urllib.request
 
     from grpc_stream import Stream
     from reference import PROMPT
@@ -170,3 +171,7 @@ def test_launch_run_restarts_a_tensor_parallel_ring(hf_checkpoint, tmp_path):
         assert after[1] != before[1] and len(after) == 2
         assert "launch: router: replayed a request after" in launcher.output()
         assert "--split" not in launcher.output()
+        with urllib.request.urlopen(f"http://{launcher.http}/v1/status", timeout=30) as r:  # the router's
+            shares = [row["tensor"] for row in json.loads(r.read())["ranks"]]
+        assert [(t["rank"], t["size"], t["heads"], t["kv_heads"], t["experts"]) for t in shares] == [
+            (0, 2, [0, 2], [0, 1], 8), (1, 2, [2, 4], [1, 2], 8)]

@@ -310,6 +310,7 @@ def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
         # Some remote host's memory is unknown: the ranks measure, exchange and plan at start-up.
         print("launch: memory_gb missing for " + ", ".join(h.ssh for h in hf.hosts if h.memory_bytes is None)
               + ": the ranks measure it and plan at start-up (--split auto)", file=sys.stderr)
+    note_tensor_advice(planner, hf)
     ours = runner.can_start_ourselves(hf, args.backend)
     if args.via == "direct" and not ours:
         raise TrinityError("--via direct needs the ring backend (and an IP for every host); "
@@ -340,6 +341,20 @@ def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
         return starter.run(hf, layout, args.restart, args.grace, args.restart_delay, replanner, router)
 
     return _supervised(router_plan, layout.command, run)
+
+
+def note_tensor_advice(planner, hf: hostfile.Hostfile) -> None:
+    """A --tensor-parallel-size the speed model finds slower than another choice here (over TCP,
+    say) is said before the ranks start (`trinity-launch plan` shows the figures)."""
+    size = read_command(planner.command).settings.ring.tensor_parallel_size
+    if planner.config is None or size == 1:
+        return
+    from .tensor_plan import advise
+
+    advice = advise(planner.config, hf)
+    if advice.choice.tensor != size:
+        print(f"launch: note: for one chat over these links the speed model advises {advice.why} "
+              "(`trinity-launch plan` shows its figures)", file=sys.stderr)
 
 
 def _supervised(router_plan, cmd: List[str], run) -> int:

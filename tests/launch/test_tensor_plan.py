@@ -175,3 +175,18 @@ def test_launch_run_restarts_a_tensor_parallel_ring(hf_checkpoint, tmp_path):
             shares = [row["tensor"] for row in json.loads(r.read())["ranks"]]
         assert [(t["rank"], t["size"], t["heads"], t["kv_heads"], t["experts"]) for t in shares] == [
             (0, 2, [0, 2], [0, 1], 8), (1, 2, [2, 4], [1, 2], 8)]
+
+
+def test_launch_run_notes_a_size_the_links_do_not_favour(capsys, hf_checkpoint, tmp_path):
+    """Over TCP the speed model finds T = 2 slower than the pipeline: `launch run` says so (and runs it)."""
+    from launch.cli import main
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": f"{h}.local", "ips": [f"10.0.0.{i + 1}"], "memory_gb": 1}
+                                 for i, h in enumerate("ab")]))
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--hostfile", str(hosts), "--dry-run", "--", "run-trinity", "--model", str(hf_checkpoint),
+              "--tensor-parallel-size", "2", "--prompt", "hi"])
+    out = capsys.readouterr()
+    assert e.value.code == 0 and "--tensor-parallel-size 2" in out.out and "--split" not in out.out
+    assert "launch: note: for one chat over these links the speed model advises the pipeline" in out.err

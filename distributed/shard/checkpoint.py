@@ -83,11 +83,3 @@ def tensor_sizes(model: str, path: Path) -> Optional[Dict[str, int]]:
     if _is_local(model):
         return local_tensor_sizes(path)
     return local_tensor_sizes(path) or hub_tensor_sizes(model)
-
-
-def index_total_size(path: Path) -> Optional[int]:
-    """The index's metadata.total_size, a cross-check for config-only estimates."""
-    index = path / INDEX_FILE
-    if not index.exists():
-        return None
-    return json.loads(index.read_text()).get("metadata", {}).get("total_size")

@@ -303,7 +303,7 @@ def test_unknown_model_is_404(served):
 
 def test_the_docs_list_every_field(served):
     """docs/serving.md's field table says what fields() does, field by field."""
-    section = (ROOT / "docs/serving.md").read_text().split("## OpenAI fields")[1].split("\n#")[0]
+    section = (ROOT / "docs/serving.md").read_text().split("## OpenAI fields")[1].split("\n## ")[0]
     rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \| ([^|]+) \|", section, re.M)
     words = {"implemented": "implemented", "extension": "extension", "no effect": "hint",
              "only": "neutral only", "refused": "refused", "—": None}

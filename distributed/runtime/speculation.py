@@ -34,7 +34,7 @@ pass whose drafts all held. A frame that holds saves a round trip; a cancelled o
 costs every rank its positions and delays the frames behind it. So each sequence keeps the
 odds that a frame ahead holds (a moving average of what became of its frames ahead, and
 of its other passes' drafts all holding, an upper bound), and the n-th frame ahead goes
-only while odds ** n >= AHEAD_ODDS (bench_speculation.py --ring-ceiling: at 1/2, drafts
+only while odds ** n >= AHEAD_ODDS (python -m bench speculation --ring-ceiling: at 1/2, drafts
 with one wrong in 4 lost 15-25% against one frame at a time; docs/command-line.md has the figures).
 """
 
@@ -48,7 +48,7 @@ from .caches import is_batch
 from .frames import FrameKind, Outstanding
 
 # The most drafts a pass may verify: a pass over 9 positions costs 1.31x one over 1 with the
-# embedded model on a CPU with OpenBLAS (bench/bench_verify.py; 1.01x over 5), and a copied
+# embedded model on a CPU with OpenBLAS (python -m bench micro verify; 1.01x over 5), and a copied
 # passage is drafted best by long passes (the tiny editor at P = 1: 2.15x plain with up to 8,
 # 1.36x with up to 4). A sequence's first pass drafts FIRST_DRAFTS; then it adapts.
 DEFAULT_DRAFT_TOKENS = 8

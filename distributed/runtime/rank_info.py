@@ -9,28 +9,22 @@ from typing import List
 
 import mlx.core as mx
 
-HOST_CHARS = 64
+from ..rows import HOST_CHARS, columns_text, join_int, split_int, text_columns
+
 _FIXED = 9  # rank, start, end, embed, head, peak (2 cols), params (2 cols)
 ROW_WIDTH = _FIXED + HOST_CHARS
-_LOW = (1 << 31) - 1
-
-
-def _split(v: int) -> List[int]:
-    return [v >> 31, v & _LOW]
 
 
 def encode_row(rank: int, start: int, end: int, first: bool, parameter_bytes: int) -> mx.array:
-    host = socket.gethostname()[:HOST_CHARS]
-    chars = [ord(c) for c in host] + [0] * (HOST_CHARS - len(host))
     fixed = [rank, start, end, int(first), int(first)]
-    fixed += _split(mx.get_peak_memory()) + _split(parameter_bytes)
-    return mx.array(fixed + chars, dtype=mx.int32)[None, None, :]
+    fixed += split_int(mx.get_peak_memory()) + split_int(parameter_bytes)
+    return mx.array(fixed + text_columns(socket.gethostname()), dtype=mx.int32)[None, None, :]
 
 
 def decode_rows(table: mx.array) -> List[dict]:
     rows = []
     for row in table.reshape(-1, ROW_WIDTH).tolist():
-        host = "".join(chr(c) for c in row[_FIXED:] if c)
+        host = columns_text(row[_FIXED:])
         rows.append(
             {
                 "rank": row[0],
@@ -38,8 +32,8 @@ def decode_rows(table: mx.array) -> List[dict]:
                 "layers": [row[1], row[2]],
                 "embed": bool(row[3]),
                 "head": bool(row[4]),
-                "peak_memory_bytes": (row[5] << 31) | row[6],
-                "parameter_bytes": (row[7] << 31) | row[8],
+                "peak_memory_bytes": join_int(row[5], row[6]),
+                "parameter_bytes": join_int(row[7], row[8]),
             }
         )
     return rows

@@ -28,8 +28,6 @@ from .sizes import model_sizes
 
 DEFAULT_MARGIN = 0.10  # of each rank's memory planned for nobody: activations, the runtime, and the OS's own share
 
-_LOW = (1 << 31) - 1  # ranks exchange int32 (every backend sums those); a byte count takes two
-HOST_CHARS = 64
 
 
 def usable_memory_bytes() -> int:
@@ -79,16 +77,12 @@ def gather_memory(group, nbytes: Optional[int] = None, host: Optional[str] = Non
     A collective: every rank of `group` must call it, before loading (all_sum, so it
     works on every backend, NCCL included).
     """
-    import mlx.core as mx
+    from ..rows import columns_text, gather_rows, join_int, split_int, text_columns
 
     nbytes = usable_memory_bytes() if nbytes is None else int(nbytes)
-    host = (host or socket.gethostname())[:HOST_CHARS]
-    row = [nbytes >> 31, nbytes & _LOW] + [ord(c) for c in host] + [0] * (HOST_CHARS - len(host))
-    table = mx.zeros((group.size(), len(row)), dtype=mx.int32)
-    table[group.rank()] = mx.array(row, dtype=mx.int32)
-    rows = mx.distributed.all_sum(table, group=group).tolist()
-    memories = [(r[0] << 31) | r[1] for r in rows]
-    hosts = ["".join(chr(c) for c in r[2:] if c) for r in rows]
+    rows = gather_rows(group, split_int(nbytes) + text_columns(host or socket.gethostname()))
+    memories = [join_int(r[0], r[1]) for r in rows]
+    hosts = [columns_text(r[2:]) for r in rows]
     return share_by_host(memories, hosts)
 
 

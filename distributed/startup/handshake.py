@@ -8,19 +8,15 @@ import socket
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-import mlx.core as mx
-
 from .. import TrinityError
 from ..shard.loader import INDEX_FILE
-
-HOST_CHARS = 64
+from ..rows import columns_text, gather_rows, join_int, split_int, text_columns
 
 
 class StartupRefused(TrinityError):
     """A verdict every rank reached from the same exchanged table: each exits
     with it on its own (no rank waits for, or needs to hear from, another)."""
 
-_LOW = (1 << 31) - 1
 _FP_INTS = 4  # 16 bytes of the sha256: plenty to tell checkpoints apart
 
 
@@ -41,9 +37,8 @@ def fingerprint(model_path: Path) -> str:
 
 
 def _row(rank, memory, fp, start, end, need, host) -> List[int]:
-    fp_ints = [int(fp[i : i + 8], 16) & _LOW for i in range(0, len(fp), 8)]
-    chars = [ord(c) for c in host[:HOST_CHARS]]
-    return [rank, memory >> 31, memory & _LOW, *fp_ints, start, end, need >> 31, need & _LOW] + chars + [0] * (HOST_CHARS - len(chars))
+    fp_ints = [int(fp[i : i + 8], 16) & 0x7FFFFFFF for i in range(0, len(fp), 8)]
+    return [rank, *split_int(memory), *fp_ints, start, end, *split_int(need), *text_columns(host)]
 
 
 def handshake(group, model_path: Path, config: dict, ranges, context: int, memory_limit=None,
@@ -62,15 +57,13 @@ def handshake(group, model_path: Path, config: dict, ranges, context: int, memor
         layers = sizes.weight_bytes(start, end, False)  # hold the embedding and head whole
         need = layers // tensor + sizes.weight_bytes(start, end, start == 0) - layers + sizes.cache_bytes(start, end, context) // tensor
     row = _row(rank, usable_memory_bytes(), fingerprint(model_path), start, end, need, socket.gethostname())
-    table = mx.zeros((group.size(), len(row)), dtype=mx.int32)
-    table[rank] = mx.array(row, dtype=mx.int32)
     reports = []
-    for r in mx.distributed.all_sum(table, group=group).tolist():
+    for r in gather_rows(group, row):
         f = 3 + _FP_INTS
         reports.append({
-            "rank": r[0], "memory_bytes": (r[1] << 31) | r[2], "fingerprint": tuple(r[3:f]),
-            "layers": [r[f], r[f + 1]], "need_bytes": (r[f + 2] << 31) | r[f + 3],
-            "host": "".join(chr(c) for c in r[f + 4 :] if c),
+            "rank": r[0], "memory_bytes": join_int(r[1], r[2]), "fingerprint": tuple(r[3:f]),
+            "layers": [r[f], r[f + 1]], "need_bytes": join_int(r[f + 2], r[f + 3]),
+            "host": columns_text(r[f + 4 :]),
         })
     shared = share_by_host([r["memory_bytes"] for r in reports], [r["host"] for r in reports])
     problems = []
@@ -96,10 +89,8 @@ def exchange_errors(group, error: Optional[str]) -> List[Optional[str]]:
     peer's own error even when that peer runs on another machine."""
     data = (error or "").encode()[:ERROR_BYTES] if error is not None else b""
     row = [1 if error is not None else 0] + list(data) + [0] * (ERROR_BYTES - len(data))
-    table = mx.zeros((group.size(), len(row)), dtype=mx.int32)
-    table[group.rank()] = mx.array(row, dtype=mx.int32)
     texts = []
-    for r in mx.distributed.all_sum(table, group=group).tolist():
+    for r in gather_rows(group, row):
         texts.append(bytes(c for c in r[1:] if c).decode(errors="ignore") if r[0] else None)
     return texts
 
@@ -127,13 +118,9 @@ def agree_control_address(group, explicit: Optional[Tuple[str, int]] = None):
     if rank == 0:
         listener = listen(explicit or ("0.0.0.0", 0))
         port, ip = listener.getsockname()[1], _own_ipv4()
-    host = socket.gethostname()[:HOST_CHARS]
     octets = [int(x) for x in ip.split(".")] if ip.count(".") == 3 else [0, 0, 0, 0]
-    row = [port, *octets] + [ord(c) for c in host] + [0] * (HOST_CHARS - len(host))
-    table = mx.zeros((group.size(), len(row)), dtype=mx.int32)
-    table[rank] = mx.array(row, dtype=mx.int32)
-    rows = mx.distributed.all_sum(table, group=group).tolist()
-    hosts = ["".join(chr(c) for c in r[5:] if c) for r in rows]
+    rows = gather_rows(group, [port, *octets, *text_columns(socket.gethostname())])
+    hosts = [columns_text(r[5:]) for r in rows]
     port0, ip0 = rows[0][0], ".".join(map(str, rows[0][1:5]))
     if explicit is not None:
         return listener, [explicit], hosts

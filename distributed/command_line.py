@@ -6,7 +6,6 @@ from dataclasses import dataclass, fields
 from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 from . import TrinityError, logs
-from .help_format import HelpFormatter
 from .runtime.batching import PREFILL_STEP_SIZE
 from .runtime.speculation import DEFAULT_DRAFT_TOKENS
 from .serving.options import ALLOWED_HOSTS_ENV, AUTH_TOKEN_ENV
@@ -14,6 +13,20 @@ from .shard.memory import DEFAULT_CONTEXT, MAX_BATCH, parse_memory_limit
 from .startup.settings import (GenerationSettings, ModelSettings, RingSettings, ServingSettings, Settings,
                                SizingSettings, SpeculationSettings)
 from .startup.sizing import context_arg
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help of run-trinity and the launcher: description and epilog as written (examples keep
+    their lines); each flag's default appended, unless it has none (None, off) or its help gives it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is False or default == argparse.SUPPRESS
+                or "default" in text):
+            return text
+        return f"{text} (default: %(default)s)"
+
 
 DESCRIPTION = ("run_trinity.py (run-trinity), the script every rank runs: one generation, a chat or serving, "
                "across 1..N ranks.")

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from distributed import TrinityError, logs
-from distributed.command_line import read_command
-from distributed.help_format import HelpFormatter
+from distributed.command_line import HelpFormatter, read_command
 from distributed.shard.memory import DEFAULT_MARGIN, usable_memory_bytes
 from distributed.shard.sizes import quantize_config
 

@@ -26,7 +26,7 @@ from ..transport.collective import MxCollective
 from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
 from .handshake import StartupRefused, agree_control_address, exchange_errors, handshake
-from .preflight import allow_mpi_calls_from_any_thread, check_group
+from .preflight import allow_mpi_calls_from_any_thread, check_group, point_mlx_at_libmpi
 from .settings import RingSettings, Settings
 from .sizing import checked_context, fixed_context
 from .watchdog import CONTROL_ENV, Control, Watchdog, parse_address
@@ -92,6 +92,7 @@ def join_ranks(ring: RingSettings, control: Optional[Control], on_stop=None, on_
     ranks agree on the address through a collective. on_stop: another rank asked
     for a stop; on_failure and grace: rank 0's (start_watchdog)."""
     allow_mpi_calls_from_any_thread()
+    point_mlx_at_libmpi()
     if control is None:
         group = mx.distributed.init()
         check_group(group)  # several MPI processes, each alone: MLX found no libmpi

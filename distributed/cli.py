@@ -78,7 +78,7 @@ def _flag_error(e: RequestError) -> TrinityError:
     return TrinityError(f"{flag}: {str(e).split(': ', 1)[1]}")
 
 
-def build_request(generation: GenerationSettings, tokenizer, config, max_context: int) -> GenerationRequest:
+def one_shot_request(generation: GenerationSettings, tokenizer, config, max_context: int) -> GenerationRequest:
     try:
         return validated_request(generation, prompt_tokens(generation, tokenizer), config, max_context)
     except RequestError as e:
@@ -287,7 +287,7 @@ def generate(settings: Settings, built: Loaded, front_ends: FrontEnds, stop: Ran
 
             return chat(scheduler, lambda ids: validated_request(generation, ids, built.config, sizes.max_context),
                         stop.running)
-        request = build_request(generation, scheduler.tokenizer, built.config, sizes.max_context)
+        request = one_shot_request(generation, scheduler.tokenizer, built.config, sizes.max_context)
         result = generate_once(scheduler, request, stream=not generation.json, stop=stop)
         result["ranks"] = built.pipeline.rank_info()
         if scheduler.batcher.verifier.options.enabled:

@@ -38,10 +38,6 @@ class Broadcast:
         if len(values) > INLINE:
             self._sum(mx.array(values[INLINE:], dtype=mx.int32))
 
-    def send_array(self, header: Header, values: mx.array) -> None:
-        """send() of an int32 array's values (token ids)."""
-        self.send(header, values.reshape(-1).tolist())
-
     def recv(self) -> Tuple[Header, List[int]]:
         """Another rank: the next header and values rank 0 sends (blocks until it does)."""
         first = self._sum(mx.zeros((1 + Header.SIZE + INLINE,), dtype=mx.int32))

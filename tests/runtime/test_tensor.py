@@ -109,7 +109,6 @@ def test_groups_need_a_backend_that_splits(hf_checkpoint):
     assert "--tensor-parallel-size 2 must divide the number of ranks, 3" in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.skipif(not Path(system_mpirun()).exists(), reason="no mpirun")
 def test_mpi_two_groups_of_two_equal_mlx_lm(hf_checkpoint):
     """T = 2 of N = 4 (MPI splits the group): two pipeline stages, each two ranks holding half of its
     layers; a 120-token prompt (its hidden states past MPI's eager limit between the stages)."""
@@ -122,7 +121,6 @@ def test_mpi_two_groups_of_two_equal_mlx_lm(hf_checkpoint):
         (2, [4, 8], False, False, SHARES[0]), (3, [4, 8], False, False, SHARES[1])]
 
 
-@pytest.mark.skipif(not Path(system_mpirun()).exists(), reason="no mpirun")
 def test_mpi_equals_mlx_lm(hf_checkpoint, kv4_checkpoint):
     """T = 2 and T = 4 (every rank 1/4 of every layer) under mpirun."""
     out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", str(MAX_TOKENS),
@@ -212,7 +210,6 @@ def assert_shares_shown(server):
         browser.close()
 
 
-@pytest.mark.skipif(not Path(system_mpirun()).exists(), reason="no mpirun")
 def test_mpi_two_groups_of_two_serve_a_batch(hf_checkpoint, tmp_path):
     """--serve with T = 2 of N = 4 under mpirun: four requests at once (batched, a step and a
     prompt chunk sent as two frames where the pipeline mixes them), twice (prefix-cache hits)."""

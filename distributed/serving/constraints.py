@@ -4,9 +4,11 @@ json_schema) and `tool_choice` ("required" or a named function: a call in the ch
 template's own tool-call syntax whose arguments keep to the tool's parameter schema,
 read back by mlx-lm's tool parser like any other call); and strict tools under "auto", whose
 calls keep to their schemas once the model opens one (strict_calls_grammar: a lazy grammar,
-free text until the tool-call start token). A custom tool's call (the Responses API's free-form
-tools: a function of one string carrying a Lark grammar under LARK_KEY) keeps its input to that
-grammar inside the call's JSON string (quoted_grammar.py). The other APIs' fields
+free text until the tool-call start token). A custom tool's call (OpenAI's free-form tools: a
+function of one string carrying a Lark grammar under LARK_KEY, tools.custom_function) keeps its
+input to that grammar inside the call's JSON string (quoted_grammar.py). tool_choice may also
+name a custom tool, or list the allowed tools (allowed_tools: "required" forces a call among
+them; "auto" holds a call, once opened, to them). The other APIs' fields
 (Responses' text.format, Messages' tool_choice, Ollama's format) are translated into
 these first.
 """
@@ -61,22 +63,55 @@ def schema_grammar(schema: dict, strict: bool, field: str) -> str:
         raise RequestError(field, f"not a JSON schema llguidance takes: {e}") from None
 
 
+CHOICE = "expected \"none\", \"auto\", \"required\", {\"type\": \"function\", \"function\": {\"name\": …}}, " \
+         "{\"type\": \"custom\", \"custom\": {\"name\": …}} or {\"type\": \"allowed_tools\", …}"
+
+
+def _named(tools: List[dict], name, field: str) -> List[dict]:
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise RequestError(field, f"no tool named {name!r} in tools")
+    return named
+
+
+def allowed_tools(tools: List[dict], choice) -> Optional[List[dict]]:
+    """The tools {"type": "allowed_tools", "allowed_tools": {"mode", "tools": [{"type": "function",
+    "function": {"name"}} or {"type": "custom", "custom": {"name"}}, …]}} lets the model call; None
+    for another tool_choice. Every tool stays in the prompt (so that it stays cached)."""
+    if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
+        return None
+    allowed = choice.get("allowed_tools")
+    if not isinstance(allowed, dict) or allowed.get("mode") not in ("auto", "required") \
+            or not isinstance(allowed.get("tools"), list) or not allowed["tools"]:
+        raise RequestError("tool_choice.allowed_tools", "expected {\"mode\": \"auto\" or \"required\", \"tools\": […]}")
+    out = []
+    for k, tool in enumerate(allowed["tools"]):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        name = tool.get(kind, {}).get("name") if kind in ("function", "custom") and isinstance(tool.get(kind), dict) else None
+        if not isinstance(name, str):
+            raise RequestError(f"tool_choice.allowed_tools.tools[{k}]", "expected {\"type\": \"function\", \"function\": "
+                                                                      "{\"name\": …}} or {\"type\": \"custom\", \"custom\": {\"name\": …}}")
+        out += [t for t in _named(tools, name, f"tool_choice.allowed_tools.tools[{k}]") if t not in out]
+    return out
+
+
 def forced_tools(tools: List[dict], choice) -> Optional[List[dict]]:
     """The tools a call is forced among: all for "required", the named one for
-    {"type": "function", "function": {"name": …}}; None where the model may answer in text."""
+    {"type": "function", "function": {"name": …}} (or a custom tool's {"type": "custom", "custom":
+    {"name": …}}), the allowed ones for allowed_tools in mode "required"; None where the model may
+    answer in text."""
     if choice in (None, "auto", "none"):
         return None
     if choice == "required":
         return tools
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        and isinstance(choice.get("function"), dict) else None
+    allowed = allowed_tools(tools, choice)
+    if allowed is not None:
+        return allowed if choice["allowed_tools"]["mode"] == "required" else None
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    name = choice[kind].get("name") if kind in ("function", "custom") and isinstance(choice.get(kind), dict) else None
     if not isinstance(name, str):
-        raise RequestError("tool_choice", "expected \"none\", \"auto\", \"required\" or "
-                                          "{\"type\": \"function\", \"function\": {\"name\": …}}")
-    named = [t for t in tools if t["function"]["name"] == name]
-    if not named:
-        raise RequestError("tool_choice", f"no tool named {name!r} in tools")
-    return named
+        raise RequestError("tool_choice", CHOICE)
+    return _named(tools, name, "tool_choice")
 
 
 def _literal(tokenizer, text: str) -> str:
@@ -155,13 +190,16 @@ def tool_call_grammar(tokenizer, tools: List[dict], parallel: bool = True) -> st
     return lark_grammar(lark)
 
 
-def strict_calls_grammar(tokenizer, tools: List[dict]) -> Optional[str]:
-    """Under tool_choice "auto", where a tool is strict: free text, and once the model opens a call
-    (the tool-call start token) the call keeps to the template's syntax and a strict tool's arguments
-    to its schema (a lazy grammar: it binds only from the trigger). None where it cannot be built:
-    no strict tool, a tool-call format other than json_tools, or call markers that are no added
+def strict_calls_grammar(tokenizer, tools: List[dict], allowed: Optional[List[dict]] = None) -> Optional[str]:
+    """Under tool_choice "auto", where a tool is strict (or `allowed`, allowed_tools' subset, limits
+    the calls): free text, and once the model opens a call (the tool-call start token) the call
+    keeps to the template's syntax, to one of the allowed tools, and a strict tool's arguments to
+    its schema (a lazy grammar: it binds only from the trigger). None where it cannot be built:
+    nothing to hold, a tool-call format other than json_tools, or call markers that are no added
     tokens (free text could not be told from the trigger); the calls are then not constrained."""
-    if not any(t["function"].get("strict") for t in tools) or _parser(tokenizer) not in JSON_CALLS:
+    callable_tools = tools if allowed is None else allowed
+    limited = len(callable_tools) < len(tools)
+    if not (limited or any(t["function"].get("strict") for t in callable_tools)) or _parser(tokenizer) not in JSON_CALLS:
         return None
     added = getattr(tokenizer, "_tokenizer", tokenizer).get_added_vocab()
     start, end = added.get(tokenizer.tool_call_start), added.get(tokenizer.tool_call_end)
@@ -170,5 +208,5 @@ def strict_calls_grammar(tokenizer, tools: List[dict]) -> Optional[str]:
     lark = (f"start: text (call text)*\n"
             f"text: <[^{start}]>*\n"
             f"call: <[{start}]> \"\\n\"? body \"\\n\"? <[{end}]>\n"
-            + _call_bodies(tools, free_unless_strict=True))
+            + _call_bodies(callable_tools, free_unless_strict=True))
     return lark_grammar(lark)

@@ -36,8 +36,8 @@ from typing import Callable, List, Optional
 
 from ..runtime.request import MAX_TOP_LOGPROBS, GenerationRequest, PromptEvent, RequestError, TokenEvent
 from .chat_format import ModelInfo, ReplySplitter, build_request, chat_ids, prompt_ids, reply_prompt
-from .constraints import forced_tools, response_grammar, strict_calls_grammar, tool_call_grammar
-from .tools import chat_messages, request_tools
+from .constraints import allowed_tools, forced_tools, response_grammar, strict_calls_grammar, tool_call_grammar
+from .tools import chat_messages, custom_input, custom_names, request_tools
 
 
 class ApiError(Exception):
@@ -163,6 +163,7 @@ class CompletionPlan:
     include_usage: bool = False
     logprobs: Optional[int] = None  # None: not asked; else top alternatives per token
     tools: Optional[List[dict]] = None  # chat: tools whose calls the reply parses
+    custom: frozenset = frozenset()  # chat: custom tools' names, whose calls come back as custom calls
     constrained_by: Optional[str] = None  # the field whose grammar the requests carry (its errors name it)
     lazy: bool = False  # the grammar binds only from a trigger (strict tools under "auto"): the reply may reason first
     ignored: List[str] = field(default_factory=list)  # client fields accepted with no effect (the access log names them)
@@ -241,8 +242,10 @@ def _constraint(body: dict, tokenizer, tools) -> tuple:
         raise RequestError("response_format", "cannot constrain the reply while tool_choice forces a tool call")
     if forced:
         return tool_call_grammar(tokenizer, forced, parallel), "tool_choice"
-    if grammar is None and tools and body.get("tool_choice") in (None, "auto"):
-        lazy = strict_calls_grammar(tokenizer, tools)  # strict tools: a call keeps to its schema once opened
+    choice = body.get("tool_choice")
+    allowed = allowed_tools(tools, choice) if tools else None
+    if grammar is None and tools and (choice in (None, "auto") or allowed is not None):
+        lazy = strict_calls_grammar(tokenizer, tools, allowed)  # a call keeps to its schema (and the allowed) once opened
         if lazy is not None:
             return lazy, "tools"
     return grammar, "response_format" if grammar else None
@@ -284,7 +287,7 @@ def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> CompletionPlan:
         max_name, echo = "max_tokens", get(body, "echo", (bool,), False)
     out = CompletionPlan(chat, [], [], stream=stream, include_usage=bool((options or {}).get("include_usage")),
                logprobs=logprobs, tools=tools, constrained_by=constrained_by, ignored=ignored,
-               lazy=constrained_by == "tools")
+               lazy=constrained_by == "tools", custom=custom_names(body) if tools else frozenset())
     for k, (ids, text) in enumerate(prompts):
         sampling = _sampling(body, chat, max_name, len(ids), info)
         if sampling["max_tokens"] != get(body, max_name, (int,), sampling["max_tokens"]) and max_name not in out.clamped:
@@ -376,6 +379,7 @@ class Choice:
         return self._content(text, calls, entries, None, reasoning)
 
     def _content(self, text: str, calls: List[dict], entries: List[TokenLogprob], finish, reasoning: str = "") -> List[dict]:
+        calls = [self._custom(c) if c["function"]["name"] in self.reply.plan.custom else c for c in calls]
         self.text.append(text)
         self.reasoning.append(reasoning)
         self.entries += entries
@@ -387,6 +391,12 @@ class Choice:
         delta = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": text} if text else {}),
                  **({"tool_calls": calls} if calls else {})}
         return [self._chunk({"delta": delta}, entries, finish)]
+
+    @staticmethod
+    def _custom(call: dict) -> dict:
+        """A call to a custom tool as OpenAI sends it: its input, the string argument."""
+        custom = {"name": call["function"]["name"], "input": custom_input(call["function"]["arguments"])}
+        return {"index": call["index"], "id": call["id"], "type": "custom", "custom": custom}
 
     def _chunk(self, part: dict, entries=(), finish=None) -> dict:
         """One stream chunk: `part` is the choice's text (completions) or delta (chat)."""

@@ -7,7 +7,7 @@ Implemented: `model`, `input` (a string, or items: messages with text content, `
 `instructions`, `max_output_tokens`, `temperature`, `top_p`, `tools` (function tools, `strict`
 honoured as in chat; `namespace` tools flattened into functions named NAMESPACE__NAME, their calls
 mapped back; `custom` free-form tools as a function of one string `input`, a regex or Lark grammar
-held over it (constraints.py), their calls coming back as custom_tool_call items; hosted tools left out of the prompt),
+held over it (tools.custom_function), their calls coming back as custom_tool_call items; hosted tools left out of the prompt),
 `tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema: constrained
 decoding), `stream` with the Responses event sequence, `usage`. Where the checkpoint thinks
 (think tokens), its reasoning is a `reasoning` output item (its text a `reasoning_text` part,
@@ -31,8 +31,8 @@ import uuid
 
 from ..runtime.request import RequestError
 from . import sealed
-from .constraints import LARK_KEY, custom_grammar
 from .openai_api import Adapter, ChatBody, sse
+from .tools import CUSTOM_INPUT, custom_function, custom_input
 
 HINTS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "client_metadata", "prompt_cache_retention")
 FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
@@ -47,7 +47,6 @@ REFUSED = {"previous_response_id": "responses are not stored (send the whole con
 NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input", "stop": "input"}
 ENCRYPTED = "reasoning.encrypted_content"
 NAMESPACE_SEP = "__"  # a namespace tool's function name: NAMESPACE__NAME (as MCP tools are named)
-CUSTOM_INPUT = "input"  # a custom (free-form) tool's one string parameter, as the template sees it
 
 
 def _content(content, where: str) -> str:
@@ -153,32 +152,19 @@ def _function(tool: dict, where: str, forced: bool, name=None) -> dict:
 
 
 def _custom(tool: dict, where: str) -> dict:
-    """A custom (free-form) tool as a function of one string, `input`: a regex grammar becomes the
-    string's pattern, a Lark one goes under constraints.LARK_KEY (both enforced where the call is
-    constrained: constraints.py); a Lark grammar llguidance cannot take is a 400 naming the tool."""
+    """A custom (free-form) tool as its function of one string (tools.custom_function)."""
     extra = next((key for key in tool if key not in ("type", "name", "description", "format")), None)
     if extra is not None or not isinstance(tool.get("name"), str):
         raise RequestError(where + (f".{extra}" if extra else ""), "expected {type, name, description, format}")
     form = tool.get("format") or {"type": "text"}
     if not isinstance(form, dict) or form.get("type") not in ("text", "grammar"):
         raise RequestError(f"{where}.format", "expected {\"type\": \"text\"} or {\"type\": \"grammar\", \"syntax\", \"definition\"}")
-    string = {"type": "string", "description": "the tool's free-form input, as is"}
-    description = tool.get("description") or ""
+    grammar = None
     if form["type"] == "grammar":
-        syntax, definition = form.get("syntax"), form.get("definition")
-        if syntax not in ("lark", "regex") or not isinstance(definition, str):
+        grammar = form.get("syntax"), form.get("definition")
+        if grammar[0] not in ("lark", "regex") or not isinstance(grammar[1], str):
             raise RequestError(f"{where}.format", "a grammar needs syntax \"lark\" or \"regex\" and a string definition")
-        if syntax == "regex":
-            string["pattern"] = f"^(?:{definition})$"  # the whole input (a JSON schema's pattern matches anywhere)
-            description += f"\n\nThe input follows this regular expression:\n{definition}"
-        else:
-            custom_grammar(tool["name"], definition, f"{where}.format.definition")  # a 400 now, whatever tool_choice is
-            string[LARK_KEY] = definition  # the model sees it in the schema
-    parameters = {"type": "object", "properties": {CUSTOM_INPUT: string}, "required": [CUSTOM_INPUT],
-                  "additionalProperties": False}
-    strict = "pattern" in string or LARK_KEY in string
-    return {"type": "function", "function": {"name": tool["name"], "description": description, "parameters": parameters,
-                                             **({"strict": True} if strict else {})}}
+    return custom_function(tool["name"], tool.get("description") or "", grammar, f"{where}.format.definition")
 
 
 def _tools(tools, forced: bool, ignored: list) -> tuple:
@@ -406,13 +392,8 @@ class ResponsesReply:
         name, arguments = call["function"]["name"], call["function"]["arguments"]
         kind, namespace, own = self.names.get(name, ("function", None, name))
         if kind == "custom":
-            try:
-                value = json.loads(arguments)
-                text = value[CUSTOM_INPUT] if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str) else arguments
-            except ValueError:
-                text = arguments
             return {"type": "custom_tool_call", "id": "ctc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
-                    "name": own, "input": text, "status": "completed"}
+                    "name": own, "input": custom_input(arguments), "status": "completed"}
         return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
                 **({"namespace": namespace} if namespace else {}), "name": own, "arguments": arguments,
                 "status": "completed"}

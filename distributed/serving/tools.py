@@ -14,10 +14,13 @@ from typing import List, Optional
 
 from ..runtime.request import RequestError
 from .chat_format import check_role
+from .constraints import LARK_KEY, custom_grammar
 
 NO_TOOLS = "this model's chat template has no tool support"
 # Message keys that must be absent or empty: OpenAI sends them back with earlier replies.
 EMPTY_KEYS = ("refusal", "audio", "function_call", "annotations")
+CUSTOM_INPUT = "input"  # a custom (free-form) tool's one string parameter, as the template sees it
+CUSTOM_FORM = "expected {\"type\": \"text\"} or {\"type\": \"grammar\", \"grammar\": {\"syntax\", \"definition\"}}"
 
 
 def _text(content, where: str) -> str:
@@ -33,11 +36,20 @@ def _text(content, where: str) -> str:
 
 
 def _tool_calls(calls, where: str) -> List[dict]:
-    """An assistant message's tool_calls, arguments decoded from JSON for the template."""
+    """An assistant message's tool_calls, arguments decoded from JSON for the template; a custom
+    tool's call is the template's call of its function with {"input": …}."""
     out = []
     for k, call in enumerate(calls if isinstance(calls, list) else [None]):
+        kind = call.get("type", "function") if isinstance(call, dict) else None
+        if kind == "custom":
+            custom = call.get("custom")
+            if not isinstance(custom, dict) or not isinstance(custom.get("name"), str) or not isinstance(custom.get("input"), str):
+                raise RequestError(f"{where}[{k}]", "expected {\"type\": \"custom\", \"custom\": {\"name\": …, \"input\": …}}")
+            function = {"name": custom["name"], "arguments": {CUSTOM_INPUT: custom["input"]}}
+            out.append({**{key: v for key, v in call.items() if key != "custom"}, "type": "function", "function": function})
+            continue
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or call.get("type", "function") != "function":
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or kind != "function":
             raise RequestError(f"{where}[{k}]", "expected {\"type\": \"function\", \"function\": {\"name\": …, \"arguments\": …}}")
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
@@ -92,8 +104,66 @@ def chat_messages(messages, thinking: bool = False) -> List[dict]:
     return out
 
 
+def custom_function(name: str, description: str, grammar, field: str) -> dict:
+    """A custom (free-form) tool as the function the template sees: one string, `input`.
+    `grammar`: (syntax, definition) or None (free text). A regex becomes the string's pattern, a
+    Lark grammar goes under constraints.LARK_KEY (both enforced where the call is constrained:
+    constraints.py); a Lark grammar llguidance cannot take is a 400 on `field`, whatever tool_choice is."""
+    string = {"type": "string", "description": "the tool's free-form input, as is"}
+    if grammar is not None:
+        syntax, definition = grammar
+        if syntax == "regex":
+            string["pattern"] = f"^(?:{definition})$"  # the whole input (a JSON schema's pattern matches anywhere)
+            description += f"\n\nThe input follows this regular expression:\n{definition}"
+        else:
+            custom_grammar(name, definition, field)
+            string[LARK_KEY] = definition  # the model sees it in the schema
+    parameters = {"type": "object", "properties": {CUSTOM_INPUT: string}, "required": [CUSTOM_INPUT],
+                  "additionalProperties": False}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters,
+                                             **({"strict": True} if grammar is not None else {})}}
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's input from its call's arguments ({"input": …}); the arguments as they came
+    where they are not that (a call the model wrote unconstrained)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value[CUSTOM_INPUT] if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str) else arguments
+
+
+def _custom_tool(tool: dict, where: str) -> dict:
+    """Chat completions' {"type": "custom", "custom": {name, description, format}} as its function."""
+    custom = tool.get("custom")
+    extra = next((key for key in tool if key not in ("type", "custom")), None)
+    if extra is not None or not isinstance(custom, dict) or not isinstance(custom.get("name"), str):
+        raise RequestError(where + (f".{extra}" if extra else ""), "expected {\"type\": \"custom\", \"custom\": {\"name\": …}}")
+    extra = next((key for key in custom if key not in ("name", "description", "format")), None)
+    if extra is not None or not isinstance(custom.get("description") or "", str):
+        raise RequestError(f"{where}.custom.{extra or 'description'}", "expected {name, description, format}")
+    form = custom.get("format") or {"type": "text"}
+    if not isinstance(form, dict) or form.get("type") not in ("text", "grammar"):
+        raise RequestError(f"{where}.custom.format", CUSTOM_FORM)
+    grammar = form.get("grammar") if form["type"] == "grammar" else None
+    if form["type"] == "grammar" and (not isinstance(grammar, dict) or grammar.get("syntax") not in ("lark", "regex")
+                                      or not isinstance(grammar.get("definition"), str)):
+        raise RequestError(f"{where}.custom.format.grammar", "expected {\"syntax\": \"lark\" or \"regex\", \"definition\": …}")
+    return custom_function(custom["name"], custom.get("description") or "",
+                           grammar and (grammar["syntax"], grammar["definition"]),
+                           f"{where}.custom.format.grammar.definition")
+
+
+def custom_names(body: dict) -> frozenset:
+    """The names of a (valid) request's custom tools, whose calls come back as custom calls."""
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    return frozenset(t["custom"]["name"] for t in tools if isinstance(t, dict) and t.get("type") == "custom")
+
+
 def request_tools(body: dict, tokenizer) -> Optional[List[dict]]:
-    """The tools to give the chat template (None: none, or tool_choice "none")."""
+    """The tools to give the chat template, custom ones as their functions (None: none, or
+    tool_choice "none")."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not (choice is None or choice in ("none", "auto", "required") or isinstance(choice, dict)):
         raise RequestError("tool_choice", f"expected \"none\", \"auto\", \"required\" or a function, "
@@ -106,15 +176,21 @@ def request_tools(body: dict, tokenizer) -> Optional[List[dict]]:
         return None
     if not isinstance(tools, list):
         raise RequestError("tools", "expected a list of tools")
+    out = []
     for k, tool in enumerate(tools):
+        if isinstance(tool, dict) and tool.get("type") == "custom":
+            out.append(_custom_tool(tool, f"tools[{k}]"))
+            continue
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
                 or not isinstance(function.get("name"), str):
-            raise RequestError(f"tools[{k}]", "expected {\"type\": \"function\", \"function\": {\"name\": …}}")
+            raise RequestError(f"tools[{k}]", "expected {\"type\": \"function\", \"function\": {\"name\": …}} "
+                                              "or {\"type\": \"custom\", \"custom\": {\"name\": …}}")
         if not isinstance(function.get("strict", False), (bool, type(None))):
             raise RequestError(f"tools[{k}].function.strict", "expected a boolean")
+        out.append(tool)
     if choice == "none":
         return None  # the model answers in text: no tools in its prompt, nothing parsed
     if not tokenizer.has_tool_calling:
         raise RequestError("tools", NO_TOOLS)
-    return tools
+    return out

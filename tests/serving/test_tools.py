@@ -16,7 +16,7 @@ from distributed.runtime.scheduler import Scheduler
 from distributed.serving.http_api import start_http_server
 from distributed.serving.options import ServeOptions
 from distributed.serving.chat_format import ModelInfo, ReplySplitter
-from distributed.serving.tools import chat_messages
+from distributed.serving.tools import chat_messages, request_tools
 from distributed.shard.config import read_config
 from stages import in_process_pipeline
 from tool_checkpoint import CALL, FORMS, make_tool_checkpoint
@@ -24,6 +24,8 @@ from tool_checkpoint import CALL, FORMS, make_tool_checkpoint
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
+GET_TIME = {"type": "function", "function": {"name": "get_time", "description": "Time in a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
 @pytest.fixture(scope="module", params=sorted(FORMS))
@@ -134,3 +136,47 @@ def test_reasoning_in_the_history_needs_think_tokens(served):
     with pytest.raises(openai.BadRequestError) as e:
         create(served, messages=history)
     assert e.value.body["param"] == "messages[1].reasoning_content" and "think tokens" in e.value.body["message"]
+
+
+def allowed(mode: str, *names) -> dict:
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+        {"type": "function", "function": {"name": name}} for name in names]}}
+
+
+def test_allowed_tools(served):
+    """Every tool stays in the prompt; under "auto" a call, once opened, is to an allowed one
+    (json_tools' added-token markers: a lazy grammar; another form: not held), "required" forces one."""
+    tools = [*TOOLS, GET_TIME]
+    out = create(served, messages=ASK, tools=tools, tool_choice=allowed("auto", "get_weather"))
+    assert [c.function.name for c in out.choices[0].message.tool_calls] == [CALL["name"]]
+    prompt = served.tokenizer.apply_chat_template(ASK, tools=tools, add_generation_prompt=True)
+    assert out.usage.prompt_tokens == len(prompt)
+    out = create(served, messages=ASK, tools=tools, tool_choice=allowed("auto", "get_time"))
+    names = [c.function.name for c in out.choices[0].message.tool_calls or []]
+    assert (CALL["name"] not in names) if served.form == "json_tools" else names == [CALL["name"]], names
+    if served.form == "json_tools":  # a forced call needs json_tools' syntax
+        out = create(served, messages=ASK, tools=tools, tool_choice=allowed("required", "get_weather"), max_tokens=40)
+        assert [c.function.name for c in out.choices[0].message.tool_calls] == [CALL["name"]]
+    with pytest.raises(openai.BadRequestError) as e:
+        create(served, messages=ASK, tools=tools, tool_choice=allowed("required", "get_weather", "nope"))
+    assert e.value.body["param"] == "tool_choice.allowed_tools.tools[1]", e.value.body
+
+
+@pytest.mark.parametrize("tools, choice, field", [
+    ([{"type": "custom", "name": "edit"}], None, "tools[0].name"),  # the Responses API's form
+    ([{"type": "custom", "custom": {"name": "edit", "format": {"type": "json"}}}], None, "tools[0].custom.format"),
+    ([{"type": "custom", "custom": {"name": "edit", "format": {"type": "grammar", "syntax": "lark", "definition": "x"}}}],
+     None, "tools[0].custom.format.grammar"),
+    ([{"type": "custom", "custom": {"name": "edit", "format": {"type": "grammar", "grammar": {
+        "syntax": "lark", "definition": "start: /(?=a)a/"}}}}], "none", "tools[0].custom.format.grammar.definition"),
+])
+def test_bad_custom_tools_name_the_field(served, tools, choice, field):
+    with pytest.raises(RequestError) as e:
+        request_tools({"tools": tools, "tool_choice": choice}, served.tokenizer)
+    assert e.value.field == field
+
+
+def test_a_custom_call_in_the_history_is_its_function_call():
+    call = {"id": "call_1", "type": "custom", "custom": {"name": "edit", "input": "a\nb"}}
+    (message,) = chat_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert message["tool_calls"] == [{"id": "call_1", "type": "function", "function": {"name": "edit", "arguments": {"input": "a\nb"}}}]

@@ -1,6 +1,8 @@
 """A custom tool's Lark grammar through a real 2-rank ring: Codex CLI's apply_patch
 (codex_apply_patch.lark) constrains the input of a call the model makes to it, forced and under
 tool_choice "auto", so the patch parses; the same weights unconstrained write one that does not.
+Both APIs that have custom tools: the Responses API (custom_tool_call items) and chat
+completions (tool_calls of type "custom"), each with the real `openai` client.
 
 The checkpoint is a bigram chain (tool_checkpoint.py) whose greedy reply is an apply_patch call
 with a hunk no patch has ("*** Frobnicate File: …"); its second choice after the hunk before is
@@ -18,6 +20,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 from tokenizers import Tokenizer
 
+from distributed.serving.tools import chat_messages, request_tools
 from grpc_server import SERVER_ARGS, Server
 from tool_checkpoint import TOOL_TEMPLATE, _chain_checkpoint
 
@@ -31,6 +34,11 @@ LINKS = ["\n", "<tool_call>", HEAD, *GOOD, BAD, END, '"}}', "</tool_call>", "<|i
 PATCH = json.loads('"' + "".join(GOOD) + END + '"')  # what the constrained call's input is
 TOOL = {"type": "custom", "name": "apply_patch", "description": "Edit files",
         "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH}}
+CHAT_TOOL = {"type": "custom", "custom": {"name": "apply_patch", "description": "Edit files", "format": {
+    "type": "grammar", "grammar": {"syntax": "lark", "definition": APPLY_PATCH}}}}  # chat completions' form
+READ = {"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+ASK = [{"role": "user", "content": "Add hello.txt"}]
 
 
 def make_patch_checkpoint(path) -> Path:
@@ -51,7 +59,8 @@ def ring(tmp_path_factory):
     path = make_patch_checkpoint(tmp_path_factory.mktemp("patch"))
     server = Server(path, 2, [*SERVER_ARGS, "--http", "127.0.0.1:0"])
     try:
-        server.tokenizer = load_tokenizer(path)._tokenizer
+        server.tokenizer_wrapper = load_tokenizer(path)
+        server.tokenizer = server.tokenizer_wrapper._tokenizer
         server.ll = llguidance.hf.from_tokenizer(server.tokenizer, n_vocab=len(server.tokenizer))
         server.wait_serving()
         host, port = server.http_address()
@@ -94,3 +103,47 @@ def test_a_grammar_that_cannot_be_used_is_a_400_naming_the_tool(ring):
     with pytest.raises(openai.BadRequestError) as e:
         ring.client.responses.create(model=ring.model, input="hi", tools=[broken], max_output_tokens=4)
     assert e.value.body["param"] == "tools[0].format.definition" and "'edit'" in e.value.body["message"], e.value.body
+
+
+def chat(ring, **kwargs):
+    return ring.client.chat.completions.create(**{"model": ring.model, "messages": ASK, "tools": [CHAT_TOOL, READ],
+                                                  "temperature": 0, "max_tokens": 40, **kwargs})
+
+
+@pytest.mark.parametrize("choice", [{"type": "custom", "custom": {"name": "apply_patch"}}, "auto", {
+    "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [{"type": "custom", "custom": {"name": "apply_patch"}}]}}])
+def test_chat_completions_custom_call_keeps_to_the_grammar(ring, choice):
+    out = chat(ring, tool_choice=choice)
+    (call,) = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+    assert call.type == "custom" and call.custom.name == "apply_patch" and call.id, call
+    assert call.custom.input == PATCH and is_patch(ring, call.custom.input), (choice, call.custom.input)
+
+    chunks = list(chat(ring, tool_choice=choice, stream=True))
+    (streamed,) = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert streamed.index == 0 and streamed.type == "custom" and streamed.id
+    assert streamed.custom == {"name": "apply_patch", "input": PATCH}  # the package keeps it as it came
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_chat_completions_bad_grammar_is_a_400_naming_the_field(ring):
+    broken = {"type": "custom", "custom": {"name": "edit", "format": {"type": "grammar", "grammar": {
+        "syntax": "lark", "definition": "start: /^x/"}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(ring, tools=[READ, broken], max_tokens=4)
+    assert e.value.body["param"] == "tools[1].custom.format.grammar.definition", e.value.body
+    assert "'edit'" in e.value.body["message"], e.value.body
+
+
+def test_chat_completions_custom_call_and_its_result_go_back_into_the_prompt(ring):
+    """The reply's message sent back as it came (a tool_calls entry of type custom), then the tool's
+    result: the template renders the call as its function's, with {"input": the patch}."""
+    message = chat(ring, tool_choice="auto").choices[0].message
+    messages = [*ASK, message.model_dump(exclude_none=False),
+                {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "Done!"}]
+    out = chat(ring, messages=messages, max_tokens=2)
+    template = ring.tokenizer_wrapper.apply_chat_template
+    turns, tools = chat_messages(messages), request_tools({"tools": [CHAT_TOOL, READ]}, ring.tokenizer_wrapper)
+    rendered = template(turns, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert '"arguments": ' + json.dumps({"input": PATCH}) in rendered and "Done!" in rendered, rendered
+    assert out.usage.prompt_tokens == len(template(turns, tools=tools, add_generation_prompt=True))

@@ -65,9 +65,19 @@ def schema_grammar(schema: dict, strict: bool, field: str) -> str:
 
 CHOICE = "expected \"none\", \"auto\", \"required\", {\"type\": \"function\", \"function\": {\"name\": …}}, " \
          "{\"type\": \"custom\", \"custom\": {\"name\": …}} or {\"type\": \"allowed_tools\", …}"
+NAMED = "expected {\"type\": \"function\", \"function\": {\"name\": …}} or {\"type\": \"custom\", \"custom\": {\"name\": …}}"
 
 
-def _named(tools: List[dict], name, field: str) -> List[dict]:
+def _name(entry) -> Optional[str]:
+    """The tool {"type": "function", "function": {"name": …}} or {"type": "custom", "custom": {…}} names."""
+    kind = entry.get("type") if isinstance(entry, dict) else None
+    named = entry.get(kind) if kind in ("function", "custom") else None
+    return named.get("name") if isinstance(named, dict) and isinstance(named.get("name"), str) else None
+
+
+def _named(tools: List[dict], name: Optional[str], field: str) -> List[dict]:
+    if name is None:
+        raise RequestError(field, NAMED if field != "tool_choice" else CHOICE)
     named = [t for t in tools if t["function"]["name"] == name]
     if not named:
         raise RequestError(field, f"no tool named {name!r} in tools")
@@ -75,9 +85,9 @@ def _named(tools: List[dict], name, field: str) -> List[dict]:
 
 
 def allowed_tools(tools: List[dict], choice) -> Optional[List[dict]]:
-    """The tools {"type": "allowed_tools", "allowed_tools": {"mode", "tools": [{"type": "function",
-    "function": {"name"}} or {"type": "custom", "custom": {"name"}}, …]}} lets the model call; None
-    for another tool_choice. Every tool stays in the prompt (so that it stays cached)."""
+    """The tools {"type": "allowed_tools", "allowed_tools": {"mode", "tools": [tool names as
+    tool_choice names one, …]}} lets the model call; None for another tool_choice. Every tool
+    stays in the prompt (so that it stays cached)."""
     if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
         return None
     allowed = choice.get("allowed_tools")
@@ -85,13 +95,8 @@ def allowed_tools(tools: List[dict], choice) -> Optional[List[dict]]:
             or not isinstance(allowed.get("tools"), list) or not allowed["tools"]:
         raise RequestError("tool_choice.allowed_tools", "expected {\"mode\": \"auto\" or \"required\", \"tools\": […]}")
     out = []
-    for k, tool in enumerate(allowed["tools"]):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        name = tool.get(kind, {}).get("name") if kind in ("function", "custom") and isinstance(tool.get(kind), dict) else None
-        if not isinstance(name, str):
-            raise RequestError(f"tool_choice.allowed_tools.tools[{k}]", "expected {\"type\": \"function\", \"function\": "
-                                                                      "{\"name\": …}} or {\"type\": \"custom\", \"custom\": {\"name\": …}}")
-        out += [t for t in _named(tools, name, f"tool_choice.allowed_tools.tools[{k}]") if t not in out]
+    for k, entry in enumerate(allowed["tools"]):
+        out += [t for t in _named(tools, _name(entry), f"tool_choice.allowed_tools.tools[{k}]") if t not in out]
     return out
 
 
@@ -107,11 +112,7 @@ def forced_tools(tools: List[dict], choice) -> Optional[List[dict]]:
     allowed = allowed_tools(tools, choice)
     if allowed is not None:
         return allowed if choice["allowed_tools"]["mode"] == "required" else None
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    name = choice[kind].get("name") if kind in ("function", "custom") and isinstance(choice.get(kind), dict) else None
-    if not isinstance(name, str):
-        raise RequestError("tool_choice", CHOICE)
-    return _named(tools, name, "tool_choice")
+    return _named(tools, _name(choice), "tool_choice")
 
 
 def _literal(tokenizer, text: str) -> str:

@@ -147,9 +147,10 @@ def _custom_tool(tool: dict, where: str) -> dict:
     if not isinstance(form, dict) or form.get("type") not in ("text", "grammar"):
         raise RequestError(f"{where}.custom.format", CUSTOM_FORM)
     grammar = form.get("grammar") if form["type"] == "grammar" else None
-    if form["type"] == "grammar" and (not isinstance(grammar, dict) or grammar.get("syntax") not in ("lark", "regex")
-                                      or not isinstance(grammar.get("definition"), str)):
-        raise RequestError(f"{where}.custom.format.grammar", "expected {\"syntax\": \"lark\" or \"regex\", \"definition\": …}")
+    if form["type"] == "grammar" and not (isinstance(grammar, dict) and grammar.get("syntax") in ("lark", "regex")
+                                          and isinstance(grammar.get("definition"), str)):
+        raise RequestError(f"{where}.custom.format.grammar", "expected {\"syntax\": \"lark\" or \"regex\", "
+                                                            "\"definition\": …}")
     return custom_function(custom["name"], custom.get("description") or "",
                            grammar and (grammar["syntax"], grammar["definition"]),
                            f"{where}.custom.format.grammar.definition")

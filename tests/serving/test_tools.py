@@ -179,4 +179,5 @@ def test_bad_custom_tools_name_the_field(served, tools, choice, field):
 def test_a_custom_call_in_the_history_is_its_function_call():
     call = {"id": "call_1", "type": "custom", "custom": {"name": "edit", "input": "a\nb"}}
     (message,) = chat_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
-    assert message["tool_calls"] == [{"id": "call_1", "type": "function", "function": {"name": "edit", "arguments": {"input": "a\nb"}}}]
+    function = {"name": "edit", "arguments": {"input": "a\nb"}}  # an object, as the template takes arguments
+    assert message["tool_calls"] == [{"id": "call_1", "type": "function", "function": function}]

@@ -110,8 +110,11 @@ def chat(ring, **kwargs):
                                                   "temperature": 0, "max_tokens": 40, **kwargs})
 
 
-@pytest.mark.parametrize("choice", [{"type": "custom", "custom": {"name": "apply_patch"}}, "auto", {
-    "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [{"type": "custom", "custom": {"name": "apply_patch"}}]}}])
+FORCED = {"type": "custom", "custom": {"name": "apply_patch"}}
+
+
+@pytest.mark.parametrize("choice", [FORCED, "auto", {"type": "allowed_tools", "allowed_tools": {"mode": "required",
+                                                                                                 "tools": [FORCED]}}])
 def test_chat_completions_custom_call_keeps_to_the_grammar(ring, choice):
     out = chat(ring, tool_choice=choice)
     (call,) = out.choices[0].message.tool_calls

@@ -135,3 +135,40 @@ def _chain_checkpoint(path, added, template: str, links) -> Path:
             weights["model.norm.weight"] = mx.ones_like(weights["model.norm.weight"])
         mx.save_safetensors(str(file), weights, metadata={"format": "pt"})
     return path
+
+
+def make_short_answer_checkpoint(path, answer: str = "Hi there!") -> Path:
+    """The embedded default model's tokenizer, chat template and context (65,536 tokens), as a
+    2-layer bigram table (one sliding-attention layer, one full) whose reply to any prompt is
+    `answer` then end of text, even when sampled at temperature 1: a coding agent's long first
+    prompt is served as the default model would serve it, without the minutes of text the real
+    weights write at temperature 1 (the agents' tests)."""
+    import shutil
+
+    from distributed.shard.tiny_checkpoint import DEFAULT_MODEL
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL / name, path / name)
+    config = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    config.update(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {k: v for k, v in mx.load(str(DEFAULT_MODEL / "model.safetensors")).items()
+               if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2}
+    for key, value in weights.items():
+        if key.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[key] = mx.zeros_like(value)
+    from tokenizers import Tokenizer
+    chain = Tokenizer.from_file(str(path / "tokenizer.json")).encode(answer).ids
+    assert len(set(chain)) == len(chain), answer  # a bigram table: each token of the answer once
+    embed, width = weights["model.embed_tokens.weight"], config["hidden_size"]
+    embed = mx.broadcast_to(mx.zeros(width).at[0].add(1.0), embed.shape)  # every token: "before the answer"
+    head = mx.zeros(weights["lm_head.weight"].shape)
+    for k, token in enumerate(chain):
+        embed = embed.at[token].add(mx.zeros(width).at[k + 1].add(1.0) - embed[token])
+        head[token] = mx.zeros(width).at[k].add(10.0)  # after state k comes the answer's token k
+    head[config["eos_token_id"]] = mx.zeros(width).at[len(chain)].add(10.0)
+    weights.update({"model.embed_tokens.weight": embed, "lm_head.weight": head,
+                    "model.norm.weight": mx.ones_like(weights["model.norm.weight"])})
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    return path

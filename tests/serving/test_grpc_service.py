@@ -2,7 +2,7 @@
 
 One server per configuration (module-scoped, torn down before the next starts:
 idle ring ranks and mlx.launch still use CPU): `--stages 2` in one process, 2 ranks
-under our launcher (`trinity-launch run --single-host 2`) and 3 under `mlx.launch`. Greedy output through gRPC must equal the
+and 3 under our launcher (`trinity-launch run --single-host N`). Greedy output through gRPC must equal the
 one-shot command line's (`run_json`, 1 rank) for the same request. Auth, TLS, the
 queue's bound and health over a server's life: test_grpc_access.py.
 """
@@ -41,13 +41,12 @@ def chat_reference(hf_checkpoint):
     return run_json(["--model", str(hf_checkpoint), "--prompt", "hi", "--max-tokens", "8"])
 
 
-LAUNCHERS = {"ranks3": "mlx.launch"}  # both launchers serve every test (and stop the ring when a rank dies)
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def server(request, hf_checkpoint, reference, chat_reference):
     ranks, extra, layers = CONFIGS[request.param]
-    s = Server(hf_checkpoint, ranks, [*extra, *SERVER_ARGS], launcher=LAUNCHERS.get(request.param, "trinity-launch"))
+    # Our launcher: mlx.launch's own loop keeps a core busy while its ranks run (it polls their pipes
+    # without waiting), so its serving ring is test_lifecycle.py's and test_chat.py's alone.
+    s = Server(hf_checkpoint, ranks, [*extra, *SERVER_ARGS])
     s.name, s.layers = request.param, layers
     try:
         s.wait_serving()

@@ -4,6 +4,7 @@ port: response_format json_schema and json_object, tool_choice "required", the R
 text.format. The router forwards the request's grammar to rank 0 (serving/wire.py)."""
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -69,3 +70,22 @@ def test_a_bad_schema_is_a_400_naming_the_field_through_the_router(router):
         chat(router, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}})
     assert e.value.body["param"].startswith("response_format"), e.value.body
     assert chat(router, max_tokens=2).usage.completion_tokens == 2  # and the router serves on
+
+
+def test_a_custom_tools_grammar_holds_through_the_router(router):
+    """OpenAI's free-form (custom) tool on chat completions, its regex grammar over the call's input:
+    forced, the call comes back as a custom call whose input the grammar takes, as on rank 0's port."""
+    zone = {"type": "custom", "custom": {"name": "set_zone", "description": "Set the time zone", "format": {
+        "type": "grammar", "grammar": {"syntax": "regex", "definition": "(UTC|CET|PST)[+-][0-9]"}}}}
+    for stream in (False, True):
+        kwargs = dict(tools=[*BOUNDED, zone], tool_choice={"type": "custom", "custom": {"name": "set_zone"}})
+        if stream:
+            chunks = list(chat(router, stream=True, **kwargs))
+            (call,) = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+            assert call.type == "custom" and chunks[-1].choices[0].finish_reason == "tool_calls", chunks
+            assert call.custom == {"name": "set_zone", "input": whole.input}  # (a dict: the package's delta type)
+            continue
+        out = chat(router, **kwargs)
+        (whole,) = [c.custom for c in out.choices[0].message.tool_calls if c.type == "custom"]
+        assert out.choices[0].finish_reason == "tool_calls" and whole.name == "set_zone", out
+        assert re.fullmatch("(UTC|CET|PST)[+-][0-9]", whole.input), whole.input

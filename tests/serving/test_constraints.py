@@ -91,8 +91,8 @@ def test_forced_tool_calls_keep_to_the_tools_schema(ring):
 def test_strict_tools_under_auto_keep_to_their_schema_once_a_call_opens(ring):
     """openai.pydantic_function_tool() and LangChain's bind_tools(strict=True) send strict tools with
     tool_choice "auto": taken, and a call the model opens keeps to the tool's schema (a lazy grammar:
-    free text until <tool_call>). The checkpoint's greedy call is one token of spaced JSON; here it
-    has to be the compact call a bounded schema allows."""
+    free text until <tool_call>). The checkpoint's greedy call is one token, get_weather for Paris;
+    here the schema allows only Rome or Oslo, so the grammar has to write the call another way."""
     weather = {"type": "function", "function": {
         "name": "get_weather", "description": "Weather in a city", "strict": True, "parameters": {
             "type": "object", "properties": {"city": {"enum": ["Rome", "Oslo"]}}, "required": ["city"],

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from local_hub import LocalHub
 
-from conftest import ROOT, free_port_range, mlx_launch, one_error_line, run_json, run_trinity
+from conftest import ROOT, free_port_range, one_error_line, run_json, run_trinity, trinity_launch
 from distributed.shard.loader import INDEX_FILE, local_files, weight_map
 from distributed.shard.tiny_checkpoint import make_checkpoint
 
@@ -72,12 +72,12 @@ def hub(sources, tmp_path_factory):
 
 
 def launch_2_ranks(tmp_path, args, endpoint):
-    """`mlx.launch -n 2` (ring, localhost) with each rank's HF_HUB_CACHE its own:
-    tmp_path/cache/rank0, tmp_path/cache/rank1."""
+    """Two local ranks (our launcher's ring; mlx.launch's loop would keep a core busy) with each
+    rank's HF_HUB_CACHE its own: tmp_path/cache/rank0, tmp_path/cache/rank1."""
     wrapper = tmp_path / "own_cache.sh"
     wrapper.write_text('#!/bin/sh\nHF_HUB_CACHE="$CACHES/rank$MLX_RANK" exec "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
-    prefix = [mlx_launch(), "-n", "2", "--starting-port", str(free_port_range(3)), str(wrapper)]
+    prefix = [*trinity_launch(2), str(wrapper)]
     env = hub_env(tmp_path, HF_ENDPOINT=endpoint, CACHES=str(tmp_path / "cache"))
     return run_trinity(args, env=env, prefix=prefix, timeout=240)
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import ROOT, free_port_range, mlx_launch, run_cli
+from conftest import ROOT, run_cli, trinity_launch
 from distributed.shard.tiny_checkpoint import make_checkpoint
 
 # mlx.launch gives every rank the same command; this picks --model by rank.
@@ -16,8 +16,7 @@ PER_RANK_MODEL = (
 def test_a_rank_with_a_different_checkpoint_is_refused(hf_checkpoint, tmp_path):
     other = make_checkpoint(tmp_path / "other", seed=1, sliding_window=32)
     code = PER_RANK_MODEL.format(root=str(ROOT), models=[str(hf_checkpoint), str(other)])
-    cmd = [mlx_launch(), "-n", "2", "--starting-port", str(free_port_range(3)),
-           sys.executable, "-c", code, "--prompt", "hi", "--max-tokens", "4"]
+    cmd = [*trinity_launch(2), sys.executable, "-c", code, "--prompt", "hi", "--max-tokens", "4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert "rank 1 (" in proc.stderr and "has a different checkpoint than rank 0" in proc.stderr
     assert proc.stdout == ""
@@ -28,8 +27,7 @@ def test_the_same_checkpoint_in_two_folders_is_accepted(hf_checkpoint, tmp_path)
 
     copy = shutil.copytree(hf_checkpoint, tmp_path / "copy")
     code = PER_RANK_MODEL.format(root=str(ROOT), models=[str(hf_checkpoint), str(copy)])
-    cmd = [mlx_launch(), "-n", "2", "--starting-port", str(free_port_range(3)),
-           sys.executable, "-c", code, "--prompt", "hi", "--max-tokens", "4", "--json"]
+    cmd = [*trinity_launch(2), sys.executable, "-c", code, "--prompt", "hi", "--max-tokens", "4", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert '"finish_reason"' in proc.stdout, proc.stderr[-2000:]
 

@@ -161,13 +161,13 @@ def make_short_answer_checkpoint(path, answer: str = "Hi there!") -> Path:
     from tokenizers import Tokenizer
     chain = Tokenizer.from_file(str(path / "tokenizer.json")).encode(answer).ids
     assert len(set(chain)) == len(chain), answer  # a bigram table: each token of the answer once
-    embed, width = weights["model.embed_tokens.weight"], config["hidden_size"]
-    embed = mx.broadcast_to(mx.zeros(width).at[0].add(1.0), embed.shape)  # every token: "before the answer"
+    basis = mx.eye(config["hidden_size"])  # state k: the k-th basis vector
+    embed = mx.repeat(basis[:1], weights["model.embed_tokens.weight"].shape[0], axis=0)  # every token: "before the answer"
     head = mx.zeros(weights["lm_head.weight"].shape)
     for k, token in enumerate(chain):
-        embed = embed.at[token].add(mx.zeros(width).at[k + 1].add(1.0) - embed[token])
-        head[token] = mx.zeros(width).at[k].add(10.0)  # after state k comes the answer's token k
-    head[config["eos_token_id"]] = mx.zeros(width).at[len(chain)].add(10.0)
+        embed[token] = basis[k + 1]  # the answer's token k: state k + 1
+        head[token] = 10.0 * basis[k]  # after state k comes the answer's token k
+    head[config["eos_token_id"]] = 10.0 * basis[len(chain)]
     weights.update({"model.embed_tokens.weight": embed, "lm_head.weight": head,
                     "model.norm.weight": mx.ones_like(weights["model.norm.weight"])})
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})

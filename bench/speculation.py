@@ -208,7 +208,7 @@ def ring_ceiling(prompt: str, args) -> list:
 
 
 def main(args) -> None:
-    from distributed.runtime.speculation import DEFAULT_DRAFT_TOKENS
+    from distributed.runtime.frames import DEFAULT_DRAFT_TOKENS
 
     args.k = args.k or DEFAULT_DRAFT_TOKENS
     shrink(args, ranks=[1, 2], reps=1, max_tokens=24, prompts="held-out", modes="lookup")

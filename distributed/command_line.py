@@ -2,17 +2,16 @@
 settings (startup/settings.py). The launcher reads the ranks' command lines with the same parser."""
 
 import argparse
+from argparse import ArgumentTypeError
 from dataclasses import dataclass, fields
-from typing import FrozenSet, List, Optional, Sequence, Tuple
+from typing import FrozenSet, List, Optional, Sequence, Tuple, Union
 
 from . import TrinityError, logs
-from .runtime.batching import PREFILL_STEP_SIZE
-from .runtime.speculation import DEFAULT_DRAFT_TOKENS
+from .runtime.frames import DEFAULT_DRAFT_TOKENS, PREFILL_STEP_SIZE
 from .serving.options import ALLOWED_HOSTS_ENV, AUTH_TOKEN_ENV
-from .shard.memory import DEFAULT_CONTEXT, MAX_BATCH, parse_memory_limit
+from .shard.memory import AUTO, DEFAULT_CONTEXT, MAX_BATCH, parse_memory_limit
 from .startup.settings import (GenerationSettings, ModelSettings, RingSettings, ServingSettings, Settings,
                                SizingSettings, SpeculationSettings)
-from .startup.sizing import context_arg
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -26,6 +25,20 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
                 or "default" in text):
             return text
         return f"{text} (default: %(default)s)"
+
+
+
+def context_arg(text: str) -> Union[int, str]:
+    """--max-context's value: a token count, or auto."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected a token count or auto, got {text!r}") from None
+    if value < 1:
+        raise ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 DESCRIPTION = ("run_trinity.py (run-trinity), the script every rank runs: one generation, a chat or serving, "

@@ -119,3 +119,15 @@ def test_functions_fit_a_screen():
                     if n > MAX_FUNCTION_LINES:
                         long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
     assert not long, "\n".join(long)
+
+
+def test_the_launcher_starts_without_mlx_lm():
+    # mlx_lm (and the transformers it imports) take about a second of CPU to import; a launcher
+    # that does not plan from a checkpoint or serve (--no-plan --no-router) never needs them.
+    import subprocess
+    import sys
+
+    code = ("import sys, launch.cli, launch.runner, launch.supervisor, launch.replan, launch.ssh_ring\n"
+            "print(sorted(m for m in ('mlx_lm', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.strip() == "[]", out

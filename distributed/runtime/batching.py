@@ -42,7 +42,7 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 
 from ..transport import Op, Reply
-from .frames import FrameKind, Group, Outstanding
+from .frames import PREFILL_STEP_SIZE, FrameKind, Group, Outstanding
 from .grammar import prepare_masks
 from .memory_guard import allocation_failed, describe
 from .pipeline import Pipeline
@@ -50,11 +50,6 @@ from .prefix_cache import PrefixHooks
 from .sequence import Sequence, draw, shaped_logprobs, top_candidates, top_logprobs
 from .speculation import SpeculationOptions, Verifier
 
-
-# Prompt tokens per prefill frame (--prefill-step-size), as mlx-lm's generate and
-# BatchGenerator: on an H200 a batch of 64 prompts prefilled 1.4x faster in frames
-# of 2048 tokens than of 512 (bench_steps.py, since removed: docs/benchmarks.md).
-PREFILL_STEP_SIZE = 2048
 
 
 @dataclass

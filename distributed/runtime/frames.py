@@ -1,8 +1,21 @@
-"""What rank 0's Batcher has in the ring: decode groups and the frames whose replies it waits for."""
+"""What rank 0's Batcher has in the ring: decode groups and the frames whose replies it waits for,
+and how large those frames are by default (the command line's defaults; this module imports no
+mlx_lm, so the launcher reads rank command lines without it)."""
 
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import List, Optional
+
+# Prompt tokens per prefill frame (--prefill-step-size), as mlx-lm's generate and
+# BatchGenerator: on an H200 a batch of 64 prompts prefilled 1.4x faster in frames
+# of 2048 tokens than of 512 (bench_steps.py, since removed: docs/benchmarks.md).
+PREFILL_STEP_SIZE = 2048
+
+# The most drafts a verification frame may carry (--num-draft-tokens): a pass over 9 positions costs
+# 1.31x one over 1 with the embedded model on a CPU with OpenBLAS (python -m bench micro verify; 1.01x
+# over 5), and a copied passage is drafted best by long passes (the tiny editor at P = 1: 2.15x plain
+# with up to 8, 1.36x with up to 4). A sequence's first pass drafts speculation.FIRST_DRAFTS.
+DEFAULT_DRAFT_TOKENS = 8
 
 
 class FrameKind(Enum):

@@ -12,7 +12,8 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Iterator, Optional, Union
 
-from .batching import PREFILL_STEP_SIZE, Batcher
+from .batching import Batcher
+from .frames import PREFILL_STEP_SIZE
 from .grammar import Grammars
 from .memory_guard import ChunkBudget, MemoryAdmission, allocation_failed, describe
 from .pipeline import Pipeline

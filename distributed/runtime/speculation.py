@@ -45,14 +45,9 @@ import mlx.core as mx
 
 from ..transport import Op, Reply
 from .caches import is_batch
-from .frames import FrameKind, Outstanding
+from .frames import DEFAULT_DRAFT_TOKENS, FrameKind, Outstanding
 
-# The most drafts a pass may verify: a pass over 9 positions costs 1.31x one over 1 with the
-# embedded model on a CPU with OpenBLAS (python -m bench micro verify; 1.01x over 5), and a copied
-# passage is drafted best by long passes (the tiny editor at P = 1: 2.15x plain with up to 8,
-# 1.36x with up to 4). A sequence's first pass drafts FIRST_DRAFTS; then it adapts.
-DEFAULT_DRAFT_TOKENS = 8
-FIRST_DRAFTS = 4
+FIRST_DRAFTS = 4  # drafts of a sequence's first pass; then it adapts (most: frames.DEFAULT_DRAFT_TOKENS)
 
 
 @dataclass

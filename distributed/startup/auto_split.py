@@ -12,7 +12,6 @@ import os
 from typing import Dict, Optional
 
 from .. import TrinityError
-from ..shard.draft import draft_reserve
 from ..shard.memory import DEFAULT_MARGIN, gather_memory, limited
 from ..shard.plan import Plan, plan_layers
 
@@ -37,6 +36,8 @@ def startup_plan(config: dict, group, context: Optional[int] = None,
     plan.shortfall() on every rank) before loading. draft_model: --draft-model, which
     rank 0 holds beside its layers.
     """
+    from ..shard.draft import draft_reserve  # imports mlx_lm, which the launcher (plan_spec) never needs
+
     spec = json.loads(os.environ.get(PLAN_ENV) or "{}")
     measured = [limited(m, memory_limit) for m in gather_memory(group)]  # --memory-limit's bytes win
     hosts = spec.get("hosts") or [{} for _ in range(group.size())]

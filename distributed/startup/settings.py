@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from .. import TrinityError
-from ..runtime.batching import PREFILL_STEP_SIZE
-from ..runtime.speculation import DEFAULT_DRAFT_TOKENS, SpeculationOptions
+from ..runtime.frames import DEFAULT_DRAFT_TOKENS, PREFILL_STEP_SIZE
 
 
 @dataclass(frozen=True)
@@ -90,13 +89,17 @@ class SpeculationSettings:
     num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
     draft_ahead: bool = True
 
-    def options(self) -> SpeculationOptions:
+    def options(self):
+        """runtime/speculation.py's SpeculationOptions (imported here: the runtime imports mlx_lm,
+        which the launcher, reading these settings from rank command lines, never needs)."""
+        from ..runtime.speculation import SpeculationOptions
+
         if self.num_draft_tokens < 1:
             raise TrinityError(f"--num-draft-tokens must be at least 1, got {self.num_draft_tokens}")
         return SpeculationOptions(prompt_lookup=self.prompt_lookup, num_draft_tokens=self.num_draft_tokens,
                                   measured=self.speculate == "measured", ahead=self.draft_ahead)
 
-    def loaded(self, tokenizer) -> SpeculationOptions:
+    def loaded(self, tokenizer):
         """options() with the draft model loaded (rank 0, beside its stage)."""
         from ..shard.draft import load_draft
 

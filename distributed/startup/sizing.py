@@ -12,31 +12,15 @@ against: runtime/memory_guard.py), so a request the context admits
 is not refused mid-prefill.
 """
 
-from argparse import ArgumentTypeError
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, Optional
 
 from .. import TrinityError
 from ..runtime.memory_guard import ChunkBudget, MemoryAdmission
 from ..runtime.prefix_cache import default_budget
 from ..shard.draft import draft_reserve
-from ..shard.memory import CACHE_STEP, DEFAULT_CONTEXT, DEFAULT_MARGIN, kv_budget, longest_context
+from ..shard.memory import AUTO, CACHE_STEP, DEFAULT_CONTEXT, DEFAULT_MARGIN, kv_budget, longest_context
 from .settings import SizingSettings
-
-AUTO = "auto"
-
-
-def context_arg(text: str) -> Union[int, str]:
-    """--max-context's value: a token count, or auto."""
-    if text.strip().lower() == AUTO:
-        return AUTO
-    try:
-        value = int(text)
-    except ValueError:
-        raise ArgumentTypeError(f"expected a token count or auto, got {text!r}") from None
-    if value < 1:
-        raise ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def fixed_context(sizing: SizingSettings) -> Optional[int]:

@@ -21,7 +21,7 @@ import pytest
 from distributed.serving.proto import generation_pb2 as pb
 from distributed.shard.memory import DEFAULT_MARGIN, cache_bound
 from distributed.shard.tiny_checkpoint import DEFAULT_MODEL
-from distributed.startup.sizing import context_arg
+from distributed.command_line import context_arg
 from grpc_server import SERVING, Server, generate
 from reference import PROMPT
 

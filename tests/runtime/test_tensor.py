@@ -291,8 +291,8 @@ def test_memory_limit_refuses_a_frame_and_the_group_serves_on(hf_checkpoint):
 def test_speculation_equals_mlx_lm(hf_checkpoint):
     """Prompt lookup at T = 2, far past the window: drafts verified by the group, the rejected ones
     trimmed on both ranks (a broadcast TRIM), the greedy output and logprobs as without."""
-    tokens, logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, 200, 8)
-    out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "200", "--prompt-lookup",
+    tokens, logprobs = mlx_lm_greedy(hf_checkpoint, PROMPT, 100, 8)
+    out = run_json(["--model", str(hf_checkpoint), "--prompt-ids", IDS, "--max-tokens", "100", "--prompt-lookup",
                     "--speculate", "always", "--num-draft-tokens", "3", "--tensor-parallel-size", "2"], ranks=2)
     assert out["token_ids"] == tokens
     assert max(abs(a - b) for a, b in zip(out["logprobs"], logprobs)) < 1e-4

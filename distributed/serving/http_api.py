@@ -44,6 +44,7 @@ from .http_server import BODY_TIMEOUT_S, ClientGone, Exchange, Workers, serve_ht
 from .openai_api import ApiError, Completion, param_of, plan
 from .options import ALLOWED_HOSTS_ENV, ServeOptions, split_address
 from .request_log import RequestLog
+from .sealed import Sealer
 from .status import status_document
 
 MAX_BODY = 16 * 2**20
@@ -54,9 +55,9 @@ KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: every client skips it, and it
 log = logging.getLogger("distributed.serving.http")
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 # The APIs served besides OpenAI's completions and chat (openai_api.Adapter), by route: generation
-# routes (ADAPTERS), plain ones (ROUTES: fn(body, scheduler, tokenizer, info) -> (status, JSON)), and
-# each route's error shape (ERROR_BODIES: fn(ApiError) -> JSON).
-ADAPTERS = {**responses_api.ADAPTERS, **anthropic_api.ADAPTERS, **ollama_api.ADAPTERS}
+# routes (ADAPTED_ROUTES; each front end's adapters()), plain ones (ROUTES: fn(body, scheduler, tokenizer,
+# info) -> (status, JSON)), and each route's error shape (ERROR_BODIES: fn(ApiError) -> JSON).
+ADAPTED_ROUTES = {responses_api.ROUTE, *anthropic_api.ADAPTERS, *ollama_api.ADAPTERS}
 ROUTES = {**responses_api.ROUTES, **anthropic_api.ROUTES, **ollama_api.ROUTES}
 ERROR_BODIES = {**responses_api.ERROR_BODIES, **anthropic_api.ERROR_BODIES, **ollama_api.ERROR_BODIES}
 
@@ -116,11 +117,11 @@ class _Handler:
         routes = {("GET", "/v1/models"): self._models,
                   ("POST", "/v1/completions"): lambda body, *state: self._generate(body, False, *state),
                   ("POST", "/v1/chat/completions"): lambda body, *state: self._generate(body, True, *state)}
-        for key, adapter in ADAPTERS.items():
+        for key, adapter in front.adapters.items():
             routes[key] = lambda body, *state, adapter=adapter: self._adapted(adapter, body, *state)
         for key, answer in ROUTES.items():
             routes[key] = lambda body, *state, answer=answer: self._send_json(*answer(body, *state))
-        generation = front.api and self.command == "POST" and (path in GENERATION_ROUTES or ("POST", path) in ADAPTERS)
+        generation = front.api and self.command == "POST" and (path in GENERATION_ROUTES or ("POST", path) in ADAPTED_ROUTES)
         self._trace = front.requests.begin("http", path, self.x.client) if generation else None
         try:
             front.check_auth(self.headers)
@@ -258,7 +259,7 @@ class _Handler:
                 handle.cancel()
 
     def _adapted(self, adapter, body: dict, scheduler, tokenizer, info):
-        """An API served over chat completions (ADAPTERS): its body as a chat body, its
+        """An API served over chat completions (ADAPTED_ROUTES): its body as a chat body, its
         reply made from the OpenAI one, event by event."""
         try:
             chat_body = adapter.to_chat(body, info, tokenizer)  # or a completions body: "prompt", no "messages"
@@ -527,6 +528,8 @@ class HttpFrontEnd:
 
     def __init__(self, options: ServeOptions, requests: Optional[RequestLog] = None, api: bool = True):
         self.auth_token = options.auth_token
+        self.sealer = Sealer(options.auth_token)  # reasoning held by clients reads back on servers sharing it
+        self.adapters = {**responses_api.adapters(self.sealer), **anthropic_api.ADAPTERS, **ollama_api.ADAPTERS}
         self.created = int(time.time())
         self.requests, self.api, self.health, self._state = requests or RequestLog(), api, Health(), None
         flag, address = ("--http", options.http_address) if api else ("--metrics", options.metrics_address)

@@ -488,8 +488,8 @@ class Completion:
 
 @dataclass(frozen=True)
 class Adapter:
-    """What an API served over chat completions' request path provides (http_api.ADAPTERS lists
-    them): the Responses, Messages and Ollama APIs. One path for all: the same chat
+    """What an API served over chat completions' request path provides (HttpFrontEnd.adapters in
+    http_api.py lists them): the Responses, Messages and Ollama APIs. One path for all: the same chat
     template, sampling, constraints, prefix cache, metrics, access log, cancellation and
     queue bound as /v1/chat/completions (http_api.py runs it), so the same greedy message
     gives the same text through every API.

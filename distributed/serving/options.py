@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from .. import TrinityError
-from . import sealed
 
 AUTH_TOKEN_ENV = "TRINITY_AUTH_TOKEN"
 ALLOWED_HOSTS_ENV = "TRINITY_ALLOWED_HOSTS"  # --allowed-hosts' default (as Ollama's OLLAMA_ORIGINS)
@@ -58,7 +57,6 @@ def check_options(options: ServeOptions) -> ServeOptions:
     options.auth_token = options.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
     if options.allowed_hosts is None:
         options.allowed_hosts = split_hosts(os.environ.get(ALLOWED_HOSTS_ENV))
-    sealed.use_token(options.auth_token)  # reasoning handed to clients reads back on every server sharing it
     for flag, address in (("--serve", options.grpc_address), ("--http", options.http_address),
                           ("--metrics", options.metrics_address)):
         if address is None:

@@ -28,10 +28,11 @@ turns thinking off where the template can), other `include` values, `client_meta
 import json
 import time
 import uuid
+from functools import partial
 
 from ..runtime.request import RequestError
-from . import sealed
 from .openai_api import Adapter, ChatBody, sse
+from .sealed import Sealer
 from .tools import CUSTOM_INPUT, custom_function, custom_input
 
 HINTS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "client_metadata", "prompt_cache_retention")
@@ -64,11 +65,11 @@ def _content(content, where: str) -> str:
     return "".join(parts)
 
 
-def _reasoning(item: dict, where: str, ignored: list):
+def _reasoning(item: dict, where: str, ignored: list, sealer: Sealer):
     """A reasoning item's text: its reasoning_text parts (else its summary's), joined, or what its
     encrypted_content (one this server sealed) holds; None: nothing this server can read."""
     if item.get("encrypted_content"):
-        text = sealed.unseal(item["encrypted_content"])
+        text = sealer.unseal(item["encrypted_content"])
         if text is not None:
             return text
         ignored.append("input.reasoning.encrypted_content")  # another server's (or key's): left out
@@ -89,7 +90,7 @@ def _call_message(out: list, call: dict) -> None:
         out.append({"role": "assistant", "content": None, "tool_calls": [call]})
 
 
-def _input(items, thinking: bool, ignored: list) -> list:
+def _input(items, thinking: bool, ignored: list, sealer: Sealer) -> list:
     """`input` as chat messages: function_call (and custom_tool_call) items join an assistant
     message's tool_calls, their outputs become tool messages, a reasoning item begins an assistant
     message (its reasoning_content) that the next message or calls complete."""
@@ -110,7 +111,7 @@ def _input(items, thinking: bool, ignored: list) -> list:
             else:
                 out.append({"role": item["role"], "content": content})
         elif kind == "reasoning":
-            text = _reasoning(item, where, ignored)
+            text = _reasoning(item, where, ignored, sealer)
             if not thinking or text is None:  # the template has no place for it (or nothing to place)
                 ignored.append("input.reasoning")
                 continue
@@ -271,7 +272,7 @@ def _include(include, ignored: list) -> set:
     return set(include)
 
 
-def to_chat(body: dict, info, tokenizer) -> dict:
+def to_chat(body: dict, info, tokenizer, sealer: Sealer) -> dict:
     ignored = []
     for name, value in body.items():
         if name in REFUSED and value not in (None, [], False):
@@ -300,7 +301,7 @@ def to_chat(body: dict, info, tokenizer) -> dict:
     tools, names = _tools(body["tools"], False, ignored) if body.get("tools") else ([], {})
     choice = _tool_choice(body.get("tool_choice"), names)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) \
-        + _input(body.get("input"), tokenizer.has_thinking, ignored)
+        + _input(body.get("input"), tokenizer.has_thinking, ignored, sealer)
     out = {"messages": messages, "stream": body.get("stream", False)}
     _reasoning_options(body, tokenizer, ignored, out)
     _include(body.get("include"), ignored)
@@ -338,8 +339,8 @@ class ResponsesReply:
 
     content_type = "text/event-stream"
 
-    def __init__(self, reply, body: dict):
-        self.reply, self.body = reply, body
+    def __init__(self, reply, body: dict, sealer: Sealer):
+        self.reply, self.body, self.sealer = reply, body, sealer
         self.id, self.created = "resp_" + uuid.uuid4().hex, int(time.time())
         self.sequence = 0
         self.output = []  # items so far
@@ -383,7 +384,7 @@ class ResponsesReply:
         item = {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex[:24], "summary": [], "status": status,
                 "content": [{"type": "reasoning_text", "text": text}] if status == "completed" or text else []}
         if self.encrypt and status == "completed":
-            item["encrypted_content"] = sealed.seal(text)  # read back when the client returns it in input
+            item["encrypted_content"] = self.sealer.seal(text)  # read back when the client returns it in input
         return item
 
     def _call(self, call: dict) -> dict:
@@ -511,5 +512,10 @@ class ResponsesReply:
         return self._response(self._status(choice["finish_reason"]), self._usage(openai_whole["usage"]))
 
 
-ADAPTERS = {("POST", "/v1/responses"): Adapter(to_chat, ResponsesReply, param)}
+ROUTE = ("POST", "/v1/responses")
+
+
+def adapters(sealer: Sealer) -> dict:
+    """The Responses route's Adapter, sealing reasoning with the front end's `sealer`."""
+    return {ROUTE: Adapter(partial(to_chat, sealer=sealer), partial(ResponsesReply, sealer=sealer), param)}
 ROUTES, ERROR_BODIES = {}, {}

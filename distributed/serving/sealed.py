@@ -6,8 +6,8 @@ reasoning goes back into the prompt.
 A sealed text is base64 (URL-safe) of JSON {"v": 1, "t": text} and an HMAC-SHA256 of it.
 The key comes from --auth-token (TRINITY_AUTH_TOKEN) where one is set, so that servers
 sharing a token (a restarted ring, the launcher's router and rank 0) read each other's,
-else it is drawn once per process. It is signed, not enciphered: it keeps a client from
-passing off text of its own as the model's reasoning, not from reading it.
+else it is drawn for each HTTP front end (which owns its Sealer). It is signed, not enciphered:
+it keeps a client from passing off text of its own as the model's reasoning, not from reading it.
 """
 
 import base64
@@ -17,37 +17,38 @@ import json
 import secrets
 from typing import Optional
 
-_key = secrets.token_bytes(32)
 PREFIX = "trinity1."
 
 
-def use_token(token: Optional[str]) -> None:
-    """Derive the key from the server's auth token (None: keep the per-process one)."""
-    global _key
-    if token:
-        _key = hmac.new(token.encode(), b"trinity-pipeline sealed reasoning v1", hashlib.sha256).digest()
+class Sealer:
+    """Seals and unseals with one key: derived from the server's auth token (servers sharing it
+    read each other's), else drawn for this server alone."""
 
+    def __init__(self, token: Optional[str] = None):
+        if token:
+            self._key = hmac.new(token.encode(), b"trinity-pipeline sealed reasoning v1", hashlib.sha256).digest()
+        else:
+            self._key = secrets.token_bytes(32)
 
-def seal(text: str) -> str:
-    body = json.dumps({"v": 1, "t": text}, ensure_ascii=False, separators=(",", ":")).encode()
-    mac = hmac.new(_key, body, hashlib.sha256).digest()
-    return PREFIX + base64.urlsafe_b64encode(mac + body).decode().rstrip("=")
+    def seal(self, text: str) -> str:
+        body = json.dumps({"v": 1, "t": text}, ensure_ascii=False, separators=(",", ":")).encode()
+        mac = hmac.new(self._key, body, hashlib.sha256).digest()
+        return PREFIX + base64.urlsafe_b64encode(mac + body).decode().rstrip("=")
 
-
-def unseal(token: str) -> Optional[str]:
-    """The text `seal` made, or None: not one of ours, or signed with another key."""
-    if not isinstance(token, str) or not token.startswith(PREFIX):
-        return None
-    raw = token[len(PREFIX):]
-    try:
-        data = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
-    except ValueError:
-        return None
-    mac, body = data[:32], data[32:]
-    if len(mac) < 32 or not hmac.compare_digest(mac, hmac.new(_key, body, hashlib.sha256).digest()):
-        return None
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    return value.get("t") if isinstance(value, dict) and isinstance(value.get("t"), str) else None
+    def unseal(self, token: str) -> Optional[str]:
+        """The text `seal` made, or None: not one of ours, or signed with another key."""
+        if not isinstance(token, str) or not token.startswith(PREFIX):
+            return None
+        raw = token[len(PREFIX):]
+        try:
+            data = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
+        except ValueError:
+            return None
+        mac, body = data[:32], data[32:]
+        if len(mac) < 32 or not hmac.compare_digest(mac, hmac.new(self._key, body, hashlib.sha256).digest()):
+            return None
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        return value.get("t") if isinstance(value, dict) and isinstance(value.get("t"), str) else None

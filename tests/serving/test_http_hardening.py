@@ -16,7 +16,7 @@ from mlx_lm.utils import load_tokenizer
 
 from distributed.runtime.scheduler import Scheduler
 from distributed.serving import http_api, http_server, openapi
-from distributed.serving.http_api import ADAPTERS, MAX_BODY, MAX_DEPTH, ROUTES, start_http_server, text_bound
+from distributed.serving.http_api import ADAPTED_ROUTES, MAX_BODY, MAX_DEPTH, ROUTES, start_http_server, text_bound
 from distributed.serving.options import ServeOptions
 from distributed.serving.chat_format import ModelInfo
 from distributed.shard.config import read_config
@@ -285,7 +285,7 @@ def test_openapi_document(served):
     status, head, doc = request(served.front.port, "GET", "/openapi.json")
     assert status == 200 and head["Content-Type"] == "application/json" and doc["openapi"].startswith("3.")
     routes = {(m.upper(), p) for p, methods in doc["paths"].items() for m in methods}
-    assert set(ADAPTERS) | set(ROUTES) <= routes
+    assert ADAPTED_ROUTES | set(ROUTES) <= routes
     assert {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
             ("GET", "/health"), ("GET", "/v1/status"), ("GET", "/metrics")} <= routes
     for (method, path) in routes:

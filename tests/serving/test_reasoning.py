@@ -164,7 +164,7 @@ def test_responses_encrypted_reasoning_round_trip(served):
     with client.responses.stream(model="think", input="Weather in Paris?", temperature=0, max_output_tokens=16,
                                  include=["reasoning.encrypted_content"]) as s:
         streamed = s.get_final_response()
-    assert streamed.output[0].encrypted_content and sealed_text(streamed.output[0].encrypted_content) == THOUGHT
+    assert streamed.output[0].encrypted_content and sealed_text(served, streamed.output[0].encrypted_content) == THOUGHT
     opaque = {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": reasoning.encrypted_content}
     history = [{"role": "user", "content": "Weather in Paris?"}, opaque, {"role": "assistant", "content": SAID},
                {"role": "user", "content": "And tomorrow?"}]
@@ -178,10 +178,8 @@ def test_responses_encrypted_reasoning_round_trip(served):
                                                             {"role": "user", "content": "And tomorrow?"}])
 
 
-def sealed_text(token):
-    from distributed.serving.sealed import unseal
-
-    return unseal(token)
+def sealed_text(served, token):
+    return served.front.sealer.unseal(token)
 
 
 def test_context_management_clears_old_thinking(served):

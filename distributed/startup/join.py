@@ -194,7 +194,7 @@ def build_pipeline(settings: Settings, group, watchdog: Optional[Watchdog] = Non
             on_ready()
         worker = StageWorker(stage, rank, world, wait_wake=watchdog and watchdog.wait_wake, memory_limit=limit)
         if watchdog is not None:
-            watchdog.report = worker.stats.report  # rank 0's metrics hear it with each heartbeat
+            watchdog.send_stats(worker.stats.report)  # rank 0's metrics hear it with each heartbeat
         worker.serve(transport)
         return None
     # Parked ranks are woken, and their reports heard, through the watchdog's channel.

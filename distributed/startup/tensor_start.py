@@ -100,7 +100,7 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
             on_ready()
         follower = TensorFollower(stage, tensor, wait_wake=wait_wake, world_rank=rank, memory_limit=limit)
         if watchdog is not None:
-            watchdog.report = follower.stats.report
+            watchdog.send_stats(follower.stats.report)
         follower.serve()
         release_group(stage)
         return None
@@ -113,7 +113,7 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
             on_ready()
         worker = TensorStageWorker(stage, rank // size, stages, tensor, rank, wait_wake=wait_wake, memory_limit=limit)
         if watchdog is not None:
-            watchdog.report = worker.stats.report
+            watchdog.send_stats(worker.stats.report)
         worker.serve(transport)
         release_group(stage)
         return None

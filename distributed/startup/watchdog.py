@@ -121,7 +121,7 @@ class Watchdog:
         self.on_failure = on_failure  # rank 0 serving: scheduler.abort (ends streams, NOT_SERVING)
         self.grace = grace  # seconds for front ends to send their errors before the exit
         self.on_stop = on_stop  # another rank asked for a stop: lifecycle.request_stop
-        self.report: Optional[Callable[[], dict]] = None  # another rank: its stats, sent with each heartbeat
+        self._report: Optional[Callable[[], dict]] = None  # another rank: its stats (send_stats)
         self.reports: Dict[int, dict] = {}  # rank 0: each rank's last report
         self.stopping = False  # a stop was announced: losing a peer is expected now
         self._woken = 0  # the last {"wake": n} from rank 0
@@ -301,12 +301,17 @@ class Watchdog:
             return
         self._fail(self._describe(r, "stopped responding (connection closed)"), r)
 
+    def send_stats(self, report: Callable[[], dict]) -> None:
+        """Each heartbeat from now on carries report() (another rank's counters, shown by rank 0's
+        metrics). Given once the rank's worker exists, which is made after this watchdog."""
+        self._report = report
+
     def _beat(self) -> None:
         while not self._done and self.failure is None:
             beat = {"hb": 1}
-            if self.report is not None:
+            if self._report is not None:
                 try:
-                    beat["stats"] = self.report()
+                    beat["stats"] = self._report()
                 except Exception as e:  # e.g. caches changing under us: the next beat has one
                     logging.getLogger(__name__).debug("no counters for this heartbeat: %s", e)
             for peer in list(self.peers.values()):

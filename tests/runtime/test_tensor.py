@@ -16,6 +16,8 @@ from distributed.startup.tensor_start import check_tensor_args
 from distributed.shard.tiny_checkpoint import make_checkpoint, tiny_config
 from reference import PROMPT, mlx_lm_greedy
 
+pytestmark = pytest.mark.slow  # about fifteen rings of 2-4 ranks, each splitting every layer
+
 IDS = ",".join(map(str, PROMPT))
 MAX_TOKENS = 12
 

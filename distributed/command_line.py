@@ -27,7 +27,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-
 def context_arg(text: str) -> Union[int, str]:
     """--max-context's value: a token count, or auto."""
     if text.strip().lower() == AUTO:

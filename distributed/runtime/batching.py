@@ -51,7 +51,6 @@ from .sequence import Sequence, draw, shaped_logprobs, top_candidates, top_logpr
 from .speculation import SpeculationOptions, Verifier
 
 
-
 @dataclass
 class PrefillBatch:
     slot: int  # a batch slot, or the one member's own slot
@@ -198,7 +197,6 @@ class Admission:
             if not batch.live:
                 self.pipeline.release(batch.slot)  # after its chunks still in the ring
                 self.current = None
-
 
 
 class Batcher:

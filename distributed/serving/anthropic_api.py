@@ -4,11 +4,14 @@ the `anthropic` package works unchanged (headers such as anthropic-version and
 anthropic-beta are not read; --auth-token takes `x-api-key` as well as a bearer token).
 
 Implemented: model (required, the served one), max_tokens (required), system (a string or
-text blocks), messages (user and assistant turns; content a string or blocks: text,
+text blocks; Claude Code's `x-anthropic-billing-header:` block or line, whose suffix changes with
+the request, is dropped and named in the access log, so that sessions share their prompts'
+prefix), messages (user and assistant turns; content a string or blocks: text,
 tool_use in assistant turns -> OpenAI tool_calls, tool_result in user turns -> `tool`
 messages, its content a string or text blocks, is_error prefixing it with "Error: "; system
-entries among the messages, as Claude Code sends reminders, rendered where they stand or joined
-to the system prompt where the template takes one only first), tools (client tools: name,
+entries among the messages, as Claude Code sends them, stay where they stand, so that each turn's
+prompt extends the last: a system message where the template renders one there, else a user
+turn), tools (client tools: name,
 description, input_schema, strict; server tools are left out of the prompt), tool_choice (auto,
 any -> "required", tool -> the named function, none; disable_parallel_tool_use), stop_sequences
 (the one that ended the reply in stop_sequence), temperature, top_p, top_k, stream,
@@ -39,12 +42,9 @@ thinking_delta; its `signature` is empty: nothing here signs or checks one).
 """
 
 import json
-import weakref
-
-from jinja2 import TemplateError
 
 from ..runtime.request import RequestError
-from .chat_format import chat_ids
+from .chat_format import chat_ids, place_system
 from .constraints import forced_tools
 from .openai_api import Adapter, ApiError, ChatBody, check_fields, sse
 from .tools import chat_messages, request_tools
@@ -64,6 +64,7 @@ BLOCK_KEYS = {"text": ("text", "citations"), "tool_use": ("id", "name", "input",
               "tool_result": ("tool_use_id", "content", "is_error")}
 TOOL_KEYS = ("type", "name", "description", "input_schema", "cache_control", "strict", "defer_loading",
              "eager_input_streaming", "input_examples", "allowed_callers")
+BILLING = "x-anthropic-billing-header:"  # Claude Code's first system block (_unbilled)
 CLEARED = "[cleared to save context]"  # what a cleared tool result (or input) says, as Anthropic's placeholder does
 DEFAULT_TRIGGER = 100_000  # clear_tool_uses: input tokens above which it clears (Anthropic's default)
 DEFAULT_KEEP_TOOL_USES = 3
@@ -122,14 +123,42 @@ def _blocks(content, where: str) -> list:
     return content
 
 
-def _text(content, where: str) -> str:
-    """Text blocks (or a string) joined, as OpenAI's text parts are."""
+def _texts(content, where: str) -> list:
+    """The texts of text blocks (or a string)."""
     parts = []
     for j, block in enumerate(_blocks(content, where)):
         if block["type"] != "text" or not isinstance(block.get("text"), str):
             raise bad(f"{where}[{j}]", "expected a text block")
         parts.append(block["text"])
-    return "".join(parts)
+    return parts
+
+
+def _text(content, where: str) -> str:
+    """Text blocks (or a string) joined, as OpenAI's text parts are."""
+    return "".join(_texts(content, where))
+
+
+def _unbilled(texts: list, where: str, ignored: list):
+    """System text (its blocks' texts, joined) without Claude Code's billing header: a block, or
+    a line of a string, beginning `x-anthropic-billing-header:` (`cc_version=2.1.197.1c0;
+    cc_entrypoint=sdk-cli;`, with a `cch=` hash in other releases) is request metadata whose
+    suffix changes with the request, so that no two sessions' prompts would share more than the
+    tokens before it. Dropped, and named in the access log (`WHERE.x-anthropic-billing-header`).
+    None: nothing was left but the header."""
+    kept, dropped = [], False
+    for text in texts:
+        lines = text.splitlines(keepends=True)
+        rest = [line for line in lines if not line.startswith(BILLING)]
+        if len(rest) == len(lines):
+            kept.append(text)
+            continue
+        dropped = True
+        if rest:  # a block (or the string) that held more than the header keeps the rest as it was
+            kept.append("".join(rest))
+    if not dropped:
+        return "".join(texts)
+    ignored.append(f"{where}.{BILLING[:-1]}")
+    return "".join(kept) if kept else None
 
 
 def _turn(m, i: int, last: bool, thinking: bool, ignored: list) -> list:
@@ -144,7 +173,8 @@ def _turn(m, i: int, last: bool, thinking: bool, ignored: list) -> list:
         extra = next((k for k in m if k not in ("role", "content")), None)
         if extra is not None:
             raise bad(f"{where}.{extra}", "not supported in a message")
-        return [{"role": "system", "content": _text(m.get("content"), f"{where}.content")}]
+        text = _unbilled(_texts(m.get("content"), f"{where}.content"), "messages.system", ignored)
+        return [{"role": "system", "content": text}] if text is not None else []
     extra = next((k for k in m if k not in ("role", "content")), None)
     if extra is not None:
         raise bad(f"{where}.{extra}", "not supported in a message")
@@ -328,42 +358,6 @@ def _context_edits(config, messages: list, count, ignored: list) -> None:
             ignored.append(f"context_management.{kind}")  # an edit this server does not know: none applied
 
 
-_one_system = weakref.WeakKeyDictionary()  # tokenizer -> its template takes system messages only first
-
-
-def _system_first_only(tokenizer) -> bool:
-    """Whether the chat template refuses (or drops) a system message after the first turn."""
-    try:
-        return _one_system[tokenizer]
-    except (KeyError, TypeError):
-        pass
-    probe = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-             {"role": "system", "content": "\x1fprobe\x1f"}, {"role": "user", "content": "c"}]
-    try:
-        text = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
-        only_first = "\x1fprobe\x1f" not in text
-    except (TemplateError, ValueError, TypeError):
-        only_first = True
-    try:
-        _one_system[tokenizer] = only_first
-    except TypeError:
-        pass
-    return only_first
-
-
-def _place_system(messages: list, tokenizer) -> list:
-    """System entries inside `messages` where they stand, or joined to the system prompt (the first
-    message) where the chat template takes a system message only first."""
-    later = [i for i, m in enumerate(messages) if m["role"] == "system" and any(x["role"] != "system" for x in messages[:i])]
-    if not later or tokenizer is None or not _system_first_only(tokenizer):
-        return messages
-    head = [m for i, m in enumerate(messages) if m["role"] == "system" and i not in later
-            and all(x["role"] == "system" for x in messages[:i])]
-    system = "\n\n".join(m["content"] for m in head + [messages[i] for i in later])
-    rest = [m for i, m in enumerate(messages) if m["role"] != "system"]
-    return [{"role": "system", "content": system}] + rest
-
-
 def _prompt(body: dict, tokenizer, max_tokens=None, ignored=None) -> dict:
     """The fields that make the prompt (and its constraint), as a chat-completions body."""
     thinking = tokenizer.has_thinking
@@ -373,7 +367,9 @@ def _prompt(body: dict, tokenizer, max_tokens=None, ignored=None) -> dict:
         raise bad("messages", "expected a non-empty list of turns")
     out = []
     if body.get("system") is not None:
-        out.append({"role": "system", "content": _text(body["system"], "system")})
+        text = _unbilled(_texts(body["system"], "system"), "system", ignored)
+        if text is not None:
+            out.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
         out += _turn(m, i, i == len(messages) - 1, thinking, ignored)
     chat = {"model": body["model"], "messages": out}
@@ -395,7 +391,7 @@ def _prompt(body: dict, tokenizer, max_tokens=None, ignored=None) -> dict:
             except RequestError:
                 return 0
         _context_edits(body["context_management"], out, count, ignored)
-    chat["messages"] = _place_system(out, tokenizer)
+    chat["messages"] = place_system(out, tokenizer)
     return chat
 
 

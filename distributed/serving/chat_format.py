@@ -1,7 +1,8 @@
 """The model's chat format, both ways, for every front end (gRPC, the HTTP APIs, --chat): a
 client's prompt, token ids or chat messages plus sampling fields into a validated
 GenerationRequest (the chat template applied), the generated text back into reasoning, content
-and tool calls (ReplySplitter), and the model facts the front ends report (ModelInfo).
+and tool calls (ReplySplitter), and the model facts the front ends report (ModelInfo). System messages after the first turn
+stay where they stand for any template (place_system: the Messages and Responses adapters).
 
 The reply is split as it streams, as mlx-lm's server splits it: one TextStateMachine
 (mlx_lm.generate) whose states are "normal" (content), "reasoning" (between the tokenizer's think_start and think_end,
@@ -19,6 +20,7 @@ reason ("length") tells the client the reply was cut.
 
 import json
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
@@ -28,6 +30,7 @@ from mlx_lm.generate import TextStateMachine
 from ..runtime.request import GenerationRequest, RequestError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # chat roles a request may use
+SYSTEM_ROLES = ("system", "developer")  # "developer": OpenAI's newer name for "system"
 
 
 @dataclass
@@ -84,6 +87,73 @@ def chat_ids(tokenizer, messages: List[dict], tools: Optional[List[dict]] = None
     except TemplateError as e:  # e.g. a template that raises on a role order it does not take
         raise RequestError("messages", f"the chat template refused them: {e}") from None
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+_later_system = weakref.WeakKeyDictionary()  # tokenizer -> how its template takes a later system message
+PROBE = ("Qz1first", "Qz2reply", "Qz3later", "Qz4next")  # the probe's turns (no whitespace: a template may trim)
+
+
+def _in_order(tokenizer, roles) -> bool:
+    """Whether the chat template renders PROBE's texts in these roles, each once and in order."""
+    probe = [{"role": role, "content": text} for role, text in zip(roles, PROBE)]
+    try:
+        text = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+    except (TemplateError, ValueError, TypeError):
+        return False
+    at = [text.find(mark) for mark in PROBE]
+    return all(text.count(mark) == 1 for mark in PROBE) and at == sorted(at)
+
+
+def later_system_mode(tokenizer) -> str:
+    """How a system message after the first turn reaches this chat template: "system" where it
+    renders one where it stands; else as a user turn there ("user"), or where the template takes
+    no two user turns in a row, "merge": joined to the user turn beside it. A template that
+    refuses one, drops it, or moves it to the top (which would rewrite the prompt's beginning at
+    every turn that adds one) gets it as user text."""
+    try:
+        return _later_system[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    if _in_order(tokenizer, ("user", "assistant", "system", "user")):
+        mode = "system"
+    else:
+        mode = "user" if _in_order(tokenizer, ("user", "assistant", "user", "user")) else "merge"
+    try:
+        _later_system[tokenizer] = mode
+    except TypeError:
+        pass
+    return mode
+
+
+def place_system(messages: list, tokenizer) -> list:
+    """System entries among the turns (Claude Code's mid-conversation system messages) stay where
+    they stand, so that each turn's prompt extends the one before: a system message where the chat
+    template renders one there, else a user turn at their place (joined to the user turn beside it,
+    the one before first, where the template takes no two in a row). Where it does not render them,
+    system messages before the first turn are joined into one, the system prompt."""
+    later = [i for i, m in enumerate(messages) if m["role"] in SYSTEM_ROLES
+             and any(x["role"] not in SYSTEM_ROLES for x in messages[:i])]
+    head = next((i for i, m in enumerate(messages) if m["role"] not in SYSTEM_ROLES), len(messages))
+    if (not later and head < 2) or tokenizer is None:
+        return messages
+    mode = later_system_mode(tokenizer)
+    if mode == "system":
+        return messages
+    out = [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:head])}] if head else []
+    joined = set()  # indices in `out` of user turns that carry a system entry
+    for i, m in enumerate(messages[head:], head):
+        if i not in later:
+            if mode == "merge" and m["role"] == "user" and out and len(out) - 1 in joined:
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+            else:
+                out.append(m)
+            continue
+        if mode == "merge" and out and out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            out.append({"role": "user", "content": m["content"]})
+        joined.add(len(out) - 1)
+    return out
 
 
 def build_request(info: ModelInfo, ids: List[int], **sampling) -> GenerationRequest:

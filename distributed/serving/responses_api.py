@@ -2,7 +2,8 @@
 (openai_api.Adapter), so `client.responses.create` / `.stream` (and Codex-style agents) work
 unchanged and a greedy input gets the same text as through /v1/chat/completions.
 
-Implemented: `model`, `input` (a string, or items: messages with text content, `function_call`
+Implemented: `model`, `input` (a string, or items: messages with text content (system and developer
+ones after the first turn stay where they stand: chat_format.place_system), `function_call`
 (with its `namespace`) and `function_call_output`, `custom_tool_call` and its output, `reasoning`),
 `instructions`, `max_output_tokens`, `temperature`, `top_p`, `tools` (function tools, `strict`
 honoured as in chat; `namespace` tools flattened into functions named NAMESPACE__NAME, their calls
@@ -31,6 +32,7 @@ import uuid
 from functools import partial
 
 from ..runtime.request import RequestError
+from .chat_format import place_system
 from .openai_api import Adapter, ChatBody, sse
 from .sealed import Sealer
 from .tools import CUSTOM_INPUT, custom_function, custom_input
@@ -302,6 +304,7 @@ def to_chat(body: dict, info, tokenizer, sealer: Sealer) -> dict:
     choice = _tool_choice(body.get("tool_choice"), names)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) \
         + _input(body.get("input"), tokenizer.has_thinking, ignored, sealer)
+    messages = place_system(messages, tokenizer)  # developer messages after the first turn stay there
     out = {"messages": messages, "stream": body.get("stream", False)}
     _reasoning_options(body, tokenizer, ignored, out)
     _include(body.get("include"), ignored)

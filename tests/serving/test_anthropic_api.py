@@ -355,24 +355,3 @@ def test_system_entries_and_context_edits_shape_the_prompt(ring):
     _, by_hand = post(ring, "/v1/messages/count_tokens", {**base, "messages": turns("[cleared to save context]")})
     _, kept = post(ring, "/v1/messages/count_tokens", {**base, "messages": turns("18 C, sunny, a long report " * 20)})
     assert cleared == by_hand and kept["input_tokens"] > cleared["input_tokens"], (cleared, by_hand, kept)
-
-
-def test_system_entries_join_the_system_prompt_where_the_template_takes_one_only():
-    """A template that raises on a system message after the first turn (as many do) gets Claude Code's
-    system entries joined to the system prompt, in their order."""
-    from jinja2 import TemplateError
-
-    from distributed.serving.anthropic_api import _place_system
-
-    class FirstOnly:
-        def apply_chat_template(self, messages, **kwargs):
-            if any(m["role"] == "system" for m in messages[1:]):
-                raise TemplateError("System message must be at the beginning.")
-            return "".join(m["content"] for m in messages)
-
-    messages = [{"role": "system", "content": "You are Claude Code."}, {"role": "user", "content": "a"},
-                {"role": "system", "content": "<reminder>"}, {"role": "user", "content": "b"}]
-    assert _place_system(messages, FirstOnly()) == [
-        {"role": "system", "content": "You are Claude Code.\n\n<reminder>"}, {"role": "user", "content": "a"},
-        {"role": "user", "content": "b"}]
-    assert _place_system(messages[1:], FirstOnly())[0] == {"role": "system", "content": "<reminder>"}

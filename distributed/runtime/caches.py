@@ -11,11 +11,20 @@ slots always describe the same sequences.
 Each rank also keeps its layers' slice of the prefix cache's entries (rank 0
 holds the index: prefix_cache.py): a sequence's caches copied at some point,
 restored later into a new sequence's slot.
+
+A sliding-window cache that has wrapped cannot be cut back: the keys before its
+window are gone. So while a prompt is prefilled (Op.RECORD), the keys and values
+each frame brings to the sliding layers are also kept in order, as they come
+(a Log, per sequence: rows are followed through merges, joins and filters), and
+an entry keeps them beside its caches (Stored): a window is rebuilt from them at
+any earlier position, and an entry serves any prompt that shares a prefix with it.
 """
 
 import copy
 from contextlib import contextmanager
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass
+from itertools import chain
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
@@ -25,14 +34,99 @@ from ..transport import Op
 
 # Ops that change caches; each rank applies them with `apply` and rank 0 needs no reply.
 CACHE_OPS = (Op.RESET, Op.JOIN, Op.FILTER, Op.MERGE, Op.PREPARE, Op.FINALIZE, Op.SNAPSHOT, Op.RESTORE, Op.EVICT,
-             Op.TRIM)
+             Op.TRIM, Op.RECORD)
+
+KV = Tuple[mx.array, mx.array]
+
+
+class Log:
+    """A sequence's sliding-layer keys and values of its first `tokens` positions, in order,
+    unrotated (one list of chunks per layer; None for a full-attention layer). `open` while
+    its prompt is prefilled: the frames of its slot add to it."""
+
+    def __init__(self, chunks: List[Optional[List[KV]]], tokens: int):
+        self.chunks = chunks
+        self.tokens = tokens
+        self.open = True
+
+    def add(self, layer: int, kv: KV) -> None:
+        self.chunks[layer].append(kv)
+
+    def joined(self) -> List[Optional[KV]]:
+        """Each layer's keys and values as one pair; the log keeps those from now on (an entry
+        that shares them costs no copy)."""
+        for chunks in self.chunks:
+            if chunks is not None and len(chunks) > 1:
+                chunks[:] = [(mx.concatenate([k for k, _ in chunks], axis=2),
+                              mx.concatenate([v for _, v in chunks], axis=2))]
+        return [None if c is None else c[0] for c in self.chunks]
+
+
+@dataclass
+class Stored:
+    """A prefix-cache entry's slice on this rank: the compact caches after all its tokens and,
+    where its sliding windows wrapped, each sliding layer's keys and values of its first
+    `logged` tokens, unrotated, from which a window at any earlier position is rebuilt."""
+
+    caches: List
+    log: List[Optional[KV]]
+    logged: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches) + sum(k.nbytes + v.nbytes for k, v in filter(None, self.log))
+
+    def cut(self, tokens: int) -> List:
+        """Fresh caches at its first `tokens` tokens (its arrays are new slices: the caches'
+        in-place updates then copy, never write into the entry)."""
+        out = []
+        for cache, kv in zip(self.caches, self.log):
+            if tokens == cache.offset or cache.is_trimmable() or kv is None:
+                out.append(cut(cache, tokens))  # refuses to cut a wrapped window with no log
+            else:
+                out.append(window_at(kv, tokens, cache.max_size))
+        return out
+
+    def seed(self, tokens: int) -> List[Optional[KV]]:
+        """Each sliding layer's keys and values of its first `tokens` positions (a Log's start)."""
+        seeds = []
+        for cache, kv in zip(self.caches, self.log):
+            if not isinstance(cache, RotatingKVCache):
+                seeds.append(None)
+            else:
+                k, v = kv if kv is not None else (cache.keys, cache.values)  # not wrapped: all its tokens
+                assert k.shape[2] >= tokens, "an entry seeds a log only as far as it holds its tokens"
+                seeds.append((k[..., :tokens, :], v[..., :tokens, :]))
+        return seeds
+
+
+class Tap:
+    """A sliding-window cache seen through: the keys and values of the frame's update are kept
+    (SlotCaches.tapped gives them to the rows' logs)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.kv: Optional[KV] = None
+
+    def update_and_fetch(self, keys, values):
+        self.kv = (keys, values)
+        return self.cache.update_and_fetch(keys, values)
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
 
 
 class SlotCaches:
     def __init__(self, stage: Stage):
         self.stage = stage
         self.slots: Dict[int, List] = {}
-        self.entries: Dict[int, List] = {}  # prefix-cache entries: compact plain caches
+        self.entries: Dict[int, Stored] = {}  # prefix-cache entries
+        # Which sequence each row of a slot is (the slot it started in), through merges, joins and
+        # filters; the logs of those being recorded (Op.RECORD), and each padded batch's row lengths
+        # with the columns its frames have brought so far (a row's log takes only its own tokens).
+        self.rows_of: Dict[int, List[int]] = {}
+        self.logs: Dict[int, Log] = {}
+        self.padded: Dict[int, List] = {}
 
     def apply(self, op: int, slot: int, arg: int, values: Sequence[int]) -> None:
         """One cache op of the ring header; `values`: its int32 payload as a list."""
@@ -59,6 +153,8 @@ class SlotCaches:
         elif op == Op.TRIM:
             for cache in self.slots[slot]:
                 trim_newest(cache, arg)
+        elif op == Op.RECORD:  # (entry or -1, tokens)
+            self.record(slot, *values)
         else:
             raise ValueError(f"op {op} is not a cache op")
 
@@ -66,14 +162,21 @@ class SlotCaches:
         """The caches of `slot`, fresh ones for a slot not seen before."""
         if slot not in self.slots:
             self.slots[slot] = self.stage.make_cache()
+            self.rows_of[slot] = [slot]
         return self.slots[slot]
 
     def drop(self, slot: int) -> None:
         self.slots.pop(slot, None)
+        self.rows_of.pop(slot, None)
+        self.padded.pop(slot, None)
+        self._forget_logs()
 
     def clear(self) -> None:
         """Drop every slot (Op.CLEAR); prefix-cache entries stay (they are evicted by name)."""
         self.slots.clear()
+        self.rows_of.clear()
+        self.logs.clear()
+        self.padded.clear()
 
     def rows(self, slot: int) -> int:
         caches = self.slots[slot]
@@ -87,17 +190,20 @@ class SlotCaches:
         for s in sources:
             del self.slots[s]
         self.slots[batch_slot] = [first.merge([c[i] for c in singles]) for i, first in enumerate(singles[0])]
+        self.rows_of[batch_slot] = [i for s in sources for i in self.rows_of.pop(s)]
 
     def prepare(self, slot: int, lengths: List[int], right_padding: List[int]) -> None:
         """Before right-padded prompt rows (mlx-lm's PromptProcessingBatch.prompt):
         padding must not evict or be mistaken for real entries."""
         for cache in self.slots[slot]:
             cache.prepare(lengths=lengths, right_padding=right_padding)
+        self.padded[slot] = [lengths, 0]
 
     def finalize(self, slot: int) -> None:
         """After the padded prompt rows: the padding becomes left padding, ready to decode."""
         for cache in self.slots[slot]:
             cache.finalize()
+        self.padded.pop(slot, None)
 
     def join(self, batch_slot: int, source_slot: int, rows: List[int]) -> None:
         """Append rows `rows` (in that order) of `source_slot` to `batch_slot`'s batch;
@@ -107,8 +213,14 @@ class SlotCaches:
         self.get(source_slot)
         rest = [r for r in range(self.rows(source_slot)) if r not in rows]
         source = self.slots[source_slot]
+        ids = [self.rows_of[source_slot][r] for r in rows]
+        for i in ids:  # they decode from now on: their prompts are whole
+            if i in self.logs:
+                self.logs[i].open = False
+        self.rows_of[batch_slot] = self.rows_of.get(batch_slot, []) + ids  # first: the source's filter keeps their logs
         if not rest:
             moved = self.slots.pop(source_slot)
+            del self.rows_of[source_slot]
             if rows != sorted(rows):
                 moved = self._take(moved, rows)
         else:
@@ -140,6 +252,9 @@ class SlotCaches:
             self.drop(batch_slot)
             return
         batch = self.slots[batch_slot]
+        ids = self.rows_of[batch_slot]
+        self.rows_of[batch_slot] = [ids[k] for k in keep]
+        self._forget_logs()
         if not is_batch(batch):
             return  # one row, kept
         if len(keep) == 1:
@@ -155,21 +270,75 @@ class SlotCaches:
         caches = self.get(slot)
         return caches[0].offset[row].item() if is_batch(caches) else caches[0].offset
 
-    def snapshot(self, slot: int, entry: int, row: int = 0) -> Tuple[int, int]:
-        """Keep a copy of row `row` of `slot` as prefix-cache entry `entry`.
-        Returns (tokens it covers, bytes kept)."""
+    def snapshot(self, slot: int, entry: int, row: int = 0) -> Tuple[int, int, int]:
+        """Keep a copy of row `row` of `slot` as prefix-cache entry `entry`. Returns (tokens it
+        covers, bytes kept, tokens from which it can be cut: Stored.cut)."""
         caches = self.slots[slot]
         if is_batch(caches):
             caches = [extract_row(c, row) for c in caches]
         kept = [compact(c) for c in caches]
-        mx.eval([(c.keys, c.values) for c in kept])
-        self.entries[entry] = kept
-        return kept[0].offset, sum(c.nbytes for c in kept)
+        log = self.logs.get(self.rows_of[slot][row])
+        tokens = kept[0].offset
+        logged, layers = (log.tokens, log.joined()) if log is not None else (0, [None] * len(kept))
+        if log is not None and logged < tokens and logged >= tokens - min(tokens, self.stage.args.sliding_window):
+            # The windows hold the tokens the log lacks (those fed by decode steps): the log then
+            # covers them all (decided from the model's window: this rank may hold no sliding layer).
+            layers = [kv if kv is None else whole_log(kv, c) for kv, c in zip(layers, kept)]
+            logged = tokens
+        stored = Stored(kept, layers, logged)
+        mx.eval([(c.keys, c.values) for c in kept], [kv for kv in layers if kv is not None])
+        self.entries[entry] = stored
+        return tokens, stored.nbytes, logged
 
     def restore(self, slot: int, entry: int, tokens: int) -> None:
-        """Fresh caches for `slot` from `entry`, cut to its first `tokens` tokens (fewer
-        than it covers only if its caches are trimmable: no sliding window wrapped)."""
-        self.slots[slot] = [cut(c, tokens) for c in self.entries[entry]]
+        """Fresh caches for `slot` from `entry`, at its first `tokens` tokens (fewer than it
+        covers only where it can be cut: Stored.cut)."""
+        self.slots[slot] = self.entries[entry].cut(tokens)
+        self.rows_of[slot] = [slot]
+
+    def record(self, slot: int, entry: int, tokens: int) -> None:
+        """Keep a log of the sliding layers' keys and values for the sequence in `slot` (one
+        row, before its prompt's frames), starting from entry `entry`'s first `tokens` (-1: none)."""
+        caches = self.get(slot)
+        if entry >= 0:
+            layers = self.entries[entry].seed(tokens)
+        else:
+            layers, tokens = [None] * len(caches), 0
+        self.logs[self.rows_of[slot][0]] = Log(
+            [[kv] if kv is not None else [] if isinstance(c, RotatingKVCache) else None for kv, c in zip(layers, caches)],
+            tokens)
+
+    @contextmanager
+    def tapped(self, slot: int, columns: int):
+        """`slot`'s caches for a frame of `columns` positions per row; the rows being recorded
+        (Op.RECORD) add what the frame brings to their logs (not if the frame raises)."""
+        caches = self.get(slot)
+        ids = self.rows_of[slot]
+        if not any(i in self.logs and self.logs[i].open for i in ids):
+            yield caches
+            return
+        taps = [Tap(c) if isinstance(c, (RotatingKVCache, BatchRotatingKVCache)) else c for c in caches]
+        yield taps
+        padded = self.padded.get(slot)
+        for row, i in enumerate(ids):
+            log = self.logs.get(i)
+            if log is None or not log.open:
+                continue
+            n = columns if padded is None else max(0, min(columns, padded[0][row] - padded[1]))
+            for layer, tap in enumerate(taps):
+                if isinstance(tap, Tap) and n:
+                    k, v = tap.kv
+                    log.add(layer, (k[row:row + 1, :, :n, :], v[row:row + 1, :, :n, :]))
+            log.tokens += n
+        if padded is not None:
+            padded[1] += columns
+
+    def _forget_logs(self) -> None:
+        """Logs of sequences no slot holds now."""
+        if self.logs:
+            live = set(chain.from_iterable(self.rows_of.values()))
+            for i in [i for i in self.logs if i not in live]:
+                del self.logs[i]
 
     def evict(self, entry: int) -> None:
         self.entries.pop(entry, None)
@@ -257,6 +426,22 @@ def compact(cache):
         keys, values = (v[..., : cache.offset, :] for v in (cache.keys, cache.values))
         out = KVCache()
     out.keys, out.values, out.offset = mx.array(keys), mx.array(values), cache.offset
+    return out
+
+
+def whole_log(kv: KV, window) -> KV:
+    """A sliding layer's log completed by its compact window (the window holds its newest tokens)."""
+    start = window.offset - window.keys.shape[2]
+    return tuple(mx.concatenate([a[..., :start, :], b], axis=2) for a, b in zip(kv, (window.keys, window.values)))
+
+
+def window_at(kv: KV, tokens: int, window: int) -> RotatingKVCache:
+    """A sliding-window cache at position `tokens`, from a layer's unrotated keys and values (as
+    compact() leaves one: its last min(tokens, window) positions, in order)."""
+    held = min(tokens, window)
+    out = RotatingKVCache(window)
+    out.keys, out.values = (a[..., tokens - held:tokens, :] for a in kv)
+    out.offset, out._idx = tokens, held
     return out
 
 

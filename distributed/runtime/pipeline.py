@@ -87,7 +87,7 @@ class RankStats:
             "forward_frames": self.forward_frames,
             "mixed_frames": self.mixed_frames,
             "kv_cache_bytes": sum(c.nbytes for caches in slots for c in caches),
-            "prefix_cache_bytes": sum(c.nbytes for caches in entries for c in caches),
+            "prefix_cache_bytes": sum(e.nbytes for e in entries),
             "active_memory_bytes": mx.get_active_memory(),
             "cache_memory_bytes": mx.get_cache_memory(),
             "peak_memory_bytes": mx.get_peak_memory(),
@@ -224,9 +224,9 @@ class Pipeline:
 
     # Prefix-cache entries (the index: prefix_cache.py): every rank keeps its slice.
 
-    def snapshot(self, slot: int, entry: int, row: int = 0) -> Tuple[int, int]:
+    def snapshot(self, slot: int, entry: int, row: int = 0) -> Tuple[int, int, int]:
         """Keep row `row` of `slot` as entry `entry`, on every rank. Returns rank 0's
-        share: (tokens it covers, bytes)."""
+        share: (tokens it covers, bytes, tokens from which it can be cut)."""
         kept = self.caches.snapshot(slot, entry, row)
         self._tell_others(Op.SNAPSHOT, slot, values=[entry, row])
         return kept
@@ -234,6 +234,11 @@ class Pipeline:
     def restore(self, slot: int, entry: int, tokens: int) -> None:
         """Start `slot` from entry `entry`'s first `tokens` tokens, on every rank."""
         self._cache_op(Op.RESTORE, slot, values=[entry, tokens])
+
+    def record(self, slot: int, entry: int = -1, tokens: int = 0) -> None:
+        """Keep a log of what `slot`'s prompt brings to the sliding layers, from entry `entry`'s
+        first `tokens` (-1: from nothing), on every rank (caches.Log)."""
+        self._cache_op(Op.RECORD, slot, values=[entry, tokens])
 
     def evict(self, entries: List[int]) -> None:
         """Forget entries, on every rank."""
@@ -250,8 +255,8 @@ class Pipeline:
         if refused is not None:
             return self._refuse(Header(Op.FORWARD, reply, slot), refused)
         caches = self.caches.get(slot)
-        with keeping(caches, keep):
-            h = self.stage(self.stage.embed(tokens), caches)
+        with keeping(caches, keep), self.caches.tapped(slot, tokens.shape[1]) as staged:
+            h = self.stage(self.stage.embed(tokens), staged)
         self.stats.forward_frames += 1
         self._hidden = (h.shape[-1], h.dtype)  # what the last rank's replies hold
         if self.transport is not None:
@@ -285,8 +290,9 @@ class Pipeline:
         if refused is not None:
             header = Header(Op.FORWARD, Reply.LAST, slot, chunk_slot=chunk_slot, chunk_rows=chunk.shape[0])
             return self._refuse(header, refused)
-        h, c = self.stage.mixed([(self.stage.embed(tokens), self.caches.get(slot)),
-                                 (self.stage.embed(chunk), self.caches.get(chunk_slot))])
+        with self.caches.tapped(chunk_slot, chunk.shape[1]) as chunk_caches:
+            h, c = self.stage.mixed([(self.stage.embed(tokens), self.caches.get(slot)),
+                                     (self.stage.embed(chunk), chunk_caches)])
         self._hidden = (h.shape[-1], h.dtype)
         self.stats.forward_frames += 1
         self.stats.mixed_frames += 1
@@ -447,8 +453,9 @@ class StageWorker:
         if refused is not None:
             return self.guard.failed(header, refused)
         caches = self.caches.get(header.slot)
-        with keeping(caches, header.arg):  # a verification frame drafted ahead (speculation.Verifier)
-            h = self.stage(h, caches)
+        # keeping: a verification frame drafted ahead (speculation.Verifier); tapped: a prompt recorded
+        with keeping(caches, header.arg), self.caches.tapped(header.slot, header.length) as staged:
+            h = self.stage(h, staged)
         if self.is_last:
             if header.reply in (Reply.NONE, Reply.ACK):
                 self.caches.evaluate(header.slot)
@@ -470,8 +477,8 @@ class StageWorker:
                                      h.dtype.size)
         if refused is not None:
             return self.guard.failed(header, refused)
-        outs = self.stage.mixed([(parts[0], self.caches.get(header.slot)),
-                                 (parts[1], self.caches.get(header.chunk_slot))])
+        with self.caches.tapped(header.chunk_slot, chunk[1]) as chunk_caches:
+            outs = self.stage.mixed([(parts[0], self.caches.get(header.slot)), (parts[1], chunk_caches)])
         if self.is_last:
             # The step's reply. Evaluating it evaluates the chunk's caches too: each layer's
             # MLP / MoE ran over both parts, so the chunk's attention is upstream of it.

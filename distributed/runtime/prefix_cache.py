@@ -11,17 +11,26 @@ again where the entry can be cut, see below). A hit restores the entry into the
 new sequence's slot, cut to the common prefix if it can be (a shared system
 prompt); at least the prompt's last token is always computed.
 
-A sliding-window layer's cache that has wrapped (entry of `window` tokens or
-more) cannot be cut back, so such an entry serves only prompts that extend all
-of its tokens; an entry shorter than the window (or a model without sliding
-layers) can be cut to any common prefix (mlx-lm's can_trim_prompt_cache).
+Trinity is a hybrid model: a sliding-window layer's cache that has wrapped (more
+tokens than the window) has lost the keys before its window, and cannot be cut
+back. So a prompt longer than the window is recorded (Op.RECORD, caches.Log): the
+keys and values its frames bring to the sliding layers are kept unrotated, and its
+entries keep them (caches.Stored), from which a window at any earlier position is
+rebuilt. Such an entry can be cut to any common prefix with a new prompt (a new agent
+session after the same system prompt and tools, a rewritten last message, the same
+prompt again), whatever followed; each entry says how far (`cuttable`: the tokens
+logged, all of them but those a long reply decoded past its window). The cost: an
+entry holds every token on every layer, as a model without sliding layers would;
+a prompt whose entry would not fit the budget so is not recorded, and its entries
+serve only prompts that extend them whole, as before. An entry shorter than the
+window (or a model without sliding layers) can be cut anywhere as it is.
 
 Rank 0's index (PrefixIndex) finds the stored entry that saves the most of a prompt:
 a radix tree over the entries' tokens, as SGLang's RadixCache keeps its prefixes:
 each node holds a run of tokens that every entry below it shares, so a lookup walks
 the prompt once, one node per branching point, whatever the number of entries.
-Each node counts the trimmable entries at and below it, so an entry that can be cut
-to the common prefix is found without searching the subtree. (mlx-lm's PromptTrie,
+Each node keeps the largest `cuttable` of the entries at and below it, so an entry that
+can be cut to the common prefix is found without searching the subtree. (mlx-lm's PromptTrie,
 a node per token, searches the subtree for a longer entry; it serves a handful of
 entries. This index holds as many as the byte budget allows, thousands; scanning
 them all cost rank 0 tens of ms per request.)
@@ -50,19 +59,19 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class Entry:
     id: int
     tokens: np.ndarray  # the tokens its caches cover
-    trimmable: bool  # can be cut to a shorter prefix
+    cuttable: int  # it can be cut to any prefix of at most this many tokens (caches.Stored.cut)
     nbytes: List[int]  # what each rank keeps
 
 
 class Node:
-    __slots__ = ("run", "parent", "children", "entry", "trimmable")
+    __slots__ = ("run", "parent", "children", "entry", "cuttable")
 
     def __init__(self, run: np.ndarray, parent: Optional["Node"]):
         self.run = run  # the tokens from the parent's end to this node's end
         self.parent = parent
         self.children: Dict[int, "Node"] = {}  # by the first token of the child's run
         self.entry: Optional[Entry] = None  # the entry whose tokens end here
-        self.trimmable = 0  # trimmable entries here and below
+        self.cuttable = -1  # the largest cuttable of the entries here and below (-1: none)
 
 
 class PrefixIndex:
@@ -80,54 +89,51 @@ class PrefixIndex:
         """The entry that saves the most of `prompt`, and how many tokens it covers
         (at most all but the last prompt token); (None, 0) if none helps. An entry
         serves whole if it is a prefix of those tokens, or cut to their common prefix
-        if it is trimmable."""
+        as far as it can be cut."""
         wanted = prompt[:-1]
         path, matched, below = self._walk(wanted)
         best, best_tokens = None, 0
         for node, depth in path:  # entries that are prefixes of the prompt: the deepest
             if node.entry is not None:
                 best, best_tokens = node.entry, depth
-        # A trimmable entry sharing the most: below the walk's end, else below the
-        # deepest node on the way whose subtree holds one (it shares that node's tokens).
+        # Every entry below a node shares the node's depth with the prompt: cut there, as far
+        # as the node's best entry can be cut. Below the walk's end they share all it matched.
         for node, depth in [(below, matched)] + path[::-1]:
-            if node is not None and node.trimmable:
-                if depth > best_tokens:
-                    best, best_tokens = self._trimmable_under(node), depth
-                break
+            if node is not None and min(depth, node.cuttable) > best_tokens:
+                best_tokens = min(depth, node.cuttable)
+                best = self._cuttable_under(node, best_tokens)
         if best is not None:
             self.entries.move_to_end(best.id)
         return best, best_tokens
 
     def covered(self, tokens: np.ndarray) -> bool:
         """An entry already serves whatever one for `tokens` would (the same tokens,
-        or a trimmable entry that extends them); it counts as used."""
+        or one that extends them and can be cut to them); it counts as used."""
         path, matched, below = self._walk(tokens)
         if matched < len(tokens):
             return False
         end = below or (path[-1][0] if path else self._root)
         entry = end.entry if below is None else None  # the same tokens
-        if entry is None and end.trimmable:
-            entry = self._trimmable_under(end)
+        if entry is None and end.cuttable >= len(tokens):
+            entry = self._cuttable_under(end, len(tokens))
         if entry is not None:
             self.entries.move_to_end(entry.id)
         return entry is not None
 
     def insert(self, entry: Entry) -> List[int]:
         """Add `entry` (most recently used); returns the ids of the entries dropped:
-        those it makes useless (the same tokens; if it is trimmable, those it extends),
+        those it makes useless (the same tokens; those it extends and can be cut to),
         then the least recently used while a rank is over budget."""
         node, path = self._make_path(entry.tokens)
         dropped = [node.entry.id] if node.entry is not None else []
-        if entry.trimmable:
-            dropped += [n.entry.id for n in path[:-1] if n.entry is not None]
+        dropped += [n.entry.id for n in path[:-1] if n.entry is not None and len(n.entry.tokens) <= entry.cuttable]
         for entry_id in dropped:
             self._remove(entry_id)
         if dropped:  # removing may have pruned or merged nodes on the way
             node, _ = self._make_path(entry.tokens)
         node.entry = entry
         self._nodes[entry.id] = node
-        if entry.trimmable:
-            self._count(node, +1)
+        self._recount(node)
         self.entries[entry.id] = entry
         self.bytes = [a + b for a, b in zip(self.bytes, entry.nbytes)]
         while max(self.bytes) > self.budget and len(self.entries) > 1:
@@ -164,7 +170,7 @@ class PrefixIndex:
             n = common_prefix(child.run, tokens[depth:])
             if n < len(child.run):  # split the run: a node for the shared part above it
                 upper = Node(child.run[:n].copy(), node)
-                upper.trimmable = child.trimmable
+                upper.cuttable = child.cuttable
                 child.run, child.parent = child.run[n:].copy(), upper
                 upper.children[int(child.run[0])] = child
                 node.children[key] = child = upper
@@ -172,15 +178,17 @@ class PrefixIndex:
             path.append(node)
         return node, path
 
-    def _count(self, node: Optional[Node], change: int) -> None:
+    def _recount(self, node: Optional[Node]) -> None:
+        """Each node's cuttable from its entry and children, from `node` up to the root."""
         while node is not None:
-            node.trimmable += change
+            own = node.entry.cuttable if node.entry is not None else -1
+            node.cuttable = max([own] + [c.cuttable for c in node.children.values()])
             node = node.parent
 
-    def _trimmable_under(self, node: Node) -> Entry:
-        """A trimmable entry at or below `node` (node.trimmable > 0)."""
-        while node.entry is None or not node.entry.trimmable:
-            node = next(c for c in node.children.values() if c.trimmable)
+    def _cuttable_under(self, node: Node, tokens: int) -> Entry:
+        """An entry at or below `node` that can be cut to `tokens` (node.cuttable >= tokens)."""
+        while node.entry is None or node.entry.cuttable < tokens:
+            node = next(c for c in node.children.values() if c.cuttable >= tokens)
         return node.entry
 
     def _remove(self, entry_id: int) -> int:
@@ -188,8 +196,6 @@ class PrefixIndex:
         self.bytes = [a - b for a, b in zip(self.bytes, entry.nbytes)]
         node = self._nodes.pop(entry_id)
         node.entry = None
-        if entry.trimmable:
-            self._count(node, -1)
         # Drop the nodes nothing needs now, and merge a run into its only child.
         while node is not self._root and node.entry is None and not node.children:
             del node.parent.children[int(node.run[0])]
@@ -198,6 +204,8 @@ class PrefixIndex:
             (child,) = node.children.values()
             child.run, child.parent = np.concatenate([node.run, child.run]), node.parent
             node.parent.children[int(child.run[0])] = child
+            node = child
+        self._recount(node)
         return entry_id
 
 
@@ -242,6 +250,9 @@ class PrefixCache(PrefixHooks):
         args = pipeline.stage.args
         self.sliding = [t == "sliding_attention" for t in args.layer_types]
         self.window = args.sliding_window
+        # A layer's keys and values of one token, at most (a tensor share holds less): what a log costs.
+        head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+        self.token_bytes = 2 * args.num_key_value_heads * head_dim * pipeline.stage.norm.weight.dtype.size
         self.ranges = [r["layers"] for r in pipeline.rank_info()] if self.enabled else []
         self.index = PrefixIndex(budget, len(self.ranges))
         self._next_id = 0
@@ -267,6 +278,17 @@ class PrefixCache(PrefixHooks):
             seq.cached_tokens = tokens
             self.hits += 1
             self.cached_tokens += tokens
+        if self._records(len(prompt)) and (entry is None or entry.cuttable >= tokens):
+            self.pipeline.record(seq.slot, -1 if entry is None else entry.id, tokens)
+
+    def _records(self, tokens: int) -> bool:
+        """Whether a prompt of `tokens` is logged (caches.Log) so that its entries can be cut
+        anywhere: where it wraps a window, and its entry, every layer holding every token,
+        fits the budget on the fullest rank."""
+        if not any(self.sliding) or tokens <= self.window:
+            return False
+        layers = max(end - start for start, end in self.ranges)
+        return layers * tokens * self.token_bytes <= self.budget
 
     def store_row(self, seq, slot: int, row: int) -> None:
         """Store what row `row` of `slot` (`seq`) was fed: its prompt and the tokens
@@ -299,22 +321,22 @@ class PrefixCache(PrefixHooks):
             return
         entry_id = self._next_id
         self._next_id = (self._next_id + 1) % (1 << 31)
-        fed, nbytes = self.pipeline.snapshot(slot, entry_id, row)
+        fed, nbytes, logged = self.pipeline.snapshot(slot, entry_id, row)
         assert fed == len(tokens), f"the slot holds {fed} tokens, expected {len(tokens)}"
-        per_rank = self.entry_bytes(len(tokens), nbytes)
+        per_rank = self.entry_bytes(len(tokens), logged, nbytes)
         if max(per_rank) > self.budget:
             self.pipeline.evict([entry_id])
             return
-        trimmable = not any(self.sliding) or len(tokens) < self.window
-        dropped = self.index.insert(Entry(entry_id, tokens, trimmable, per_rank))
+        cuttable = len(tokens) if not any(self.sliding) or len(tokens) < self.window else logged
+        dropped = self.index.insert(Entry(entry_id, tokens, cuttable, per_rank))
         self.pipeline.evict(dropped)
         self.stored += 1
         self.evicted += len(dropped)
 
-    def entry_bytes(self, tokens: int, rank0_bytes: int) -> List[int]:
-        """What each rank keeps for an entry of `tokens` tokens: rank 0's measured
-        bytes, scaled by the tokens each rank's layers hold (a sliding layer at most
-        its window)."""
-        held = [sum(min(tokens, self.window) if self.sliding[layer] else tokens for layer in range(start, end))
-                for start, end in self.ranges]
+    def entry_bytes(self, tokens: int, logged: int, rank0_bytes: int) -> List[int]:
+        """What each rank keeps for an entry of `tokens` tokens, `logged` of them logged: rank
+        0's measured bytes, scaled by the tokens each rank's layers hold (a sliding layer its
+        window, at most, and the log)."""
+        held = [sum(min(tokens, self.window) + logged if self.sliding[layer] else tokens
+                    for layer in range(start, end)) for start, end in self.ranges]
         return [rank0_bytes * h // held[0] for h in held]

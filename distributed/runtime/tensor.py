@@ -98,8 +98,8 @@ class TensorPipeline(Pipeline):
         self._tell(Header(Op.FORWARD, reply, slot, tokens.shape[0], tokens.shape[1], arg=keep),
                    tokens.reshape(-1).tolist())
         caches = self.caches.get(slot)
-        with keeping(caches, keep):
-            h = self.stage(self.stage.embed(tokens), caches)
+        with keeping(caches, keep), self.caches.tapped(slot, tokens.shape[1]) as staged:
+            h = self.stage(self.stage.embed(tokens), staged)
         self.stats.forward_frames += 1
         out = h if self.transport is not None or reply != Reply.LAST else h[:, -1:, :]
         # Evaluated now, before anything else is broadcast (or sent: a send is evaluated on a
@@ -187,8 +187,8 @@ class TensorStageWorker(StageWorker):
         last stage's reply of NONE or ACK would evaluate only the caches, leaving out the last
         layer's all_sums. (No memory verdict here: the other ranks run the frame already.)"""
         caches = self.caches.get(header.slot)
-        with keeping(caches, header.arg):
-            h = self.stage(h, caches)
+        with keeping(caches, header.arg), self.caches.tapped(header.slot, header.length) as staged:
+            h = self.stage(h, staged)
         mx.eval(h, [c.state for c in caches])
         if self.is_last:
             if header.reply in (Reply.NONE, Reply.ACK):
@@ -228,8 +228,8 @@ class TensorFollower:
                     h = self.stage.embed(mx.array(values, dtype=mx.int32).reshape(header.batch, header.length))
                 caches = self.caches.get(header.slot)
                 with self.stats.computing():
-                    with keeping(caches, header.arg):
-                        h = self.stage(h, caches)
+                    with keeping(caches, header.arg), self.caches.tapped(header.slot, header.length) as staged:
+                        h = self.stage(h, staged)
                     mx.eval(h, [c.state for c in caches])
                 self.stats.forward_frames += 1
             elif op in CACHE_OPS:

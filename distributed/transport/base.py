@@ -40,6 +40,8 @@ class Op(IntEnum):
     SNAPSHOT = 16  # keep row `row` of `slot` as entry `entry` (payload: entry, row)
     RESTORE = 17  # fresh caches for `slot` from entry `entry`, cut to `tokens` (payload: entry, tokens)
     EVICT = 18  # forget the entries listed in the payload
+    RECORD = 21  # keep the keys and values `slot`'s prompt brings to sliding layers, unrotated, from entry
+    # `entry`'s first `tokens` (payload: entry, tokens; entry -1: from nothing): its entries can then be cut anywhere
     # Speculative decoding (runtime/speculation.py):
     TRIM = 19  # drop the newest `arg` positions of `slot` (drafts the target rejected)
     # Recovery (runtime/batching.py Batcher.reset): drop every slot's caches, then back to rank 0,

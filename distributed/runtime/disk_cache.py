@@ -209,7 +209,8 @@ class DiskCache:
         of `tokens`. What is queued has array objects of its own, so the caller may go on
         updating its caches; a KVCache padded past its offset is copied here (a compact one,
         caches.compact's, costs nothing)."""
-        if not (self.enabled and self.writable and self._writer) or time.monotonic() < self._paused_until:
+        stopped = not (self.enabled and self.writable and self._writer) or time.monotonic() < self._paused_until
+        if stopped or self._queue.full():  # before the snapshot: a dropped put costs nothing
             self._count("write_drops")
             return False
         tokens = np.array(tokens, dtype=np.int32).reshape(-1)
@@ -560,7 +561,7 @@ def check_caches(caches: list, tokens: int) -> None:
             raise Corrupt(f"a cache of {c.offset} tokens in an entry of {tokens}")
         if isinstance(c, KVCache) and k.shape[2] != tokens:
             raise Corrupt(f"a KVCache holds {k.shape[2]} positions of {tokens}")
-        if isinstance(c, RotatingKVCache) and not (0 <= c._idx <= k.shape[2] <= tokens):
+        if isinstance(c, RotatingKVCache) and not (0 <= c._idx <= k.shape[2] <= max(tokens, c.max_size)):
             raise Corrupt(f"a RotatingKVCache of {k.shape[2]} positions at {c._idx}, {tokens} tokens")
 
 

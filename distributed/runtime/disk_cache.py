@@ -205,8 +205,9 @@ class DiskCache:
 
     def put(self, key: str, tokens: np.ndarray, caches: list, meta: Optional[dict] = None) -> bool:
         """Queue an entry for the writer thread; False where it is dropped (never waits).
-        `caches`: plain mlx-lm caches (KVCache, RotatingKVCache), evaluated, each holding all
-        of `tokens`. What is queued has array objects of its own, so the caller may go on
+        `caches`: plain mlx-lm caches (KVCache, RotatingKVCache), evaluated, each holding
+        `tokens` or a prefix of them (a layer's unrotated keys of its first tokens may travel
+        as a KVCache: caches.Stored's log; say which in `meta`). What is queued has array objects of its own, so the caller may go on
         updating its caches; a KVCache padded past its offset is copied here (a compact one,
         caches.compact's, costs nothing)."""
         stopped = not (self.enabled and self.writable and self._writer) or time.monotonic() < self._paused_until
@@ -557,12 +558,12 @@ def check_caches(caches: list, tokens: int) -> None:
         k, v = c.keys, c.values
         if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
             raise Corrupt(f"keys {k.shape}, values {v.shape}")
-        if c.offset != tokens:
+        if not 0 < c.offset <= tokens:
             raise Corrupt(f"a cache of {c.offset} tokens in an entry of {tokens}")
-        if isinstance(c, KVCache) and k.shape[2] != tokens:
-            raise Corrupt(f"a KVCache holds {k.shape[2]} positions of {tokens}")
-        if isinstance(c, RotatingKVCache) and not (0 <= c._idx <= k.shape[2] <= max(tokens, c.max_size)):
-            raise Corrupt(f"a RotatingKVCache of {k.shape[2]} positions at {c._idx}, {tokens} tokens")
+        if isinstance(c, KVCache) and k.shape[2] != c.offset:
+            raise Corrupt(f"a KVCache holds {k.shape[2]} positions of {c.offset}")
+        if isinstance(c, RotatingKVCache) and not (0 <= c._idx <= k.shape[2] <= max(c.offset, c.max_size)):
+            raise Corrupt(f"a RotatingKVCache of {k.shape[2]} positions at {c._idx}, {c.offset} tokens")
 
 
 def snapshot(caches: list, tokens: int) -> list:
@@ -573,9 +574,9 @@ def snapshot(caches: list, tokens: int) -> list:
     for cache in caches:
         if type(cache) not in CACHES.values():
             raise TypeError(f"the disk tier stores KVCache and RotatingKVCache, not {type(cache).__name__}")
-        if cache.keys is None or cache.offset != tokens:
+        if cache.keys is None or not 0 < cache.offset <= tokens:
             raise ValueError(f"a cache of {cache.offset} tokens in an entry of {tokens}")
-        held = tokens if isinstance(cache, KVCache) else cache.keys.shape[2]
+        held = cache.offset if isinstance(cache, KVCache) else cache.keys.shape[2]
         c = copy.copy(cache)
         c.keys, c.values = cache.keys[..., :held, :], cache.values[..., :held, :]  # views: O(1)
         c.offset = int(cache.offset)  # save_prompt_cache takes Python scalars only

@@ -151,6 +151,19 @@ def test_entries_round_trip_and_survive_a_restart(tmp_path):
     again.close()
 
 
+def test_a_cache_of_a_prefix_of_the_tokens_travels_too(tmp_path):
+    """caches.Stored's log (a sliding layer's unrotated keys of its first tokens) as a KVCache."""
+    cache = DiskCache(tmp_path / "pc", GiB, FP)
+    tokens, caches = entry(40)
+    caches.append(full(24, np.random.default_rng(4)))
+    assert cache.put("k", tokens, caches, {"logged": "24"})
+    cache.flush()
+    got_tokens, got, meta = cache.get("k")
+    assert np.array_equal(got_tokens, tokens) and meta == {"logged": "24"} and got[-1].offset == 24
+    assert_same(caches, got)
+    cache.close()
+
+
 def test_what_is_queued_is_the_state_at_put(tmp_path):
     """The caller's caches go on (in-place updates) while the writer has not written yet."""
     cache = DiskCache(tmp_path / "pc", GiB, FP)
@@ -171,7 +184,7 @@ def test_what_is_queued_is_the_state_at_put(tmp_path):
 def test_put_refuses_caches_it_cannot_store(tmp_path):
     cache = DiskCache(tmp_path / "pc", GiB, FP)
     tokens, caches = entry(12)
-    with pytest.raises(ValueError):  # a cache that does not hold the entry's tokens
+    with pytest.raises(ValueError):  # a cache of more tokens than the entry's
         cache.put("k", tokens[:-1], caches)
     with pytest.raises(TypeError):
         cache.put("k", tokens, [object()])

@@ -42,7 +42,7 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 
 from ..transport import Op, Reply
-from .frames import PREFILL_STEP_SIZE, FrameKind, Group, Outstanding
+from .frames import CHUNKS_PER_STAGE, MIN_CHUNK, PREFILL_STEP_SIZE, FrameKind, Group, Outstanding
 from .grammar import prepare_masks
 from .memory_guard import allocation_failed, describe
 from .pipeline import Pipeline
@@ -163,7 +163,7 @@ class Admission:
             return None
         rows = [s.unsent[:-1] for s in taken]  # the last token gives the first token
         width = max(len(r) for r in rows)
-        step = max(1, self.prefill_step_size // len(taken))
+        step = self._step(len(taken), width)
         past = max(len(s.fed_prompt) - len(s.unsent) for s in taken)
         if len(taken) == 1:
             batch = PrefillBatch(taken[0].slot, taken, rows, width, step=step, past=past)
@@ -180,6 +180,15 @@ class Admission:
                 batch.padded = True
         self.current = batch
         return batch
+
+    def _step(self, rows: int, width: int) -> int:
+        """Columns per chunk: prefill_step_size's share of each row, and with several stages short
+        enough that the prompt makes CHUNKS_PER_STAGE chunks a stage (each MIN_CHUNK tokens at least)."""
+        step = max(1, self.prefill_step_size // rows)
+        stages = self.pipeline.num_ranks
+        if stages > 1:
+            step = min(step, max(-(-width // (CHUNKS_PER_STAGE * stages)), MIN_CHUNK // rows))
+        return max(1, step)
 
     def drop_cancelled(self, finish: Callable[[Sequence], None]) -> None:
         """Cancelled sequences end now (`finish`). A waiting one frees its slot; a

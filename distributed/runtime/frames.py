@@ -10,6 +10,12 @@ from typing import List, Optional
 # BatchGenerator: on an H200 a batch of 64 prompts prefilled 1.4x faster in frames
 # of 2048 tokens than of 512 (bench_steps.py, since removed: docs/benchmarks.md).
 PREFILL_STEP_SIZE = 2048
+# A prompt alone in a ring of P stages goes in CHUNKS_PER_STAGE * P chunks at least, so that every
+# stage has one to compute while the others compute theirs (a pipeline of 2 chunks keeps 2 stages busy
+# half the time); never in chunks shorter than MIN_CHUNK, below which a chunk's fixed costs (its hop,
+# the expert weights read once per chunk) outweigh the overlap (bench/prefill_stages.py measures it).
+CHUNKS_PER_STAGE = 4
+MIN_CHUNK = 256
 
 # The most drafts a verification frame may carry (--num-draft-tokens): a pass over 9 positions costs
 # 1.31x one over 1 with the embedded model on a CPU with OpenBLAS (python -m bench micro verify; 1.01x

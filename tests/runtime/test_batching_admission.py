@@ -393,3 +393,25 @@ def test_real_two_rank_server_batches_exactly(hf_checkpoint):
         ref_tokens, ref_logprobs = mlx_lm_greedy(hf_checkpoint, prompt, 16, STEP)
         assert out["token_ids"] == ref_tokens
         assert max((abs(a - b) for a, b in zip(out["logprobs"], ref_logprobs)), default=0) < 1e-4
+
+
+@pytest.mark.parametrize("split", [(8,), (4, 4), (3, 1, 4)])
+def test_a_long_prompt_alone_gives_every_stage_chunks(hf_checkpoint, split):
+    """A prompt alone in a ring of P stages is cut into CHUNKS_PER_STAGE * P chunks (none under
+    MIN_CHUNK), P of them in the ring at once, so every stage computes while the others do; one
+    stage keeps prefill_step_size. The tokens equal the prompt alone in mlx-lm."""
+    from distributed.runtime.frames import CHUNKS_PER_STAGE, MIN_CHUNK
+    prompt = [(13 * i + 5) % 250 + 1 for i in range(2600)]
+    scheduler = scheduler_for(hf_checkpoint, split, prefill_step_size=2048)
+    log = FrameLog(scheduler)
+    (events,) = run_admitted(scheduler, [GenerationRequest(prompt, max_tokens=3)])
+    assert_alone(hf_checkpoint, prompt, events, 3)
+    chunks = [shape[1] for _, shape, reply, _, _ in log.prefill() if reply == Reply.ACK]
+    assert sum(chunks) == len(prompt) - 1
+    P = len(split)
+    if P == 1:
+        assert chunks == [2048, len(prompt) - 1 - 2048]
+    else:
+        assert len(chunks) == CHUNKS_PER_STAGE * P if len(prompt) // (CHUNKS_PER_STAGE * P) >= MIN_CHUNK else len(chunks) >= P
+        assert min(chunks[:-1]) >= MIN_CHUNK
+        assert max(len(kinds) for _, _, _, kinds, _ in log.prefill()) == P - 1  # P chunks in the ring at once

@@ -359,7 +359,7 @@ class DiskCache:
         temp = self.sub / f".{name[:-len(SUFFIX)]}.{os.getpid()}-{secrets.token_hex(6)}{TEMP}"
         fields = {"format": str(FORMAT_VERSION), "fingerprint": self.fingerprint, "key": key,
                   "tokens": encode_tokens(tokens), "meta": json.dumps(meta, sort_keys=True)}
-        fields["checksum"] = checksum(fields, caches)
+        fields["checksum"] = checksum(fields, caches, threads=False)
         try:
             save_prompt_cache(str(temp), caches, fields)
             with open(temp, "rb") as f:  # all of it is there (MLX reports a short write; this is cheap)
@@ -595,12 +595,13 @@ _hashers: Optional[ThreadPoolExecutor] = None
 _hashers_lock = threading.Lock()
 
 
-def checksum(fields: Dict[str, str], caches: list) -> str:
+def checksum(fields: Dict[str, str], caches: list, threads: bool = True) -> str:
     """sha256 over the fields and every cache's state: class, scalars, and each array's
     dtype, shape and bytes. sha256 since CPUs hash it in hardware (x86 SHA extensions,
     ARMv8's crypto ones): 1.7 GB/s a core here, blake2b 0.9. The bytes hash in chunks of
-    HASH_CHUNK on threads (hashlib lets go of the GIL), then the chunks' digests together:
-    the chunk size is part of the format."""
+    HASH_CHUNK, then the chunks' digests together (the chunk size is part of the format). A
+    read hashes them on threads (hashlib lets go of the GIL): a restore is waited for. The
+    writer hashes on its own thread only, leaving the other cores to the steps."""
     described = [[fields[f] for f in FIELDS]]
     chunks = []
     for c in caches:
@@ -614,7 +615,7 @@ def checksum(fields: Dict[str, str], caches: list) -> str:
                 state.append(repr(item))
         described.append([type(c).__name__, state])
     digests = [sha256(json.dumps(described).encode())]
-    if len(chunks) > 1:
+    if threads and len(chunks) > 1:
         digests += hashers().map(sha256, chunks)
     else:
         digests += map(sha256, chunks)

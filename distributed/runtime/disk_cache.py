@@ -206,12 +206,13 @@ class DiskCache:
     def put(self, key: str, tokens: np.ndarray, caches: list, meta: Optional[dict] = None) -> bool:
         """Queue an entry for the writer thread; False where it is dropped (never waits).
         `caches`: plain mlx-lm caches (KVCache, RotatingKVCache), evaluated, each holding
-        `tokens` or a prefix of them (a layer's unrotated keys of its first tokens may travel
-        as a KVCache: caches.Stored's log; say which in `meta`). What is queued has array objects of its own, so the caller may go on
-        updating its caches; a KVCache padded past its offset is copied here (a compact one,
-        caches.compact's, costs nothing)."""
-        stopped = not (self.enabled and self.writable and self._writer) or time.monotonic() < self._paused_until
-        if stopped or self._queue.full():  # before the snapshot: a dropped put costs nothing
+        `tokens` or a prefix of them (a sliding layer's unrotated keys of its first tokens,
+        caches.Stored's log, may travel as a KVCache: say which in `meta`). What is queued
+        has array objects of its own, so the caller may go on updating its caches; a KVCache
+        padded past its offset is copied here (a compact one, caches.compact's, costs nothing).
+        A put is dropped before that copy where the queue is full."""
+        paused = time.monotonic() < self._paused_until
+        if not (self.enabled and self.writable and self._writer) or paused or self._queue.full():
             self._count("write_drops")
             return False
         tokens = np.array(tokens, dtype=np.int32).reshape(-1)
@@ -231,7 +232,7 @@ class DiskCache:
 
     def get(self, key: str) -> Optional[Tuple[np.ndarray, list, dict]]:
         """(tokens, caches, meta) of the entry, or None. A file of another fingerprint or
-        format, or one that fails any check (header, sizes, shapes, checksum), is removed and
+        format (counted as a fingerprint mismatch), or one that fails any check (header, sizes, shapes, checksum), is removed and
         counted; every None counts as a miss."""
         if not self.enabled:
             return None
@@ -361,6 +362,9 @@ class DiskCache:
                   "tokens": encode_tokens(tokens), "meta": json.dumps(meta, sort_keys=True)}
         fields["checksum"] = checksum(fields, caches, threads=False)
         try:
+            if not self.sub.is_dir():  # the folder was removed while the server ran: make it again
+                self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self.sub.mkdir(mode=0o700, exist_ok=True)
             save_prompt_cache(str(temp), caches, fields)
             with open(temp, "rb") as f:  # all of it is there (MLX reports a short write; this is cheap)
                 read_header(f, os.fstat(f.fileno()).st_size)

@@ -318,6 +318,12 @@ def test_a_file_deleted_mid_run_is_a_miss(tmp_path, monkeypatch):
     assert cache.get("k1") is None
     stats = cache.stats()
     assert (stats["misses"], stats["corrupt"], stats["entries"]) == (2, 0, 0)
+
+    shutil.rmtree(tmp_path / "pc")  # the whole folder, while the server runs
+    assert not cache.holds("k0") and cache.get("k0") is None
+    assert cache.put("k2", tokens, caches)
+    cache.flush()
+    assert cache.holds("k2") and (tmp_path / "pc").stat().st_mode & 0o777 == 0o700
     cache.close()
 
 

@@ -232,8 +232,8 @@ class DiskCache:
 
     def get(self, key: str) -> Optional[Tuple[np.ndarray, list, dict]]:
         """(tokens, caches, meta) of the entry, or None. A file of another fingerprint or
-        format (counted as a fingerprint mismatch), or one that fails any check (header, sizes, shapes, checksum), is removed and
-        counted; every None counts as a miss."""
+        format (counted as a fingerprint mismatch), or one that fails any check (header,
+        sizes, shapes, checksum: counted as corrupt), is removed. Every None is a miss."""
         if not self.enabled:
             return None
         start = time.perf_counter()

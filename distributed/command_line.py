@@ -127,6 +127,13 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
                        "earlier one (a chat's next turn) prefills only the rest: at most N bytes on any rank; 0 "
                        "disables; default: a quarter of what the tightest rank has beside its weights (its usable "
                        "memory measured before loading, less 10%%), set aside before the default --max-batch")
+    serve.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                       help="with --serve or --chat: each rank also keeps its layers' share of cached prefixes in "
+                       "files here, read back after a restart ('none': RAM only; default: "
+                       "~/.cache/trinity-pipeline/prefix-cache, or under $XDG_CACHE_HOME)")
+    serve.add_argument("--prefix-cache-disk-bytes", type=int, default=None, metavar="N",
+                       help="the most the prefix cache's folder holds, least recently used first "
+                       "(default: a quarter of the disk's free space at start, at most 64 GiB)")
     speculation_arguments(p)
     return p
 

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny checkpoints made at test time, and real rank launches."""
 
+import atexit
 import json
 import os
 import random
@@ -8,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,9 +30,14 @@ def _stopped(signum, frame):
 def pytest_configure(config):
     """SIGTERM (a CI timeout, `kill`) stops pytest as Ctrl-C does, so fixtures still end the
     processes they started (those run in sessions of their own and would outlive pytest).
-    Logging as the command lines set it up (the launcher's lines, read in process by capsys)."""
+    Logging as the command lines set it up (the launcher's lines, read in process by capsys).
+    The servers this run starts keep their prefix caches' disk tier (its default folder, under
+    XDG_CACHE_HOME) in a folder of this process's own, removed at its end: never the user's."""
     signal.signal(signal.SIGTERM, _stopped)
     logs.configure("info")
+    cache = tempfile.mkdtemp(prefix="trinity-test-cache-")
+    os.environ["XDG_CACHE_HOME"] = cache
+    atexit.register(shutil.rmtree, cache, True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -246,7 +246,7 @@ class Batcher:
         seq = Sequence(handle, self.tokenizer, self._new_slot())
         self.sequences += 1
         if not seq.request.scores_prompt:  # those need every prompt position computed
-            self.prefix.restore(seq)
+            self.prefix.restore(seq, self.drain)
         self.admission.waiting.append(seq)
 
     def step(self) -> None:

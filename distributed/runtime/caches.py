@@ -21,20 +21,23 @@ any earlier position, and an entry serves any prompt that shares a prefix with i
 """
 
 import copy
+import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from ..shard.stage import Stage
 from ..transport import Op
+from .disk_cache import DiskCache, chain_hashes
 
 # Ops that change caches; each rank applies them with `apply` and rank 0 needs no reply.
 CACHE_OPS = (Op.RESET, Op.JOIN, Op.FILTER, Op.MERGE, Op.PREPARE, Op.FINALIZE, Op.SNAPSHOT, Op.RESTORE, Op.EVICT,
-             Op.TRIM, Op.RECORD)
+             Op.TRIM, Op.RECORD, Op.PERSIST)
 
 KV = Tuple[mx.array, mx.array]
 
@@ -87,6 +90,28 @@ class Stored:
                 out.append(window_at(kv, tokens, cache.max_size))
         return out
 
+    def on_disk(self) -> Tuple[List, Dict[str, str]]:
+        """Its caches as the disk tier writes them (plain mlx-lm caches): each layer's, then each
+        log as a KVCache; the metadata says which layers have one."""
+        logs = [i for i, kv in enumerate(self.log) if kv is not None]
+        extra = []
+        for i in logs:
+            c = KVCache()
+            c.keys, c.values = self.log[i]
+            c.offset = self.logged
+            extra.append(c)
+        return self.caches + extra, {"logged": str(self.logged), "logs": ",".join(map(str, logs))}
+
+    @classmethod
+    def from_disk(cls, caches: List, meta: Dict[str, str], layers: int) -> "Stored":
+        logs = [int(i) for i in meta.get("logs", "").split(",") if i]
+        if len(caches) != layers + len(logs):
+            raise ValueError(f"{len(caches)} caches for {layers} layers and {len(logs)} logs")
+        log: List[Optional[KV]] = [None] * layers
+        for i, c in zip(logs, caches[layers:]):
+            log[i] = (c.keys, c.values)
+        return cls(caches[:layers], log, int(meta.get("logged", 0)))
+
     def seed(self, tokens: int) -> List[Optional[KV]]:
         """Each sliding layer's keys and values of its first `tokens` positions (a Log's start)."""
         seeds = []
@@ -117,8 +142,9 @@ class Tap:
 
 
 class SlotCaches:
-    def __init__(self, stage: Stage):
+    def __init__(self, stage: Stage, disk: Optional[DiskCache] = None):
         self.stage = stage
+        self.disk = disk if disk is not None and disk.enabled else None  # this rank's disk tier of entries
         self.slots: Dict[int, List] = {}
         self.entries: Dict[int, Stored] = {}  # prefix-cache entries
         # Which sequence each row of a slot is (the slot it started in), through merges, joins and
@@ -155,6 +181,8 @@ class SlotCaches:
                 trim_newest(cache, arg)
         elif op == Op.RECORD:  # (entry or -1, tokens)
             self.record(slot, *values)
+        elif op == Op.PERSIST:  # (entry, its tokens...)
+            self.persist(values[0], values[1:])
         else:
             raise ValueError(f"op {op} is not a cache op")
 
@@ -343,6 +371,29 @@ class SlotCaches:
     def evict(self, entry: int) -> None:
         self.entries.pop(entry, None)
 
+    def persist(self, entry: int, tokens: Sequence[int]) -> None:
+        """Queue entry `entry`, which covers `tokens`, for this rank's disk tier (dropped where
+        the writer is behind: DiskCache.put never waits)."""
+        if self.disk is not None and entry in self.entries:
+            caches, meta = self.entries[entry].on_disk()
+            self.disk.put(entry_key(tokens), np.array(tokens, dtype=np.int32), caches, meta)
+
+    def load(self, entry: int, tokens: Sequence[int]) -> bool:
+        """Entry `entry` from the disk tier's entry for `tokens`; whether this rank has it."""
+        got = self.disk.get(entry_key(tokens)) if self.disk is not None else None
+        if got is None or not np.array_equal(got[0], np.asarray(tokens, dtype=np.int32)):
+            return False
+        try:
+            self.entries[entry] = Stored.from_disk(got[1], got[2], len(self.stage.layers))
+        except (ValueError, KeyError):  # a file of this fingerprint but not of this layout: a miss
+            return False
+        return True
+
+    def close(self) -> None:
+        """Write what the disk tier has queued (bounded), then stop its writer."""
+        if self.disk is not None:
+            self.disk.close()
+
     def evaluate(self, slot: int) -> None:
         """Force the slot's pending cache updates (bounds the lazy graph between chunks)."""
         mx.eval([c.state for c in self.slots[slot]])
@@ -427,6 +478,15 @@ def compact(cache):
         out = KVCache()
     out.keys, out.values, out.offset = mx.array(keys), mx.array(values), cache.offset
     return out
+
+
+def entry_key(tokens: Sequence[int]) -> str:
+    """An entry's name on disk: the chain hash of its token blocks (disk_cache.chain_hashes), then
+    of the tokens after the last whole block (so two entries sharing their blocks differ)."""
+    tokens = np.asarray(tokens, dtype="<i4")
+    blocks = chain_hashes(tokens)
+    tail = tokens[len(blocks) * 256:]
+    return hashlib.blake2b((blocks[-1] if blocks else "").encode() + tail.tobytes(), digest_size=16).hexdigest()
 
 
 def whole_log(kv: KV, window) -> KV:

@@ -43,6 +43,7 @@ from ..transport import Header, Op, Reply, Transport
 from ..transport.base import LocalRing, PendingFrame
 from . import rank_info
 from .caches import CACHE_OPS, SlotCaches, hold, keeping, put_back
+from .disk_cache import DiskCache
 from .memory_guard import MemoryGuard, allocation_failed, step_alone
 
 Frame = Tuple[Header, Optional[mx.array]]
@@ -98,11 +99,11 @@ class RankStats:
 class Pipeline:
     def __init__(self, stage: Stage, transport: Optional[Transport] = None,
                  waker: Optional[Callable[[int], None]] = None, peer_reports: Callable[[], Dict[int, dict]] = dict,
-                 memory_limit: Optional[int] = None):
+                 memory_limit: Optional[int] = None, disk: Optional[DiskCache] = None):
         assert stage.first, "rank 0 holds the first stage"
         self.stage = stage
         self.transport = transport
-        self.caches = SlotCaches(stage)
+        self.caches = SlotCaches(stage, disk)
         self._local: deque = deque()  # one rank: replies not yet taken by recv()
         # Parking the other ranks while idle (see park()): the watchdog's wake, or None.
         self.waker = waker
@@ -239,6 +240,24 @@ class Pipeline:
         """Keep a log of what `slot`'s prompt brings to the sliding layers, from entry `entry`'s
         first `tokens` (-1: from nothing), on every rank (caches.Log)."""
         self._cache_op(Op.RECORD, slot, values=[entry, tokens])
+
+    def persist(self, entry: int, tokens: List[int]) -> None:
+        """Write entry `entry` (of `tokens`) to every rank's disk tier (caches.SlotCaches.persist)."""
+        self._cache_op(Op.PERSIST, 0, values=[entry] + list(tokens))
+
+    def load(self, entry: int, tokens: List[int]) -> bool:
+        """Entry `entry` from every rank's disk tier, the entry of `tokens`: whether every rank
+        has it now (if not, some may: evict it). Call only with no reply outstanding."""
+        ok = self._load_here(entry, tokens)
+        if self.transport is not None:
+            payload = mx.array([entry, int(ok)] + list(tokens), dtype=mx.int32).reshape(1, -1, 1)
+            self._send(Header.for_payload(Op.LOAD, payload), payload)
+            header, back = self.transport.recv()
+            ok = header.op == Op.LOAD and bool(back.reshape(-1)[1].item())
+        return ok
+
+    def _load_here(self, entry: int, tokens: List[int]) -> bool:
+        return self.caches.load(entry, tokens)
 
     def evict(self, entries: List[int]) -> None:
         """Forget entries, on every rank."""
@@ -394,6 +413,7 @@ class Pipeline:
             self.transport.recv()
             self.transport.close()
             self.transport = None
+        self.caches.close()
 
 
 @dataclass
@@ -409,11 +429,11 @@ class Ahead:
 
 class StageWorker:
     def __init__(self, stage: Stage, rank: int, size: int, wait_wake: Optional[Callable[[int], None]] = None,
-                 memory_limit: Optional[int] = None):
+                 memory_limit: Optional[int] = None, disk: Optional[DiskCache] = None):
         self.stage = stage
         self.rank, self.is_last = rank, rank == size - 1
         self.wait_wake = wait_wake  # parks this rank off the transport (the watchdog's); None: no parking
-        self.caches = SlotCaches(stage)
+        self.caches = SlotCaches(stage, disk)
         self.guard = MemoryGuard(stage, self.caches, rank, memory_limit)  # --memory-limit, frame by frame
         self.stats = RankStats(self.caches, self.guard)  # rank 0 hears it with the watchdog's heartbeats
         self.parameter_bytes = parameter_bytes(stage)
@@ -429,6 +449,11 @@ class StageWorker:
             self.guard.settle()
             # The ring keeps frames in order, so rank 0 needs no acknowledgement.
             return None if self.is_last else (header, payload)
+        if header.op == Op.LOAD:  # back to rank 0 from the last rank, each rank's answer in it
+            values = payload.reshape(-1).tolist()
+            ok = self._load_here(values[0], values[2:]) and values[1]
+            out = mx.array([values[0], int(ok)] + values[2:], dtype=mx.int32).reshape(1, -1, 1)
+            return Header.for_payload(Op.LOAD, out), out
         if header.op == Op.INFO:
             row = rank_info.encode_row(
                 self.rank, self.stage.start, self.stage.end, False, self.parameter_bytes
@@ -440,9 +465,14 @@ class StageWorker:
         if header.op == Op.CLEAR:
             self.caches.clear()
             self.guard.settle()
+        if header.op == Op.STOP:
+            self.caches.close()  # what its disk tier has queued is written first
         if header.op in (Op.STOP, Op.PARK, Op.CLEAR):
             return header, None  # round trips: the last rank passes them back to rank 0
         raise ValueError(f"rank {self.rank} received unknown op {header.op}")
+
+    def _load_here(self, entry: int, tokens: List[int]) -> bool:
+        return self.caches.load(entry, tokens)
 
     def _forward(self, header: Header, h: mx.array) -> Optional[Frame]:
         self.stats.forward_frames += 1
@@ -577,11 +607,16 @@ class StageWorker:
 
 
 
-def in_process_pipeline(stages: List[Stage], memory_limit: Optional[int] = None) -> "Pipeline":
+def in_process_pipeline(stages: List[Stage], memory_limit: Optional[int] = None,
+                        disks: Optional[List[DiskCache]] = None) -> "Pipeline":
     """Single-host mode (--stages N): stage 0 here, the others behind an in-process ring.
-    `memory_limit`: what MLX holds this process to, which every stage's guard checks."""
-    workers = [StageWorker(stage, i + 1, len(stages), memory_limit=memory_limit) for i, stage in enumerate(stages[1:])]
+    `memory_limit`: what MLX holds this process to, which every stage's guard checks; `disks`:
+    each stage's disk tier of prefix-cache entries."""
+    disks = disks or [None] * len(stages)
+    workers = [StageWorker(stage, i + 1, len(stages), memory_limit=memory_limit, disk=disk)
+               for i, (stage, disk) in enumerate(zip(stages[1:], disks[1:]))]
     pipeline = Pipeline(stages[0], LocalRing([w.handle for w in workers]) if workers else None,
-                        peer_reports=lambda: {w.rank: w.stats.report() for w in workers}, memory_limit=memory_limit)
+                        peer_reports=lambda: {w.rank: w.stats.report() for w in workers}, memory_limit=memory_limit,
+                        disk=disks[0])
     pipeline.time_sends = False
     return pipeline

@@ -41,7 +41,8 @@ keeps more than `budget` bytes of them.
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+import time
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -140,6 +141,10 @@ class PrefixIndex:
             dropped.append(self._remove(next(iter(self.entries))))
         return dropped
 
+    def remove(self, entry_id: int) -> None:
+        if entry_id in self.entries:
+            self._remove(entry_id)
+
     # -- the tree ---------------------------------------------------------------
 
     def _walk(self, tokens: np.ndarray) -> Tuple[List[Tuple[Node, int]], int, Optional[Node]]:
@@ -212,11 +217,12 @@ class PrefixIndex:
 class PrefixHooks:
     """Where a prefix cache plugs in; these defaults do nothing."""
 
-    def restore(self, seq: Sequence) -> None:
+    def restore(self, seq: Sequence, settle: Callable[[], None] = lambda: None) -> None:
         """At admission, before `seq` is batched: may fill `seq.slot` on every rank
         with the caches of a cached prefix of its prompt and drop those tokens from
         `seq.unsent` (leaving one at least: the last prompt token gives the first
-        token). The batch's prefill then starts from that history."""
+        token). The batch's prefill then starts from that history. `settle()` takes
+        every reply the ring owes (before an exchange that waits for its own)."""
 
     def snapshot(self, seq: Sequence, slot: int, row: int) -> None:
         """`seq` has finished; row `row` of `slot` still holds its caches (its prompt
@@ -228,6 +234,9 @@ class PrefixHooks:
         its whole prompt."""
 
 
+# Entries of fewer tokens are not written to disk (their prefill costs less than a file), and a disk
+# entry is read only where it restores this many tokens more than RAM does.
+DISK_MIN_TOKENS = 256
 DEFAULT_SHARE = 4  # the default budget: 1/DEFAULT_SHARE of the tightest rank's memory beside its weights
 
 
@@ -259,17 +268,32 @@ class PrefixCache(PrefixHooks):
         # Counters for the summary: prompts looked up, hits, their tokens, tokens restored.
         self.lookups = self.hits = self.prompt_tokens = self.cached_tokens = 0
         self.stored = self.evicted = 0
+        # The disk tier (caches.SlotCaches.disk, every rank's own): rank 0's index of what it holds,
+        # which the other ranks confirm at each load (Pipeline.load: on every rank or on none).
+        self.disk = pipeline.caches.disk if self.enabled else None
+        self.disk_index = PrefixIndex(1 << 62, 1)
+        self._disk_keys: Dict[int, np.ndarray] = {}
+        self._disk_next = 0
+        self.disk_hits = self.disk_failed = self.disk_tokens = self.disk_written = 0
+        self.disk_seconds = 0.0
+        for tokens in (self.disk.entries().values() if self.disk is not None else ()):
+            self._disk_indexed(tokens)
 
     # -- hooks ----------------------------------------------------------------
 
-    def restore(self, seq) -> None:
+    def restore(self, seq, settle: Callable[[], None] = lambda: None) -> None:
         """At admission, before `seq` is batched: restore the best entry into its slot
         (its prompt then starts after the entry's tokens; the last prompt token is
-        always left to compute)."""
+        always left to compute), read from disk first where that saves more."""
         if not self.enabled:
             return
         prompt = np.array(seq.fed_prompt, dtype=np.int32)
         entry, tokens = self.index.find(prompt)
+        on_disk, disk_tokens = self.disk_index.find(prompt) if self.disk is not None else (None, 0)
+        if on_disk is not None and disk_tokens >= tokens + DISK_MIN_TOKENS and self._load(on_disk, settle):
+            entry, tokens = self.index.find(prompt)
+            seq.disk_tokens = tokens
+            self.disk_tokens += tokens
         self.lookups += 1
         self.prompt_tokens += len(prompt)
         if entry is not None:
@@ -309,7 +333,13 @@ class PrefixCache(PrefixHooks):
         return (f"prefix cache: {len(self.index.entries)} entries, {max(self.index.bytes) / 2**20:.1f} MiB on the "
                 f"fullest rank (budget {self.budget / 2**20:.1f} MiB); {self.hits} of {self.lookups} prompts hit, "
                 f"{self.cached_tokens} of {self.prompt_tokens} prompt tokens reused; "
-                f"{self.stored} entries stored, {self.evicted} evicted")
+                f"{self.stored} entries stored, {self.evicted} evicted" + self._disk_summary())
+
+    def _disk_summary(self) -> str:
+        if self.disk is None:
+            return "; disk tier off"
+        return (f"; disk tier: {self.disk_hits} loads ({self.disk_tokens} tokens, {self.disk_seconds:.2f} s), "
+                f"{self.disk_failed} not on every rank, {self.disk_written} entries written")
 
     # -- storing --------------------------------------------------------------
 
@@ -319,19 +349,63 @@ class PrefixCache(PrefixHooks):
         tokens = np.array(tokens, dtype=np.int32)
         if len(tokens) == 0 or self.index.covered(tokens):
             return
-        entry_id = self._next_id
-        self._next_id = (self._next_id + 1) % (1 << 31)
+        entry_id = self._new_id()
         fed, nbytes, logged = self.pipeline.snapshot(slot, entry_id, row)
         assert fed == len(tokens), f"the slot holds {fed} tokens, expected {len(tokens)}"
         per_rank = self.entry_bytes(len(tokens), logged, nbytes)
         if max(per_rank) > self.budget:
             self.pipeline.evict([entry_id])
             return
-        cuttable = len(tokens) if not any(self.sliding) or len(tokens) < self.window else logged
+        cuttable = self._cuttable(len(tokens), logged)
+        if self.disk is not None and len(tokens) >= DISK_MIN_TOKENS:
+            self.pipeline.persist(entry_id, tokens.tolist())
+            self._disk_indexed(tokens)
+            self.disk_written += 1
         dropped = self.index.insert(Entry(entry_id, tokens, cuttable, per_rank))
         self.pipeline.evict(dropped)
         self.stored += 1
         self.evicted += len(dropped)
+
+    def _cuttable(self, tokens: int, logged: int) -> int:
+        return tokens if not any(self.sliding) or tokens < self.window else logged
+
+    # -- the disk tier --------------------------------------------------------
+
+    def _disk_indexed(self, tokens: np.ndarray) -> None:
+        """Index a disk entry (as if it could be cut anywhere: a load says how far it can)."""
+        entry_id = self._disk_next = self._disk_next + 1
+        for dropped in self.disk_index.insert(Entry(entry_id, tokens, len(tokens), [0])):
+            self._disk_keys.pop(dropped, None)
+        self._disk_keys[entry_id] = tokens
+
+    def _load(self, on_disk: Entry, settle: Callable[[], None]) -> bool:
+        """Read `on_disk` into RAM as a new entry on every rank; False (and forgotten) where a
+        rank does not have it whole: no rank then keeps it."""
+        tokens = on_disk.tokens
+        settle()
+        start = time.perf_counter()
+        entry_id = self._new_id()
+        ok = self.pipeline.load(entry_id, tokens.tolist())
+        if ok:
+            stored = self.pipeline.caches.entries[entry_id]
+            per_rank = self.entry_bytes(len(tokens), stored.logged, stored.nbytes)
+            ok = max(per_rank) <= self.budget
+        if not ok:
+            self.pipeline.evict([entry_id])
+            self.disk_index.remove(on_disk.id)
+            self._disk_keys.pop(on_disk.id, None)
+            self.disk_failed += 1
+            return False
+        dropped = self.index.insert(Entry(entry_id, tokens, self._cuttable(len(tokens), stored.logged), per_rank))
+        self.pipeline.evict(dropped)
+        self.disk_hits += 1
+        self.disk_seconds += time.perf_counter() - start
+        return True
+
+    def _new_id(self) -> int:
+        entry_id = self._next_id
+        self._next_id = (self._next_id + 1) % (1 << 31)
+        return entry_id
 
     def entry_bytes(self, tokens: int, logged: int, rank0_bytes: int) -> List[int]:
         """What each rank keeps for an entry of `tokens` tokens, `logged` of them logged: rank

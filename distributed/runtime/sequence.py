@@ -257,6 +257,7 @@ class Sequence:
         # Prefix cache (prefix_cache.py): prompt tokens restored from an entry, and where
         # in the prompt to store entries (None: not looked up yet).
         self.cached_tokens = 0
+        self.disk_tokens = 0  # of those, read from the disk tier for it
         self.greedy = req.temperature == 0
         # Arrays, not numbers, into compiled code (see the module's docstring).
         self._top_p = mx.array(req.top_p, dtype=mx.float32) if 0 < req.top_p < 1 else None

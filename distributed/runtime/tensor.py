@@ -53,10 +53,15 @@ def tensor_share(stage: Stage, rank: int, size: int) -> dict:
     return share
 
 
+def group_loaded(broadcast: Broadcast, here: bool) -> bool:
+    """Whether every rank of the tensor group read its share of an entry from disk."""
+    return bool(broadcast.gather_rows(mx.array([[[int(here)]]], dtype=mx.int32)).min().item())
+
+
 class TensorPipeline(Pipeline):
     def __init__(self, stage: Stage, group, transport: Optional[Transport] = None, waker=None, peer_reports=dict,
-                 memory_limit: Optional[int] = None, watchdog=None):
-        super().__init__(stage, transport, waker, peer_reports, memory_limit)
+                 memory_limit: Optional[int] = None, watchdog=None, disk=None):
+        super().__init__(stage, transport, waker, peer_reports, memory_limit, disk)
         self.broadcast = Broadcast(group)
         self.tensor_size = group.size()
         self.time_sends = False
@@ -137,6 +142,11 @@ class TensorPipeline(Pipeline):
         self._tell(Header(Op.CLEAR))
         super().clear()
 
+    def _load_here(self, entry: int, tokens: List[int]) -> bool:
+        self._tell(Header(Op.LOAD), [entry, 1] + list(tokens))
+        with self._collectives():
+            return group_loaded(self.broadcast, self.caches.load(entry, tokens))
+
     def rank_info(self) -> List[dict]:
         self._tell(Header(Op.INFO))
         with self._collectives():
@@ -162,8 +172,8 @@ class TensorStageWorker(StageWorker):
     it runs to the other ranks of its group before running it."""
 
     def __init__(self, stage: Stage, rank: int, size: int, group, world_rank: int, wait_wake=None,
-                 memory_limit: Optional[int] = None):
-        super().__init__(stage, rank, size, wait_wake, memory_limit)
+                 memory_limit: Optional[int] = None, disk=None):
+        super().__init__(stage, rank, size, wait_wake, memory_limit, disk)
         self.broadcast = Broadcast(group)
         self.world_rank = world_rank
 
@@ -180,7 +190,12 @@ class TensorStageWorker(StageWorker):
             return Header.for_payload(Op.INFO, table), table
         elif header.op in (Op.CLEAR, Op.STOP, Op.PARK):
             self.broadcast.send(header)
+        elif header.op == Op.LOAD:
+            self.broadcast.send(header, payload.reshape(-1).tolist())
         return super().handle(header, payload)
+
+    def _load_here(self, entry: int, tokens: List[int]) -> bool:
+        return group_loaded(self.broadcast, self.caches.load(entry, tokens))
 
     def _forward_plain(self, header: Header, h: mx.array) -> Optional[Frame]:
         """StageWorker's, but the stage's output always evaluated, as the group's other ranks do: a
@@ -207,12 +222,12 @@ class TensorFollower:
     rank's slice."""
 
     def __init__(self, stage: Stage, group, wait_wake=None, world_rank: Optional[int] = None,
-                 memory_limit: Optional[int] = None):
+                 memory_limit: Optional[int] = None, disk=None):
         self.stage = stage
         self.rank = group.rank() if world_rank is None else world_rank
         self.broadcast = Broadcast(group)
         self.wait_wake = wait_wake
-        self.caches = SlotCaches(stage)
+        self.caches = SlotCaches(stage, disk)
         self.guard = MemoryGuard(stage, self.caches, self.rank, memory_limit)
         self.stats = RankStats(self.caches, self.guard)
 
@@ -240,10 +255,13 @@ class TensorFollower:
                 self.guard.settle()
             elif op == Op.INFO:
                 self.broadcast.gather_rows(_info_row(self.stage, self.rank))
+            elif op == Op.LOAD:  # (entry, -, tokens...)
+                group_loaded(self.broadcast, self.caches.load(values[0], values[2:]))
             elif op == Op.PARK:
                 if self.wait_wake is not None:
                     self.wait_wake(header.arg)
             elif op == Op.STOP:
+                self.caches.close()
                 return
             else:
                 raise ValueError(f"rank {self.rank} received unknown op {op}")

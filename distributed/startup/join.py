@@ -25,6 +25,7 @@ from ..shard.plan import layer_ranges, parse_split
 from ..transport.collective import MxCollective
 from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
+from .disk_tier import open_disk_tier
 from .handshake import StartupRefused, agree_control_address, exchange_errors, handshake
 from .preflight import allow_mpi_calls_from_any_thread, check_group, point_mlx_at_libmpi
 from .settings import RingSettings, Settings
@@ -168,7 +169,8 @@ def build_pipeline(settings: Settings, group, watchdog: Optional[Watchdog] = Non
         apply_memory_limit(limit)
         path = fetch_stage_files(model, 0, num_layers, True, config_dir)
         stages = [load_stage(path, s, e, i == 0, config) for i, (s, e) in enumerate(ranges)]
-        return Loaded(in_process_pipeline(stages, limit), path, config, memory)
+        disks = [open_disk_tier(settings, path, config, stage) for stage in stages]
+        return Loaded(in_process_pipeline(stages, limit, disks), path, config, memory)
 
     rank = group.rank()
     start, end = ranges[rank]
@@ -192,7 +194,8 @@ def build_pipeline(settings: Settings, group, watchdog: Optional[Watchdog] = Non
     if rank != 0:
         if on_ready is not None:
             on_ready()
-        worker = StageWorker(stage, rank, world, wait_wake=watchdog and watchdog.wait_wake, memory_limit=limit)
+        worker = StageWorker(stage, rank, world, wait_wake=watchdog and watchdog.wait_wake, memory_limit=limit,
+                             disk=open_disk_tier(settings, path, config, stage))
         if watchdog is not None:
             watchdog.send_stats(worker.stats.report)  # rank 0's metrics hear it with each heartbeat
         worker.serve(transport)
@@ -200,5 +203,5 @@ def build_pipeline(settings: Settings, group, watchdog: Optional[Watchdog] = Non
     # Parked ranks are woken, and their reports heard, through the watchdog's channel.
     pipeline = Pipeline(stage, transport, waker=watchdog and watchdog.wake,
                         peer_reports=(lambda: dict(watchdog.reports)) if watchdog is not None else dict,
-                        memory_limit=limit)
+                        memory_limit=limit, disk=open_disk_tier(settings, path, config, stage))
     return Loaded(pipeline, path, config, [r["memory_bytes"] for r in reports])

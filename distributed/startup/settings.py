@@ -58,6 +58,8 @@ class SizingSettings:
     prefill_batch_tokens: int = 2048
     memory_limit: Union[int, str, None] = None  # bytes, "auto", or None
     prefix_cache_bytes: Optional[int] = None  # None: a share of the memory
+    prefix_cache_dir: Optional[str] = None  # None: the user's cache folder; "none": no disk tier
+    prefix_cache_disk_bytes: Optional[int] = None  # None: a share of the disk (disk_cache.default_disk_bytes)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ..shard.plan import layer_ranges
 from ..shard.tensor import check_tensor_size, release_group
 from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
+from .disk_tier import open_disk_tier
 from .handshake import StartupRefused, handshake
 from .settings import RingSettings, Settings
 from .sizing import fixed_context
@@ -98,7 +99,8 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
     if rank % size:
         if on_ready is not None:
             on_ready()
-        follower = TensorFollower(stage, tensor, wait_wake=wait_wake, world_rank=rank, memory_limit=limit)
+        follower = TensorFollower(stage, tensor, wait_wake=wait_wake, world_rank=rank, memory_limit=limit,
+                                  disk=open_disk_tier(settings, path, config, stage, (rank % size, size)))
         if watchdog is not None:
             watchdog.send_stats(follower.stats.report)
         follower.serve()
@@ -111,7 +113,8 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
     if rank != 0:
         if on_ready is not None:
             on_ready()
-        worker = TensorStageWorker(stage, rank // size, stages, tensor, rank, wait_wake=wait_wake, memory_limit=limit)
+        worker = TensorStageWorker(stage, rank // size, stages, tensor, rank, wait_wake=wait_wake, memory_limit=limit,
+                                   disk=open_disk_tier(settings, path, config, stage, (0, size)))
         if watchdog is not None:
             watchdog.send_stats(worker.stats.report)
         worker.serve(transport)
@@ -119,7 +122,8 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
         return None
     pipeline = TensorPipeline(stage, tensor, transport, waker=watchdog and watchdog.wake,
                               peer_reports=(lambda: dict(watchdog.reports)) if watchdog is not None else dict,
-                              memory_limit=limit, watchdog=watchdog)
+                              memory_limit=limit, watchdog=watchdog,
+                              disk=open_disk_tier(settings, path, config, stage, (0, size)))
     # Rank 0 sizes the KV caches (--max-batch's default, --max-context auto, the prefix cache's bytes)
     # from the rank table's layers and this config: one rank's share of the heads, so one rank's caches.
     share = dict(config, num_attention_heads=config["num_attention_heads"] // size,

@@ -521,3 +521,76 @@ def test_a_prompt_whose_log_would_not_fit_is_not_recorded(hf_checkpoint):
     assert all(not caches.logs for caches in rank_caches(pipeline))
     assert [e.cuttable for e in warm.prefix_cache.index.entries.values()] == [0]
     assert run(warm, LONG[:60] + other(5), 4)[2].cached_tokens == 0
+
+
+# -- the disk tier (runtime/disk_cache.py under the index: PrefixCache._load, Pipeline.load) -----
+
+LONGER = other(300, 11)  # past DISK_MIN_TOKENS: written to disk
+
+
+def disk_pipeline(path, split, folder, **kwargs):
+    """An in-process pipeline whose stages each keep a disk tier in `folder` (as --stages N)."""
+    from distributed.runtime.disk_cache import DiskCache, fingerprint
+    from distributed.runtime.pipeline import in_process_pipeline as pipeline_of
+    from distributed.shard.checkpoint import load_config
+    from distributed.shard.loader import load_stage
+    from distributed.shard.plan import layer_ranges
+
+    config = load_config(str(path))[2]
+    stages = [load_stage(path, s, e, i == 0) for i, (s, e) in enumerate(layer_ranges(8, len(split), list(split)))]
+    disks = [DiskCache(folder, kwargs.get("disk_bytes", 1 << 30),
+                       fingerprint(path, config, "float32", (s.start, s.end), kwargs.get("tensor")))
+             for s in stages]
+    return pipeline_of(stages, disks=disks)
+
+
+@pytest.mark.parametrize("split", [(8,), (3, 5)])
+def test_a_restart_restores_from_disk(hf_checkpoint, tmp_path, split):
+    """A prompt's entries are written to every stage's disk; after a restart (new processes'
+    worth of state: a new pipeline, scheduler and index) the same prompt and one sharing its
+    prefix restore from disk, with the outputs of a cold run."""
+    first = disk_pipeline(hf_checkpoint, split, tmp_path)
+    warm = Scheduler(first, load_tokenizer(hf_checkpoint), prefill_step_size=64, prefix_cache_bytes=1 << 30)
+    run(warm, LONGER, 4)
+    first.close()  # writes what is queued
+    again = disk_pipeline(hf_checkpoint, split, tmp_path)
+    warm = Scheduler(again, load_tokenizer(hf_checkpoint), prefill_step_size=64, prefix_cache_bytes=1 << 30)
+    cold = cold_scheduler(hf_checkpoint, split)
+    for prompt, cached in [(LONGER, len(LONGER) - 1), (LONGER[:280] + other(9, 2), 280)]:
+        got = run(warm, prompt, 6)
+        assert_same(got, run(cold, prompt, 6))
+        assert got[2].cached_tokens == cached
+    assert warm.prefix_cache.disk_hits == 1  # the second restored the first's entry, loaded into RAM
+    again.close()
+
+
+def test_a_disk_entry_missing_on_one_rank_is_restored_on_none(hf_checkpoint, tmp_path):
+    """A rank whose file is gone (or damaged) answers no: no rank keeps the entry, the prompt is
+    prefilled whole, exactly, and rank 0 forgets the entry."""
+    first = disk_pipeline(hf_checkpoint, (3, 5), tmp_path)
+    warm = Scheduler(first, load_tokenizer(hf_checkpoint), prefill_step_size=64, prefix_cache_bytes=1 << 30)
+    run(warm, LONGER, 4)
+    first.close()
+    again = disk_pipeline(hf_checkpoint, (3, 5), tmp_path)
+    worker = rank_caches(again)[1]
+    for f in worker.disk.sub.iterdir():  # rank 1's files: a truncated one, the others gone
+        f.unlink() if f.name != sorted(p.name for p in worker.disk.sub.iterdir())[0] else f.write_bytes(b"x" * 10)
+    warm = Scheduler(again, load_tokenizer(hf_checkpoint), prefill_step_size=64, prefix_cache_bytes=1 << 30)
+    got = run(warm, LONGER, 6)
+    assert_same(got, run(cold_scheduler(hf_checkpoint, (3, 5)), LONGER, 6))
+    assert got[2].cached_tokens == 0 and warm.prefix_cache.disk_failed >= 1
+    assert all(not caches.entries or set(caches.entries) == set(warm.prefix_cache.index.entries)
+               for caches in rank_caches(again))
+    again.close()
+
+
+def test_another_split_restores_nothing(hf_checkpoint, tmp_path):
+    first = disk_pipeline(hf_checkpoint, (3, 5), tmp_path)
+    run(Scheduler(first, load_tokenizer(hf_checkpoint), prefill_step_size=64, prefix_cache_bytes=1 << 30), LONGER, 4)
+    first.close()
+    other_split = disk_pipeline(hf_checkpoint, (4, 4), tmp_path)
+    warm = Scheduler(other_split, load_tokenizer(hf_checkpoint), prefill_step_size=64, prefix_cache_bytes=1 << 30)
+    got = run(warm, LONGER, 6)
+    assert_same(got, run(cold_scheduler(hf_checkpoint, (4, 4)), LONGER, 6))
+    assert got[2].cached_tokens == 0
+    other_split.close()

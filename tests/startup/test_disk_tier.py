@@ -1,0 +1,55 @@
+"""The prefix cache's disk tier on real servers (startup/disk_tier.py opens it from the command
+line): a prompt served, the ring stopped and started again, and the same prompt and one sharing
+its prefix restore most of it from every rank's disk, with mlx-lm's greedy tokens and logprobs:
+one process, --stages 2, a ring of two under our launcher, --tensor-parallel-size 2. A ring
+started with another split finds nothing of the first's."""
+
+import pytest
+
+from grpc_server import SERVER_ARGS, Server, generate
+from reference import mlx_lm_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [(7 * i + 3) % 250 + 1 for i in range(330)]  # past disk_cache's smallest entry, windows wrapped
+SHARED = PROMPT[:300] + [(11 * i + 5) % 250 + 1 for i in range(12)]
+MAX_TOKENS = 8
+
+
+def served(model, ranks, extra, folder, prompts):
+    """Each prompt's greedy output (token ids, logprobs, cached tokens) from a new server."""
+    server = Server(model, ranks, [*SERVER_ARGS, "--prefix-cache-dir", str(folder), *extra])
+    try:
+        server.wait_serving()
+        outs = []
+        for prompt in prompts:
+            out = generate(server.stub, token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+            outs.append((out["token_ids"], out["logprobs"], out["usage"].cached_tokens))
+    finally:
+        server.stop()
+    return outs, server.output(100000)
+
+
+@pytest.fixture(scope="module")
+def references(hf_checkpoint):
+    return {tuple(p): mlx_lm_greedy(hf_checkpoint, p, MAX_TOKENS, 512) for p in (PROMPT, SHARED)}
+
+
+@pytest.mark.parametrize("ranks, extra", [(1, []), (1, ["--stages", "2"]), (2, []),
+                                          (2, ["--tensor-parallel-size", "2"])],
+                         ids=["one", "stages2", "ranks2", "tensor2"])
+def test_a_restarted_server_restores_from_disk(hf_checkpoint, references, tmp_path, ranks, extra):
+    (first,), log = served(hf_checkpoint, ranks, extra, tmp_path, [PROMPT])
+    assert first[2] == 0
+    outs, log = served(hf_checkpoint, ranks, extra, tmp_path, [PROMPT, SHARED])
+    for (tokens, logprobs, cached), prompt in zip(outs, (PROMPT, SHARED)):
+        ref_tokens, ref_logprobs = references[tuple(prompt)]
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4
+    assert outs[0][2] == len(PROMPT) - 1, log  # all but the last token, read from disk
+    assert outs[1][2] == 300  # the shared part, from the entry now in RAM
+    assert "disk tier: 1 loads" in log
+    # Another split: other fingerprints, nothing restored, still exact.
+    if extra == [] and ranks == 2:
+        (again,), log = served(hf_checkpoint, 2, ["--split", "3,5"], tmp_path, [PROMPT])
+        assert again[2] == 0 and again[0] == references[tuple(PROMPT)][0]

@@ -203,4 +203,5 @@ class FinishEvent:
     error: Optional[str] = None
     text: str = ""  # text the detokenizer held back until the end
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not computed
+    disk_tokens: int = 0  # of those, read from its disk tier (after a restart, or evicted from RAM)
     stop_sequence: Optional[str] = None  # the stop string that ended it, if one did

@@ -384,6 +384,7 @@ class Sequence:
                 error=error,
                 text=tail,
                 cached_tokens=min(self.cached_tokens, len(self.request.prompt_ids)),  # of the prompt's tokens
+                disk_tokens=min(self.disk_tokens, len(self.request.prompt_ids)),
                 stop_sequence=self.stop_sequence,
             )
         )

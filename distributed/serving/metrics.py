@@ -66,6 +66,27 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+def disk_tier_metrics(prefix):
+    """The prefix cache's disk tier: rank 0's loads (a load reads the entry on every rank) and
+    its own disk's counters (runtime/disk_cache.py: each rank keeps its own; rank 0's stand for all)."""
+    yield _counter("prefix_cache_disk_loads", "Prompts that read a prefix from every rank's disk", prefix.disk_hits)
+    yield _counter("prefix_cache_disk_load_failures", "Disk entries rank 0 held that another rank did not (none kept)",
+                   prefix.disk_failed)
+    yield _counter("prefix_cache_disk_tokens", "Prompt tokens read from the disk tier", prefix.disk_tokens)
+    yield _counter("prefix_cache_disk_load_seconds", "Time reading entries from every rank's disk", prefix.disk_seconds)
+    yield _counter("prefix_cache_disk_writes_queued", "Entries rank 0 asked every rank to write", prefix.disk_written)
+    disk = prefix.disk.stats() if prefix.disk is not None else {}
+    for key, text in (("bytes", "Bytes of rank 0's entry files"), ("entries", "Rank 0's entry files")):
+        if key in disk:
+            yield _gauge(f"prefix_cache_disk_{key}", text, disk[key])
+    for key, text in (("writes", "Entry files rank 0 wrote"), ("write_drops", "Writes dropped (queue full, disk full)"),
+                      ("write_errors", "Writes that failed"), ("corrupt", "Damaged entry files found and removed"),
+                      ("fingerprint_mismatches", "Entry files of another checkpoint or split, removed"),
+                      ("evicted", "Entry files removed as least recently used")):
+        if key in disk:
+            yield _counter(f"prefix_cache_disk_{key}", text, disk[key])
+
+
 def prefix_cache_of(scheduler):
     """The scheduler's prefix cache (its counters), or None: off, not attached yet, or the
     launcher's router (rank 0's own metrics have it)."""
@@ -117,6 +138,7 @@ class _RingCollector:
             yield _counter("prefix_cache_hits", "Prompts that restored a cached prefix", prefix.hits)
             yield _counter("prefix_cache_misses", "Prompts looked up in the prefix cache without a usable entry",
                            prefix.lookups - prefix.hits)
+            yield from disk_tier_metrics(prefix)
         spec = speculation_of(s)
         if spec is not None:
             yield _counter("speculative_passes", "Verification frames: a row's last token and its drafts", spec.passes)

@@ -8,7 +8,7 @@ calls end() with the status it answered once the answer is out (so a scrape made
 the instant a client has its answer may not count it yet).
 
     trinity: request front_end=http route=/v1/completions status=200 outcome=length prompt_tokens=5
-        cached_tokens=0 completion_tokens=16 ttft_s=0.041 duration_s=0.210 client=127.0.0.1   (one line)
+        cached_tokens=0 cached_ram=0 cached_disk=0 completion_tokens=16 ttft_s=0.041 duration_s=0.210 client=127.0.0.1   (one line)
 
 A request that carried fields accepted with no effect here (openai_api.py's compatibility
 rule: `reasoning.summary`, `context_management`, …) names them at the line's end
@@ -213,8 +213,10 @@ class RequestLog:
         for name in clamped:
             m.clamped_fields.labels(name).inc()
         ttft = "-" if trace.first is None else f"{trace.first - trace.start:.3f}"
+        disk = sum(f.disk_tokens for f in trace.finishes)
         self.write(f"request front_end={fe} route={trace.route} status={status} outcome={outcome} "
-                   f"prompt_tokens={prompt} cached_tokens={cached} completion_tokens={completion} "
+                   f"prompt_tokens={prompt} cached_tokens={cached} cached_ram={cached - disk} cached_disk={disk} "
+                   f"completion_tokens={completion} "
                    f"ttft_s={ttft} duration_s={duration:.3f} client={trace.client}{self._memory()}"
                    + (f" ignored={','.join(ignored)}" if ignored else "") + (f" clamped={','.join(clamped)}" if clamped else "")
                    + (f" error={json.dumps(error)}" if error else ""))

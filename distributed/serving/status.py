@@ -12,7 +12,9 @@ what the status page (pages/) shows, for scripts too.
     tokens               prompt, cached, generated (as the clients' usage counts them)
     last_minute          tokens_per_s, ttft_p50_s, ttft_p99_s (request_log.Recent)
     history              step_s, points: tokens_per_s and ttft_p50_s per step, last five minutes
-    prefix_cache         entries, hits, lookups, hit_rate (null where the server has none)
+    prefix_cache         entries, hits, lookups, hit_rate, disk (null where the server has none):
+                         the disk tier's folder, loads, load_failures, tokens, load_seconds and rank
+                         0's files (entries, bytes, writes, write_drops, corrupt, ...; null where off)
     speculative          passes, drafted, accepted, acceptance, cancelled (null unless it speculates)
     ring                 failures, restarts (under `launch run --serve`, the router's count)
 
@@ -54,12 +56,23 @@ def status_document(health, requests) -> dict:
     prefix = prefix_cache_of(scheduler)
     if prefix is not None:
         doc["prefix_cache"] = {"entries": len(prefix.index.entries), "hits": prefix.hits, "lookups": prefix.lookups,
-                               "hit_rate": _ratio(prefix.hits, prefix.lookups)}
+                               "hit_rate": _ratio(prefix.hits, prefix.lookups), "disk": _disk(prefix)}
     spec = speculation_of(scheduler)
     if spec is not None:
         doc["speculative"] = {"passes": spec.passes, "drafted": spec.drafted, "accepted": spec.accepted,
                               "acceptance": _ratio(spec.accepted, spec.drafted), "cancelled": spec.cancelled}
     return doc
+
+
+def _disk(prefix):
+    """The disk tier (null where it is off): loads on every rank, and rank 0's own files."""
+    if prefix.disk is None:
+        return None
+    stats = prefix.disk.stats()
+    return {"folder": str(prefix.disk.folder), "loads": prefix.disk_hits, "load_failures": prefix.disk_failed,
+            "tokens": prefix.disk_tokens, "load_seconds": round(prefix.disk_seconds, 3),
+            **{k: stats.get(k) for k in ("entries", "bytes", "writes", "write_drops", "write_errors", "corrupt",
+                                          "fingerprint_mismatches", "evicted")}}
 
 
 def _ranks(rows, scheduler, recent, state: str) -> list:

@@ -257,7 +257,7 @@ class Preloaded(PrefixHooks):
     def __init__(self, pipeline, cuts):
         self.pipeline, self.cuts = pipeline, cuts
 
-    def restore(self, seq):
+    def restore(self, seq, settle=None):
         n = self.cuts[len(seq.unsent)]
         if n:  # the ring is empty: every request is admitted in the same turn, before any frame
             self.pipeline.forward(mx.array(seq.unsent[:n], dtype=mx.uint32)[None], Reply.ACK, seq.slot)

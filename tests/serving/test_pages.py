@@ -20,7 +20,7 @@ from grpc_server import SERVER_ARGS, TOKEN, Server
 
 LONG = 1000  # max tokens of the reply the stop button cuts (the embedded model runs on past 256 greedily)
 CANCELLED = re.compile(r"request front_end=http route=/v1/chat/completions status=200 outcome=cancelled "
-                       r"prompt_tokens=\d+ cached_tokens=\d+ completion_tokens=(\d+)")
+                       r"prompt_tokens=\d+ cached_tokens=\d+ cached_ram=\d+ cached_disk=\d+ completion_tokens=(\d+)")
 
 
 @pytest.fixture(scope="module")

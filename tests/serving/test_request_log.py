@@ -28,13 +28,13 @@ def test_a_request_that_ran():
     log = RequestLog(write=lines.append)
     trace = log.begin("http", "/v1/completions", "127.0.0.1")
     tokens = [TokenEvent(t, -0.5, "x") for t in (7, 8, 9)]
-    handle = handle_with(*tokens, FinishEvent("length", 4, 3, cached_tokens=2))
+    handle = handle_with(*tokens, FinishEvent("length", 4, 3, cached_tokens=2, disk_tokens=1))
     assert list(trace.events(handle))[:3] == tokens
     trace.end(200)
     trace.end(200)  # once only
     assert len(lines) == 1 and lines[0].startswith(
         "request front_end=http route=/v1/completions status=200 outcome=length prompt_tokens=4 cached_tokens=2 "
-        "completion_tokens=3 ttft_s=0."), lines
+        "cached_ram=1 cached_disk=1 completion_tokens=3 ttft_s=0."), lines
     assert lines[0].endswith(" client=127.0.0.1") and "error=" not in lines[0]
     assert sample(log, "trinity_requests_total", front_end="http", outcome="length") == 1
     assert sample(log, "trinity_prompt_tokens_total", front_end="http") == 4

@@ -53,3 +53,25 @@ def test_a_restarted_server_restores_from_disk(hf_checkpoint, references, tmp_pa
     if extra == [] and ranks == 2:
         (again,), log = served(hf_checkpoint, 2, ["--split", "3,5"], tmp_path, [PROMPT])
         assert again[2] == 0 and again[0] == references[tuple(PROMPT)][0]
+
+
+def test_through_the_launchers_router_after_a_full_restart(hf_checkpoint, references, tmp_path):
+    """`trinity-launch run` (its router in front, the default path) stopped and started again:
+    the router's HTTP port gives the same prompt back from every rank's disk, exactly."""
+    import openai
+
+    from router_launcher import Launcher, serving
+
+    outs = []
+    for attempt in range(2):
+        la = Launcher(hf_checkpoint, tmp_path / f"launch{attempt}.log", 2,
+                      serve_args=["--prefix-cache-dir", str(tmp_path / "cache")])
+        with serving(la):
+            client = openai.OpenAI(base_url=f"http://{la.http}/v1", api_key="none", max_retries=0, timeout=120)
+            r = client.completions.create(model=str(hf_checkpoint), prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                          temperature=0, logprobs=1)
+            outs.append((r.choices[0].logprobs.token_logprobs, r.usage.prompt_tokens_details.cached_tokens))
+    ref_logprobs = references[tuple(PROMPT)][1]
+    for logprobs, _ in outs:
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4
+    assert [cached for _, cached in outs] == [0, len(PROMPT) - 1]

@@ -83,6 +83,8 @@ function drawCounters(doc) {
     ["TTFT p50", fixed(last.ttft_p50_s === null ? null : 1000 * last.ttft_p50_s, 0, " ms")],
     ["TTFT p99", fixed(last.ttft_p99_s === null ? null : 1000 * last.ttft_p99_s, 0, " ms")],
     ["prefix-cache hit rate", prefix ? percent(prefix.hit_rate) + " of " + prefix.lookups : "off"],
+    ["prefix cache on disk", prefix && prefix.disk ? prefix.disk.loads + " loads, " + prefix.disk.entries + " files, "
+      + bytes(prefix.disk.bytes) : "off"],
     ["speculative acceptance", spec ? percent(spec.acceptance) + " of " + spec.drafted : "off"],
     ["ring failures", doc.ring.failures],
     ["restarts", doc.ring.restarts],

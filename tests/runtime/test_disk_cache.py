@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,6 +20,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from distributed.runtime import disk_cache
 from distributed.runtime.disk_cache import DiskCache, chain_hashes, default_disk_bytes, default_folder, fingerprint
+from mounts import remount, tmpfs
 
 ROOT = Path(__file__).resolve().parents[2]
 FP = "a" * 64
@@ -93,28 +93,6 @@ def stored(folder, key="k0", n=40, seed=0, fp=FP, **kwargs):
 def warnings_of(caplog):
     return [r.getMessage() for r in caplog.records
             if r.name == disk_cache.__name__ and r.levelno >= logging.WARNING]
-
-
-@contextmanager
-def tmpfs(path: Path, size: str):
-    """A small tmpfs at `path`, unmounted on the way out whatever happens."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", str(path)]).returncode:
-            subprocess.run(["umount", "-l", str(path)])
-        assert not os.path.ismount(path)
-
-
-def remount(path: Path, mode: str):
-    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
 
 
 # Round trips

@@ -594,3 +594,33 @@ def test_another_split_restores_nothing(hf_checkpoint, tmp_path):
     assert_same(got, run(cold_scheduler(hf_checkpoint, (4, 4)), LONGER, 6))
     assert got[2].cached_tokens == 0
     other_split.close()
+
+
+@pytest.mark.parametrize("trouble", ["full", "read-only"])
+def test_a_full_or_read_only_disk_costs_the_disk_tier_only(hf_checkpoint, tmp_path, trouble):
+    """Every stage's disk tier on a tmpfs too small for one entry, or remounted read-only after
+    a first server wrote there: serving goes on from RAM (the same prompt again restores from
+    RAM), tokens exact; the read-only one still reads what it holds."""
+    from mounts import remount, tmpfs
+
+    with tmpfs(tmp_path / "disk", "64k" if trouble == "full" else "8m") as folder:
+        if trouble == "read-only":
+            first = disk_pipeline(hf_checkpoint, (3, 5), folder)
+            run(Scheduler(first, load_tokenizer(hf_checkpoint), prefill_step_size=64, prefix_cache_bytes=1 << 30),
+                LONGER, 4)
+            first.close()
+            remount(folder, "ro")
+        pipeline = disk_pipeline(hf_checkpoint, (3, 5), folder)
+        warm = Scheduler(pipeline, load_tokenizer(hf_checkpoint), prefill_step_size=64, prefix_cache_bytes=1 << 30)
+        cold = cold_scheduler(hf_checkpoint, (3, 5))
+        restored = len(LONGER) - 1 if trouble == "read-only" else 0
+        for prompt, cached in [(LONGER, restored), (LONGER, len(LONGER) - 1)]:
+            got = run(warm, prompt, 6)
+            assert_same(got, run(cold, prompt, 6))
+            assert got[2].cached_tokens == cached
+        ranks = rank_caches(pipeline)
+        pipeline.close()  # writes what is queued
+        stats = [caches.disk.stats() for caches in ranks if caches.disk is not None]
+        assert len(stats) == 2
+        if trouble == "full":
+            assert all(s["write_errors"] + s["write_drops"] >= 1 and s["writes"] == 0 for s in stats), stats

@@ -1,0 +1,118 @@
+"""One long prompt alone: prefill speed on one rank pinned to one core against a ring of ranks each
+pinned to a core of its own, this checkout's runner and (--old) a checkout from before a prompt alone
+in a ring was cut into 4·P chunks.
+
+  P=1         run_trinity.py --prompt-ids IDS --max-tokens 1 --json, one process, `taskset -c CORE0`
+  ring P=N    the same as N ranks started here (MLX_RANK / MLX_HOSTFILE, harness.run_ranks), rank r
+              under `taskset -c CORE_r`
+  ... @old    the same command from a `git worktree` of --old (default 1d3b084^), removed afterwards
+
+Prefill tok/s = prompt tokens / time to the first token inside rank 0 (the runner's JSON, after
+loading). Each prompt is alone in a fresh process (max_tokens 1); configurations interleave per
+round (--reps), medians are reported, each with the load average when it started. OpenBLAS is
+preloaded with OPENBLAS_NUM_THREADS=1 (--blas). The ratio: ring over P=1 of the same invocation
+(target 1.7x for two ranks). --smoke: 1024- and 2048-token prompts, no --old.
+"""
+
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from bench.harness import PY, ROOT, bench_env, flags, int_list, out_path, run_ranks, save, shrink
+
+log = logging.getLogger("bench")
+
+# Rank r runs under taskset -c (the r-th of the comma-separated cores in $1); MLX_RANK is unset at P=1.
+PIN = 'cores="$1"; shift; core=$(echo "$cores" | cut -d, -f$(( ${MLX_RANK:-0} + 1 ))); exec taskset -c "$core" "$@"'
+
+
+def add_arguments(p) -> None:
+    flags(p, smoke=False, out=None, model=None, reps=1, blas="openblas", timeout=900.0, ranks=[1, 2])
+    p.add_argument("--prompt-lens", type=int_list, default=[4096, 16384], help="prompt lengths (default 4096,16384)")
+    p.add_argument("--cores", default="0,1", help="core of rank 0, 1, ... (default 0,1)")
+    p.add_argument("--old", default="1d3b084^", metavar="REV", help="also this revision's runner, from a git "
+                   "worktree (default 1d3b084^, before the 4·P chunks; 'none': skip)")
+    p.add_argument("--old-p1", action="store_true", help="also P=1 of --old (its P=1 path did not change)")
+    p.add_argument("--runner-arg", action="append", default=[], metavar="ARG",
+                   help="more run_trinity.py arguments (repeatable), e.g. --runner-arg=--prefill-step-size=1024")
+
+
+def prompt(n: int) -> str:
+    import random
+
+    rng = random.Random(f"prefill-stages:{n}")
+    return ",".join(str(rng.randrange(10, 250)) for _ in range(n))
+
+
+def run_one(root: Path, ranks: int, cores: str, ids: str, args, env: dict) -> dict:
+    cmd = ["sh", "-c", PIN, "sh", cores, PY, str(root / "run_trinity.py"), "--prompt-ids", ids, "--max-tokens", "1",
+           "--json", *(["--model", args.model] if args.model else []), *args.runner_arg]
+    r = run_ranks(cmd, ranks, env, args.timeout)
+    return {k: r[k] for k in ("prefill_tokens_per_sec", "token_ids", "loadavg", "exit_code", "error") if k in r}
+
+
+def main(args) -> None:
+    shrink(args, prompt_lens=[1024, 2048], old="none")
+    cores = args.cores.split(",")
+    if max(args.ranks) > len(cores):
+        raise SystemExit(f"--ranks {max(args.ranks)} needs as many --cores (have {args.cores})")
+    env = bench_env(args.blas)
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    old = None
+    if args.old != "none":
+        old = Path(tempfile.mkdtemp(prefix="trinity-bench-old-"))
+        os.rmdir(old)
+        subprocess.run(["git", "worktree", "add", "--detach", str(old), args.old], cwd=ROOT, check=True,
+                       capture_output=True)
+    try:
+        configs = {}
+        for p in args.ranks:
+            name = "P=1" if p == 1 else f"ring P={p}"
+            configs[name] = (ROOT, p)
+            if old and (p > 1 or args.old_p1):
+                configs[f"{name} @old"] = (old, p)
+        runs = {n: {name: [] for name in configs} for n in args.prompt_lens}
+        for rep in range(args.reps):
+            for n in args.prompt_lens:
+                ids = prompt(n)
+                for name, (root, p) in configs.items():
+                    r = run_one(root, p, ",".join(cores[:p]), ids, args, env)
+                    runs[n][name].append(r)
+                    log.info(f"[{rep + 1}/{args.reps}] {n} tokens, {name}: " + (r.get("error", "")[:500] or
+                             f"{r['prefill_tokens_per_sec']:.1f} tok/s (load {r['loadavg']:.2f})"))
+    finally:
+        if old:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
+            shutil.rmtree(old, ignore_errors=True)
+            subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
+    results = {}
+    for n, by in runs.items():
+        rows = results[str(n)] = {}
+        for name, rs in by.items():
+            ok = [r for r in rs if "prefill_tokens_per_sec" in r]
+            rows[name] = {"runs": rs, "prefill_tokens_per_sec": statistics.median(r["prefill_tokens_per_sec"]
+                                                                                   for r in ok) if ok else None}
+        base = rows.get("P=1", {}).get("prefill_tokens_per_sec")
+        first = next((r["token_ids"] for r in by.get("P=1", []) if "token_ids" in r), None)
+        for name, row in rows.items():
+            tps = row["prefill_tokens_per_sec"]
+            row["x_p1"] = tps / base if tps and base else None
+            row["same_token_as_p1"] = all(r.get("token_ids") == first for r in row["runs"] if "token_ids" in r)
+    print(f"\n{args.model or 'the embedded model'}: one prompt alone, max_tokens 1, rank r on core r of "
+          f"{args.cores}, OpenBLAS 1 thread; median of {args.reps}")
+    print(f"{'prompt':>7}  {'config':<16}{'prefill tok/s':>14}{'x P=1':>8}{'load':>7}  token=P=1")
+    for n, rows in results.items():
+        for name, row in rows.items():
+            tps = row["prefill_tokens_per_sec"]
+            loads = [r["loadavg"] for r in row["runs"] if "loadavg" in r]
+            if tps is None:
+                print(f"{n:>7}  {name:<16}  failed: {row['runs'][0].get('error', '')[:300]}")
+                continue
+            print(f"{n:>7}  {name:<16}{tps:>14.1f}{(row['x_p1'] or float('nan')):>8.2f}"
+                  f"{statistics.median(loads):>7.2f}  {'yes' if row['same_token_as_p1'] else 'NO'}")
+    settings = dict(vars(args), old_tree=str(old) if old else None)
+    print(f"wrote {save(out_path(args, 'prefill_stages'), {'results': results}, settings)}")

@@ -6,6 +6,10 @@ in a ring was cut into 4·P chunks.
   ring P=N    the same as N ranks started here (MLX_RANK / MLX_HOSTFILE, harness.run_ranks), rank r
               under `taskset -c CORE_r`
   ... @old    the same command from a `git worktree` of --old (default 1d3b084^), removed afterwards
+  P=1 same chunks   P=1 with --prefill-step-size the ring's chunk (where it differs from P=1's): how much
+              of a ring's gain is its smaller chunks, not its stages working at once
+  P=1 side by side  as many P=1 processes as the ring has ranks, at once, one per core, each with the
+              prompt: their summed tok/s over P=1's is what this machine's cores allow any ring
 
 Prefill tok/s = prompt tokens / time to the first token inside rank 0 (the runner's JSON, after
 loading). Each prompt is alone in a fresh process (max_tokens 1); configurations interleave per
@@ -22,7 +26,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench.harness import PY, ROOT, bench_env, flags, int_list, out_path, run_ranks, save, shrink
+from distributed.runtime.frames import CHUNKS_PER_STAGE, MIN_CHUNK, PREFILL_STEP_SIZE
+
+from bench.harness import PY, ROOT, bench_env, concurrent, flags, int_list, out_path, run_ranks, save, shrink
 
 log = logging.getLogger("bench")
 
@@ -37,6 +43,13 @@ def add_arguments(p) -> None:
     p.add_argument("--old", default="1d3b084^", metavar="REV", help="also this revision's runner, from a git "
                    "worktree (default 1d3b084^, before the 4·P chunks; 'none': skip)")
     p.add_argument("--old-p1", action="store_true", help="also P=1 of --old (its P=1 path did not change)")
+    p.add_argument("--no-same-chunks", action="store_true", help="skip 'P=1 same chunks': P=1 with the chunk size "
+                   "the largest ring cuts the prompt into (--prefill-step-size), which tells pipelining apart "
+                   "from what smaller chunks cost or save on one core")
+    p.add_argument("--no-side-by-side", action="store_true", help="skip 'P=1 side by side': as many P=1 processes "
+                   "as the largest ring has ranks, at once, one on each core (each prompt alone in its process): "
+                   "their summed tok/s over P=1's is what this machine's cores allow a ring (shared caches, memory "
+                   "bandwidth, a hypervisor's cores)")
     p.add_argument("--runner-arg", action="append", default=[], metavar="ARG",
                    help="more run_trinity.py arguments (repeatable), e.g. --runner-arg=--prefill-step-size=1024")
 
@@ -48,9 +61,23 @@ def prompt(n: int) -> str:
     return ",".join(str(rng.randrange(10, 250)) for _ in range(n))
 
 
-def run_one(root: Path, ranks: int, cores: str, ids: str, args, env: dict) -> dict:
+def ring_chunk(n: int, stages: int, step: int = PREFILL_STEP_SIZE) -> int:
+    """The chunk a prompt of n tokens alone goes in on `stages` stages (batching.Prefill._step, one row)."""
+    return min(step, max(-(-n // (CHUNKS_PER_STAGE * stages)), MIN_CHUNK)) if stages > 1 else step
+
+
+def step_of(args) -> int:
+    """--prefill-step-size as --runner-arg gives it (the last one), else the default."""
+    step = PREFILL_STEP_SIZE
+    for i, a in enumerate(args.runner_arg):
+        if a.startswith("--prefill-step-size"):
+            step = int(a.split("=", 1)[1]) if "=" in a else int(args.runner_arg[i + 1])
+    return step
+
+
+def run_one(root: Path, ranks: int, cores: str, ids: str, args, env: dict, extra: list = ()) -> dict:
     cmd = ["sh", "-c", PIN, "sh", cores, PY, str(root / "run_trinity.py"), "--prompt-ids", ids, "--max-tokens", "1",
-           "--json", *(["--model", args.model] if args.model else []), *args.runner_arg]
+           "--json", *(["--model", args.model] if args.model else []), *args.runner_arg, *extra]
     r = run_ranks(cmd, ranks, env, args.timeout)
     return {k: r[k] for k in ("prefill_tokens_per_sec", "token_ids", "loadavg", "exit_code", "error") if k in r}
 
@@ -73,6 +100,10 @@ def main(args) -> None:
         for p in args.ranks:
             name = "P=1" if p == 1 else f"ring P={p}"
             configs[name] = (ROOT, p)
+            if p == 1 and max(args.ranks) > 1 and not args.no_same_chunks:
+                configs["P=1 same chunks"] = (ROOT, 1)
+            if p == 1 and max(args.ranks) > 1 and not args.no_side_by_side:
+                configs["P=1 side by side"] = (ROOT, 1)
             if old and (p > 1 or args.old_p1):
                 configs[f"{name} @old"] = (old, p)
         runs = {n: {name: [] for name in configs} for n in args.prompt_lens}
@@ -80,7 +111,24 @@ def main(args) -> None:
             for n in args.prompt_lens:
                 ids = prompt(n)
                 for name, (root, p) in configs.items():
-                    r = run_one(root, p, ",".join(cores[:p]), ids, args, env)
+                    if name == "P=1 side by side":
+                        both = concurrent([lambda k=k: run_one(root, 1, cores[k], ids, args, env)
+                                           for k in range(max(args.ranks))])
+                        ok = all("prefill_tokens_per_sec" in r for r in both)
+                        r = dict(both[0], each=both, chunk=step_of(args))
+                        if ok:
+                            r["prefill_tokens_per_sec"] = sum(b["prefill_tokens_per_sec"] for b in both)
+                        runs[n][name].append(r)
+                        log.info(f"[{rep + 1}/{args.reps}] {n} tokens, {name}: " + ("summed " + " + ".join(
+                            f"{b['prefill_tokens_per_sec']:.1f}" for b in both) + " tok/s" if ok else "failed"))
+                        continue
+                    extra = []
+                    if name == "P=1 same chunks" and ring_chunk(n, max(args.ranks), step_of(args)) == step_of(args):
+                        continue  # P=1's own chunks: the P=1 row
+                    if name == "P=1 same chunks":
+                        extra = ["--prefill-step-size", str(ring_chunk(n, max(args.ranks), step_of(args)))]
+                    r = run_one(root, p, ",".join(cores[:p]), ids, args, env, extra)
+                    r["chunk"] = int(extra[1]) if extra else ring_chunk(n, p if root == ROOT else 1, step_of(args))
                     runs[n][name].append(r)
                     log.info(f"[{rep + 1}/{args.reps}] {n} tokens, {name}: " + (r.get("error", "")[:500] or
                              f"{r['prefill_tokens_per_sec']:.1f} tok/s (load {r['loadavg']:.2f})"))
@@ -93,6 +141,8 @@ def main(args) -> None:
     for n, by in runs.items():
         rows = results[str(n)] = {}
         for name, rs in by.items():
+            if not rs:
+                continue
             ok = [r for r in rs if "prefill_tokens_per_sec" in r]
             rows[name] = {"runs": rs, "prefill_tokens_per_sec": statistics.median(r["prefill_tokens_per_sec"]
                                                                                    for r in ok) if ok else None}
@@ -104,15 +154,15 @@ def main(args) -> None:
             row["same_token_as_p1"] = all(r.get("token_ids") == first for r in row["runs"] if "token_ids" in r)
     print(f"\n{args.model or 'the embedded model'}: one prompt alone, max_tokens 1, rank r on core r of "
           f"{args.cores}, OpenBLAS 1 thread; median of {args.reps}")
-    print(f"{'prompt':>7}  {'config':<16}{'prefill tok/s':>14}{'x P=1':>8}{'load':>7}  token=P=1")
+    print(f"{'prompt':>7}  {'config':<18}{'chunk':>6}{'prefill tok/s':>14}{'x P=1':>8}{'load':>7}  token=P=1")
     for n, rows in results.items():
         for name, row in rows.items():
             tps = row["prefill_tokens_per_sec"]
             loads = [r["loadavg"] for r in row["runs"] if "loadavg" in r]
             if tps is None:
-                print(f"{n:>7}  {name:<16}  failed: {row['runs'][0].get('error', '')[:300]}")
+                print(f"{n:>7}  {name:<18}  failed: {row['runs'][0].get('error', '')[:300]}")
                 continue
-            print(f"{n:>7}  {name:<16}{tps:>14.1f}{(row['x_p1'] or float('nan')):>8.2f}"
+            print(f"{n:>7}  {name:<18}{row['runs'][0]['chunk']:>6}{tps:>14.1f}{(row['x_p1'] or float('nan')):>8.2f}"
                   f"{statistics.median(loads):>7.2f}  {'yes' if row['same_token_as_p1'] else 'NO'}")
     settings = dict(vars(args), old_tree=str(old) if old else None)
     print(f"wrote {save(out_path(args, 'prefill_stages'), {'results': results}, settings)}")

@@ -8,7 +8,8 @@ folders (rank r: --prefix-cache-dir TMP/rank<r>, so each rank's bytes are its ow
   (b) ram      the same prompt again, same server: restored from RAM
   (c) block    a prompt sharing its first L - 64 tokens, then 64 others: a shared prefix reused
   (d) disk     after the server is stopped and started again on the same folders: the (a) prompt,
-               restored from every rank's disk
+               restored from every rank's disk (the entry files dropped from the page cache first,
+               posix_fadvise DONTNEED, unless --keep-page-cache)
 
 Each row: TTFT, cached tokens (gRPC usage) and, from rank 0's access log, cached_ram / cached_disk;
 restore / prefill (TTFT over (a)'s); whether the greedy token equals (a)'s. Per rank, after (a)'s
@@ -60,6 +61,10 @@ def add_arguments(p) -> None:
     flags(p, smoke=False, out=None, model=None, ranks=[1], blas="openblas", timeout=900.0)
     p.add_argument("--make-mini", metavar="PATH", help="Trinity-Mini's shape, random 4-bit weights, made at PATH")
     p.add_argument("--prompt-lens", type=int_list, default=[4096, 16384], help="prompt lengths (default 4096,16384)")
+    p.add_argument("--steps", default="cold,ram,block,disk", help="which of (a)-(d) to run, comma-separated "
+                   "(cold always; default all)")
+    p.add_argument("--keep-page-cache", action="store_true", help="(d) without first dropping the entry files "
+                   "from the page cache (a restart of a server whose files are still in memory)")
     p.add_argument("--warmup-len", type=int, default=1024, help="each server's first prompt (default 1024)")
     p.add_argument("--itl", action="store_true", help="also decode ITL while long prompts are written to disk, "
                    "against --prefix-cache-dir none")
@@ -168,6 +173,27 @@ def wait_written(folders: list, before: list, timeout: float) -> tuple:
         time.sleep(0.2)
 
 
+def drop_page_cache(folders: list) -> bool:
+    """Ask the kernel to drop the entry files' pages from its page cache (posix_fadvise DONTNEED; the
+    files were fsynced, so their pages are clean), so that (d) reads the disk, not memory. False where
+    a file could not be advised (the kernel may still ignore the advice: gVisor, some filesystems)."""
+    import os
+
+    ok = True
+    for folder in folders:
+        for path in Path(folder).rglob("*.safetensors"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+            except OSError:
+                ok = False
+    return ok
+
+
 def rank_bytes(server: CacheServer) -> list:
     return [r.get("prefix_cache_bytes") for r in server.status()["ranks"]]
 
@@ -195,7 +221,9 @@ def warm_prompt(length: int, tag: str) -> list:
 
 # --- (a)-(d) ---------------------------------------------------------------------------------------
 
-def restore(args, runner_args: list, env: dict) -> dict:
+def restore(args, runner_args: list, env: dict, keep=lambda out: None) -> dict:
+    """(a)-(d); keep(out) after each step (a run stopped at a time limit keeps what it measured)."""
+    steps = set(args.steps.split(","))
     root = Path(tempfile.mkdtemp(prefix="trinity-bench-prefix-"))
     folders = [root / f"rank{r}" for r in range(args.ranks[0])]
     out = {"lengths": {}, "servers": []}
@@ -205,13 +233,15 @@ def restore(args, runner_args: list, env: dict) -> dict:
             out["servers"].append({"startup_s": server.startup_s, "loadavg": _load()})
             out["model_info"] = server.model_info()
             generate(server, warm_prompt(args.warmup_len, "1"), 1, args.timeout)
-            wait_written(folders, [{}] * len(folders), 120)
+            if args.warmup_len >= 256:  # its entry is written: let it land first
+                wait_written(folders, [{}] * len(folders), 60)
             for n, prompt in prompts.items():
                 row = out["lengths"][str(n)] = {"prompt_tokens": n}
                 ram0 = settled_rank_bytes(server)
                 disk0 = [folder_files(f) for f in folders]
                 row["cold"] = dict(generate(server, prompt, 1, args.timeout), loadavg=_load())
                 _say(n, "cold", row["cold"])
+                keep(out)
                 new, waited = wait_written(folders, disk0, max(120.0, n / 100))
                 ram1 = settled_rank_bytes(server)
                 row["write_wait_s"] = waited
@@ -219,15 +249,25 @@ def restore(args, runner_args: list, env: dict) -> dict:
                     "rank": r, "ram_entry_bytes": (ram1[r] - ram0[r]) if None not in (ram0[r], ram1[r]) else None,
                     "ram_bytes_now": ram1[r], "disk_files": new[r], "disk_entry_bytes": sum(new[r].values()),
                     "disk_bytes_per_token": sum(new[r].values()) / n} for r in range(len(folders))]
-                row["ram"] = dict(generate(server, prompt, 1, args.timeout), loadavg=_load())
-                _say(n, "ram", row["ram"])
-                other = prompt[:-DIVERGE] + prompt_of(DIVERGE, f"tail-{n}")
-                row["block"] = dict(generate(server, other, 1, args.timeout), loadavg=_load(),
-                                    shared_tokens=n - DIVERGE)
-                _say(n, "block", row["block"])
-            wait_written(folders, [folder_files(f) for f in folders], 60)  # (c)'s entries too, before the stop
+                keep(out)
+                if "ram" in steps:
+                    row["ram"] = dict(generate(server, prompt, 1, args.timeout), loadavg=_load())
+                    _say(n, "ram", row["ram"])
+                if "block" in steps:
+                    other = prompt[:-DIVERGE] + prompt_of(DIVERGE, f"tail-{n}")
+                    row["block"] = dict(generate(server, other, 1, args.timeout), loadavg=_load(),
+                                        shared_tokens=n - DIVERGE)
+                    _say(n, "block", row["block"])
+                keep(out)
+            if "block" in steps:  # (c)'s entries are written too: let them land before the stop
+                wait_written(folders, [folder_files(f) for f in folders], max(60.0, max(prompts) / 200))
             out["status_before_restart"] = server.status().get("prefix_cache")
+            keep(out)
+        if "disk" not in steps:
+            return finish(out)
         out["disk_files_at_restart"] = [sum(folder_files(f).values()) for f in folders]
+        if not args.keep_page_cache:
+            out["page_cache_dropped"] = drop_page_cache(folders)
         with CacheServer(args.ranks[0], runner_args, env, folders, args.timeout) as server:
             out["servers"].append({"startup_s": server.startup_s, "loadavg": _load()})
             generate(server, warm_prompt(args.warmup_len, "2"), 1, args.timeout)
@@ -235,12 +275,18 @@ def restore(args, runner_args: list, env: dict) -> dict:
                 row = out["lengths"][str(n)]
                 row["disk"] = dict(generate(server, prompt, 1, args.timeout), loadavg=_load())
                 _say(n, "disk", row["disk"])
+                keep(finish(out))
             out["status_after_restart"] = server.status().get("prefix_cache")
     except RuntimeError as e:
         out["error"] = str(e)
         log.error(f"prefix-cache: {e}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return finish(out)
+
+
+def finish(out: dict) -> dict:
+    """Each restore's TTFT over its prompt's cold one, and whether its token is the cold one's."""
     for row in out["lengths"].values():
         cold = row.get("cold", {}).get("ttft_s")
         for step in ("ram", "block", "disk"):
@@ -416,7 +462,7 @@ def main(args) -> None:
     out = out_path(args, "prefix_cache")
     results, settings = {}, dict(vars(args), model=str(model) if model else "embedded")
     if not args.no_restore:
-        results["restore"] = restore(args, runner_args, env)
+        results["restore"] = restore(args, runner_args, env, lambda part: save(out, {"restore": part}, settings))
         save(out, results, settings)
     if args.itl:
         results["itl"] = itl(args, runner_args, env)

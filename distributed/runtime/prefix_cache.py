@@ -108,18 +108,21 @@ class PrefixIndex:
         return best, best_tokens
 
     def covered(self, tokens: np.ndarray) -> bool:
-        """An entry already serves whatever one for `tokens` would (the same tokens,
-        or one that extends them and can be cut to them); it counts as used."""
+        return self.covering(tokens) is not None
+
+    def covering(self, tokens: np.ndarray) -> Optional[Entry]:
+        """An entry that already serves whatever one for `tokens` would (the same tokens,
+        or one that extends them and can be cut to them), or None; it counts as used."""
         path, matched, below = self._walk(tokens)
         if matched < len(tokens):
-            return False
+            return None
         end = below or (path[-1][0] if path else self._root)
         entry = end.entry if below is None else None  # the same tokens
         if entry is None and end.cuttable >= len(tokens):
             entry = self._cuttable_under(end, len(tokens))
         if entry is not None:
             self.entries.move_to_end(entry.id)
-        return entry is not None
+        return entry
 
     def insert(self, entry: Entry) -> List[int]:
         """Add `entry` (most recently used); returns the ids of the entries dropped:
@@ -314,18 +317,24 @@ class PrefixCache(PrefixHooks):
         layers = max(end - start for start, end in self.ranges)
         return layers * tokens * self.token_bytes <= self.budget
 
-    def store_row(self, seq, slot: int, row: int) -> None:
+    def store_row(self, seq, slot: int, row: int, to_disk: bool = False) -> None:
         """Store what row `row` of `slot` (`seq`) was fed: its prompt and the tokens
         drawn since (all, or all but the last: the batcher's lookahead may have fed
-        it already); before the row is filtered out."""
+        it already); before the row is filtered out. `to_disk`: written to the disk
+        tier too."""
         if not self.enabled:
             return
         fed = self.pipeline.caches.length(slot, row)
         tokens = list(seq.request.prompt_ids) + seq.sampled  # sampled starts with any resumed tokens
         if fed <= len(tokens):
-            self.store(slot, row, tokens[:fed])
+            self.store(slot, row, tokens[:fed], to_disk)
 
-    snapshot = prefilled = store_row  # the batcher's two store points
+    prefilled = store_row  # the batcher's two store points
+
+    def snapshot(self, seq, slot: int, row: int) -> None:
+        """A finished sequence is also written to disk: what it was fed serves whatever its prompt
+        alone would (it can be cut anywhere), so each request writes one entry, not two."""
+        self.store_row(seq, slot, row, to_disk=True)
 
     def summary(self) -> str:
         if not self.enabled:
@@ -343,11 +352,16 @@ class PrefixCache(PrefixHooks):
 
     # -- storing --------------------------------------------------------------
 
-    def store(self, slot: int, row: int, tokens: List[int]) -> None:
+    def store(self, slot: int, row: int, tokens: List[int], to_disk: bool = False) -> None:
         """Keep row `row` of `slot`, which has been fed `tokens`, as an entry (unless
         one serves as well already, or it exceeds the budget), evicting as needed."""
         tokens = np.array(tokens, dtype=np.int32)
-        if len(tokens) == 0 or self.index.covered(tokens):
+        if len(tokens) == 0:
+            return
+        covering = self.index.covering(tokens)
+        if covering is not None:
+            if to_disk:
+                self._write(covering)
             return
         entry_id = self._new_id()
         fed, nbytes, logged = self.pipeline.snapshot(slot, entry_id, row)
@@ -356,12 +370,10 @@ class PrefixCache(PrefixHooks):
         if max(per_rank) > self.budget:
             self.pipeline.evict([entry_id])
             return
-        cuttable = self._cuttable(len(tokens), logged)
-        if self.disk is not None and len(tokens) >= DISK_MIN_TOKENS:
-            self.pipeline.persist(entry_id, tokens.tolist())
-            self._disk_indexed(tokens)
-            self.disk_written += 1
-        dropped = self.index.insert(Entry(entry_id, tokens, cuttable, per_rank))
+        entry = Entry(entry_id, tokens, self._cuttable(len(tokens), logged), per_rank)
+        if to_disk:
+            self._write(entry)
+        dropped = self.index.insert(entry)
         self.pipeline.evict(dropped)
         self.stored += 1
         self.evicted += len(dropped)
@@ -370,6 +382,14 @@ class PrefixCache(PrefixHooks):
         return tokens if not any(self.sliding) or tokens < self.window else logged
 
     # -- the disk tier --------------------------------------------------------
+
+    def _write(self, entry: Entry) -> None:
+        """Have every rank write `entry` to its disk, unless a disk entry serves as well already."""
+        if self.disk is None or len(entry.tokens) < DISK_MIN_TOKENS or self.disk_index.covered(entry.tokens):
+            return
+        self.pipeline.persist(entry.id, entry.tokens.tolist())
+        self._disk_indexed(entry.tokens)
+        self.disk_written += 1
 
     def _disk_indexed(self, tokens: np.ndarray) -> None:
         """Index a disk entry (as if it could be cut anywhere: a load says how far it can)."""

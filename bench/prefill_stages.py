@@ -82,6 +82,89 @@ def run_one(root: Path, ranks: int, cores: str, ids: str, args, env: dict, extra
     return {k: r[k] for k in ("prefill_tokens_per_sec", "token_ids", "loadavg", "exit_code", "error") if k in r}
 
 
+def configs_of(args, old) -> dict:
+    """Name -> (checkout, ranks)."""
+    configs = {}
+    for p in args.ranks:
+        name = "P=1" if p == 1 else f"ring P={p}"
+        configs[name] = (ROOT, p)
+        if p == 1 and max(args.ranks) > 1 and not args.no_same_chunks:
+            configs["P=1 same chunks"] = (ROOT, 1)
+        if p == 1 and max(args.ranks) > 1 and not args.no_side_by_side:
+            configs["P=1 side by side"] = (ROOT, 1)
+        if old and (p > 1 or args.old_p1):
+            configs[f"{name} @old"] = (old, p)
+    return configs
+
+
+def side_by_side(root: Path, cores: list, ids: str, args, env: dict) -> dict:
+    """One P=1 process per core at once, each with the prompt: their summed tok/s."""
+    both = concurrent([lambda k=k: run_one(root, 1, cores[k], ids, args, env) for k in range(max(args.ranks))])
+    r = dict(both[0], each=both, chunk=step_of(args))
+    if all("prefill_tokens_per_sec" in b for b in both):
+        r["prefill_tokens_per_sec"] = sum(b["prefill_tokens_per_sec"] for b in both)
+    return r
+
+
+def measure(configs: dict, cores: list, args, env: dict) -> dict:
+    """prompt length -> name -> runs, the configurations interleaved in each round."""
+    runs = {n: {name: [] for name in configs} for n in args.prompt_lens}
+    step = step_of(args)
+    for rep in range(args.reps):
+        for n in args.prompt_lens:
+            ids = prompt(n)
+            for name, (root, p) in configs.items():
+                if name == "P=1 side by side":
+                    r = side_by_side(root, cores, ids, args, env)
+                elif name == "P=1 same chunks":
+                    if ring_chunk(n, max(args.ranks), step) == step:
+                        continue  # P=1's own chunks: the P=1 row
+                    chunk = ring_chunk(n, max(args.ranks), step)
+                    r = dict(run_one(root, 1, cores[0], ids, args, env, ["--prefill-step-size", str(chunk)]),
+                             chunk=chunk)
+                else:
+                    r = dict(run_one(root, p, ",".join(cores[:p]), ids, args, env),
+                             chunk=ring_chunk(n, p if root == ROOT else 1, step))
+                runs[n][name].append(r)
+                tps = r.get("prefill_tokens_per_sec")
+                log.info(f"[{rep + 1}/{args.reps}] {n} tokens, {name}: " + (
+                    f"{tps:.1f} tok/s (load {r['loadavg']:.2f})" if tps else r.get("error", "failed")[:500]))
+    return runs
+
+
+def summarize(runs: dict) -> dict:
+    """Medians, the ratio to P=1 and whether each run's token is P=1's."""
+    results = {}
+    for n, by in runs.items():
+        rows = results[str(n)] = {}
+        for name, rs in by.items():
+            ok = [r["prefill_tokens_per_sec"] for r in rs if "prefill_tokens_per_sec" in r]
+            if rs:
+                rows[name] = {"runs": rs, "prefill_tokens_per_sec": statistics.median(ok) if ok else None}
+        base = rows.get("P=1", {}).get("prefill_tokens_per_sec")
+        first = next((r["token_ids"] for r in by.get("P=1", []) if "token_ids" in r), None)
+        for name, row in rows.items():
+            tps = row["prefill_tokens_per_sec"]
+            row["x_p1"] = tps / base if tps and base else None
+            row["same_token_as_p1"] = all(r.get("token_ids") == first for r in row["runs"] if "token_ids" in r)
+    return results
+
+
+def print_table(results: dict, args) -> None:
+    print(f"\n{args.model or 'the embedded model'}: one prompt alone, max_tokens 1, rank r on core r of "
+          f"{args.cores}, OpenBLAS 1 thread; median of {args.reps}")
+    print(f"{'prompt':>7}  {'config':<18}{'chunk':>6}{'prefill tok/s':>14}{'x P=1':>8}{'load':>7}  token=P=1")
+    for n, rows in results.items():
+        for name, row in rows.items():
+            tps = row["prefill_tokens_per_sec"]
+            loads = [r["loadavg"] for r in row["runs"] if "loadavg" in r]
+            if tps is None:
+                print(f"{n:>7}  {name:<18}  failed: {row['runs'][0].get('error', '')[:300]}")
+                continue
+            print(f"{n:>7}  {name:<18}{row['runs'][0]['chunk']:>6}{tps:>14.1f}{(row['x_p1'] or float('nan')):>8.2f}"
+                  f"{statistics.median(loads):>7.2f}  {'yes' if row['same_token_as_p1'] else 'NO'}")
+
+
 def main(args) -> None:
     shrink(args, prompt_lens=[1024, 2048], old="none")
     cores = args.cores.split(",")
@@ -96,73 +179,13 @@ def main(args) -> None:
         subprocess.run(["git", "worktree", "add", "--detach", str(old), args.old], cwd=ROOT, check=True,
                        capture_output=True)
     try:
-        configs = {}
-        for p in args.ranks:
-            name = "P=1" if p == 1 else f"ring P={p}"
-            configs[name] = (ROOT, p)
-            if p == 1 and max(args.ranks) > 1 and not args.no_same_chunks:
-                configs["P=1 same chunks"] = (ROOT, 1)
-            if p == 1 and max(args.ranks) > 1 and not args.no_side_by_side:
-                configs["P=1 side by side"] = (ROOT, 1)
-            if old and (p > 1 or args.old_p1):
-                configs[f"{name} @old"] = (old, p)
-        runs = {n: {name: [] for name in configs} for n in args.prompt_lens}
-        for rep in range(args.reps):
-            for n in args.prompt_lens:
-                ids = prompt(n)
-                for name, (root, p) in configs.items():
-                    if name == "P=1 side by side":
-                        both = concurrent([lambda k=k: run_one(root, 1, cores[k], ids, args, env)
-                                           for k in range(max(args.ranks))])
-                        ok = all("prefill_tokens_per_sec" in r for r in both)
-                        r = dict(both[0], each=both, chunk=step_of(args))
-                        if ok:
-                            r["prefill_tokens_per_sec"] = sum(b["prefill_tokens_per_sec"] for b in both)
-                        runs[n][name].append(r)
-                        log.info(f"[{rep + 1}/{args.reps}] {n} tokens, {name}: " + ("summed " + " + ".join(
-                            f"{b['prefill_tokens_per_sec']:.1f}" for b in both) + " tok/s" if ok else "failed"))
-                        continue
-                    extra = []
-                    if name == "P=1 same chunks" and ring_chunk(n, max(args.ranks), step_of(args)) == step_of(args):
-                        continue  # P=1's own chunks: the P=1 row
-                    if name == "P=1 same chunks":
-                        extra = ["--prefill-step-size", str(ring_chunk(n, max(args.ranks), step_of(args)))]
-                    r = run_one(root, p, ",".join(cores[:p]), ids, args, env, extra)
-                    r["chunk"] = int(extra[1]) if extra else ring_chunk(n, p if root == ROOT else 1, step_of(args))
-                    runs[n][name].append(r)
-                    log.info(f"[{rep + 1}/{args.reps}] {n} tokens, {name}: " + (r.get("error", "")[:500] or
-                             f"{r['prefill_tokens_per_sec']:.1f} tok/s (load {r['loadavg']:.2f})"))
+        runs = measure(configs_of(args, old), cores, args, env)
     finally:
         if old:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
             shutil.rmtree(old, ignore_errors=True)
             subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
-    results = {}
-    for n, by in runs.items():
-        rows = results[str(n)] = {}
-        for name, rs in by.items():
-            if not rs:
-                continue
-            ok = [r for r in rs if "prefill_tokens_per_sec" in r]
-            rows[name] = {"runs": rs, "prefill_tokens_per_sec": statistics.median(r["prefill_tokens_per_sec"]
-                                                                                   for r in ok) if ok else None}
-        base = rows.get("P=1", {}).get("prefill_tokens_per_sec")
-        first = next((r["token_ids"] for r in by.get("P=1", []) if "token_ids" in r), None)
-        for name, row in rows.items():
-            tps = row["prefill_tokens_per_sec"]
-            row["x_p1"] = tps / base if tps and base else None
-            row["same_token_as_p1"] = all(r.get("token_ids") == first for r in row["runs"] if "token_ids" in r)
-    print(f"\n{args.model or 'the embedded model'}: one prompt alone, max_tokens 1, rank r on core r of "
-          f"{args.cores}, OpenBLAS 1 thread; median of {args.reps}")
-    print(f"{'prompt':>7}  {'config':<18}{'chunk':>6}{'prefill tok/s':>14}{'x P=1':>8}{'load':>7}  token=P=1")
-    for n, rows in results.items():
-        for name, row in rows.items():
-            tps = row["prefill_tokens_per_sec"]
-            loads = [r["loadavg"] for r in row["runs"] if "loadavg" in r]
-            if tps is None:
-                print(f"{n:>7}  {name:<18}  failed: {row['runs'][0].get('error', '')[:300]}")
-                continue
-            print(f"{n:>7}  {name:<18}{row['runs'][0]['chunk']:>6}{tps:>14.1f}{(row['x_p1'] or float('nan')):>8.2f}"
-                  f"{statistics.median(loads):>7.2f}  {'yes' if row['same_token_as_p1'] else 'NO'}")
+    results = summarize(runs)
+    print_table(results, args)
     settings = dict(vars(args), old_tree=str(old) if old else None)
     print(f"wrote {save(out_path(args, 'prefill_stages'), {'results': results}, settings)}")

@@ -35,6 +35,7 @@ import queue
 import re
 import secrets
 import stat
+import sys
 import threading
 import time
 import zlib
@@ -338,6 +339,7 @@ class DiskCache:
     # Writing (the writer thread)
 
     def _run(self) -> None:
+        background_priority()
         while True:
             job = self._queue.get()
             if job is None:
@@ -636,6 +638,18 @@ def hashers() -> ThreadPoolExecutor:
         if _hashers is None:
             _hashers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="prefix-hash")
         return _hashers
+
+
+def background_priority() -> None:
+    """The calling thread yields the CPU to the rank's own (Linux: a thread's nice value is its
+    own): where every core runs a rank, a write then waits for idle time, not a decode step.
+    Elsewhere (macOS) setpriority takes a process, never a thread: left as it is."""
+    if sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass
 
 
 # Files

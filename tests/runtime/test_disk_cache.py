@@ -107,7 +107,7 @@ def test_entries_round_trip_and_survive_a_restart(tmp_path):
     half = (np.arange(20, dtype=np.int32), [full(20, rng, mx.bfloat16), rotating(20, rng)])
     for key, (tokens, caches) in {"wrapped": wrapped, "short": short, "bf16": half}.items():
         assert cache.put(key, tokens, caches, {"key": key})
-    cache.flush()
+        cache.flush()  # the queue holds two: a third put drops while the writer is behind
     assert cache.stats()["writes"] == 3 and cache.holds("wrapped")
     for key, (tokens, caches) in {"wrapped": wrapped, "short": short, "bf16": half}.items():
         got_tokens, got, meta = cache.get(key)
@@ -484,15 +484,15 @@ def entry(i):
     return np.arange(64, dtype=np.int32) + 100 * i, [full, window], arrays
 
 folder, seed = sys.argv[1], int(sys.argv[2])
+OPS = 600  # a count, not a time: a loaded machine makes fewer in a given time, never fewer hits for it
 cache = DiskCache(folder, 3 * (4 * 8192 + 3000), "c" * 64, queue_size=4)  # room for three of the six keys
 entries = [entry(i) for i in range(6)]
 rnd = random.Random(seed)
 hits = misses = wrong = 0
-(Path(folder).parent / f"ready{seed}").touch()  # both start together, then run for 1.5 s
+(Path(folder).parent / f"ready{seed}").touch()  # both start together, then make OPS operations each
 while len(list(Path(folder).parent.glob("ready*"))) < 2:
     time.sleep(0.01)
-end = time.monotonic() + 1.5
-while time.monotonic() < end:
+for _ in range(OPS):
     i = rnd.randrange(6)
     tokens, caches, arrays = entries[i]
     op = rnd.random()

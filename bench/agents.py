@@ -41,6 +41,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.harness import PY, ROOT, RUN, bench_env, flags, free_ports, kill_groups, out_path, save, shrink
+from bench.prefix_cache import folder_files
 
 log = logging.getLogger("bench")
 
@@ -55,6 +56,23 @@ QUESTIONS = {"cold": "say hello", "turn": "say more", "session": "What does this
              "disk": "Which file would you read first? Answer in one line."}
 STEPS = ("cold", "turn", "session", "disk")
 
+
+
+def codex_config(model: str, host: str, port) -> str:
+    """Codex CLI's ~/.codex/config.toml for this server (README's), kept off the network."""
+    return f'''model = "{model}"
+model_provider = "trinity"
+check_for_update_on_startup = false
+
+[model_providers.trinity]
+name = "trinity"
+base_url = "http://{host}:{port}/v1"
+env_key = "TRINITY_KEY"
+wire_api = "responses"
+
+[analytics]
+enabled = false
+'''
 
 def add_arguments(p) -> None:
     flags(p, smoke=False, out=None, model=None, blas="openblas", timeout=900.0)
@@ -166,17 +184,6 @@ class Ring:
             return json.loads(r.read())
 
 
-def folder_files(folder: Path) -> dict:
-    out = {}
-    for path in Path(folder).rglob("*"):
-        try:
-            if path.is_file():
-                out[str(path.relative_to(folder))] = path.stat().st_size
-        except OSError:
-            pass
-    return out
-
-
 def settle(folder: Path, timeout: float = 300.0) -> float:
     """Wait until the disk tier's folder holds no temporary file and has not changed for 2 s; seconds waited."""
     tic, last, since = time.monotonic(), None, time.monotonic()
@@ -212,19 +219,7 @@ def client_setup(client: str, root: Path, ring: Ring) -> tuple:
     work.mkdir(exist_ok=True)
     host, port = ring.http.split(":")
     if client == "codex":
-        (home / "config.toml").write_text(f'''model = "{ring.model}"
-model_provider = "trinity"
-check_for_update_on_startup = false
-
-[model_providers.trinity]
-name = "trinity"
-base_url = "http://{host}:{port}/v1"
-env_key = "TRINITY_KEY"
-wire_api = "responses"
-
-[analytics]
-enabled = false
-''')
+        (home / "config.toml").write_text(codex_config(ring.model, host, port))
         return [str(CODEX), "exec", "--skip-git-repo-check"], work, {"CODEX_HOME": str(home), "TRINITY_KEY": "dummy"}
     env = {"HOME": str(home), "ANTHROPIC_BASE_URL": f"http://{host}:{port}", "ANTHROPIC_API_KEY": "dummy"}
     return [shutil.which("node"), str(CLAUDE_WRAPPER), "-p", "--model", ring.model], work, env

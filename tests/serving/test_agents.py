@@ -30,6 +30,7 @@ import anthropic
 import openai
 import pytest
 
+from bench.agents import codex_config
 from conftest import ROOT
 from grpc_server import Server
 from tool_checkpoint import make_short_answer_checkpoint
@@ -114,19 +115,7 @@ def codex(ring, tmp_path_factory):
     root = tmp_path_factory.mktemp("codex")
     home, work = root / "codex-home", root / "work"
     home.mkdir(), work.mkdir()
-    (home / "config.toml").write_text(f'''model = "{ring.model}"
-model_provider = "trinity"
-check_for_update_on_startup = false
-
-[model_providers.trinity]
-name = "trinity"
-base_url = "http://{host}:{port}/v1"
-env_key = "TRINITY_KEY"
-wire_api = "responses"
-
-[analytics]
-enabled = false
-''')
+    (home / "config.toml").write_text(codex_config(ring.model, host, port))
     env = {"CODEX_HOME": str(home), "TRINITY_KEY": "dummy"}
     return [str(CODEX), "exec", "--skip-git-repo-check"], work, env
 

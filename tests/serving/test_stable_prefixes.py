@@ -12,6 +12,7 @@ model with its prefix cache on."""
 import json
 import logging
 import shutil
+import time
 from types import SimpleNamespace
 
 import anthropic
@@ -298,8 +299,16 @@ def served():
 
 
 def access_line(caplog, route: str) -> str:
-    lines = [r.getMessage() for r in caplog.records if r.name == "trinity.access" and f"route={route} " in r.getMessage()]
-    return lines[-1]
+    """The access log's line for `route`: the server writes it just after the client has read the
+    reply's last event, so it may come a moment after the client returns."""
+    deadline = time.monotonic() + 30
+    while True:
+        lines = [r.getMessage() for r in list(caplog.records)
+                 if r.name == "trinity.access" and f"route={route} " in r.getMessage()]
+        if lines:
+            return lines[-1]
+        assert time.monotonic() < deadline, f"no access-log line for {route}"
+        time.sleep(0.01)
 
 
 def test_claude_code_turns_through_the_http_api(served, submitted, caplog):

@@ -329,7 +329,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(0 if lifecycle.stopping.is_set() else 1)
     except TrinityError as e:
         stop.leave(str(e))
-        print(f"error: {e}", file=sys.stderr)
+        # One write, newline included: ranks sharing a terminal or pipe print theirs at the same moment,
+        # and print()'s two writes (the text, then "\n") let another rank's line in between.
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
         sys.exit(2)
     except BaseException as e:
         stop.leave(f"{type(e).__name__}: {e}")

@@ -33,7 +33,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, Rot
 
 from ..shard.stage import Stage
 from ..transport import Op
-from .disk_cache import DiskCache, chain_hashes
+from .disk_cache import BLOCK, DiskCache, chain_hashes
 
 # Ops that change caches; each rank applies them with `apply` and rank 0 needs no reply.
 CACHE_OPS = (Op.RESET, Op.JOIN, Op.FILTER, Op.MERGE, Op.PREPARE, Op.FINALIZE, Op.SNAPSHOT, Op.RESTORE, Op.EVICT,
@@ -485,7 +485,7 @@ def entry_key(tokens: Sequence[int]) -> str:
     of the tokens after the last whole block (so two entries sharing their blocks differ)."""
     tokens = np.asarray(tokens, dtype="<i4")
     blocks = chain_hashes(tokens)
-    tail = tokens[len(blocks) * 256:]
+    tail = tokens[len(blocks) * BLOCK:]
     return hashlib.blake2b((blocks[-1] if blocks else "").encode() + tail.tobytes(), digest_size=16).hexdigest()
 
 

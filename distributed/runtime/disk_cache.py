@@ -106,7 +106,10 @@ def fingerprint(model_dir: Path, config: dict, dtype: str, layers: Tuple[int, in
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def chain_hashes(tokens, block: int = 256, seed: str = "") -> List[str]:
+BLOCK = 256  # tokens a chain hash covers (vLLM's and SGLang's block size for prefix caching)
+
+
+def chain_hashes(tokens, block: int = BLOCK, seed: str = "") -> List[str]:
     """One hash per full block: h_i = H(h_{i-1} || tokens of block i), h_{-1} = seed. Equal
     prefixes give equal hashes; a change in block i changes hashes i and after only."""
     tokens = np.ascontiguousarray(tokens, dtype="<i4")

@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .disk_cache import BLOCK
 from .pipeline import Pipeline
 from .sequence import Sequence
 
@@ -239,7 +240,7 @@ class PrefixHooks:
 
 # Entries of fewer tokens are not written to disk (their prefill costs less than a file), and a disk
 # entry is read only where it restores this many tokens more than RAM does.
-DISK_MIN_TOKENS = 256
+DISK_MIN_TOKENS = BLOCK
 DEFAULT_SHARE = 4  # the default budget: 1/DEFAULT_SHARE of the tightest rank's memory beside its weights
 
 

@@ -18,6 +18,9 @@ each frame brings to the sliding layers are also kept in order, as they come
 (a Log, per sequence: rows are followed through merges, joins and filters), and
 an entry keeps them beside its caches (Stored): a window is rebuilt from them at
 any earlier position, and an entry serves any prompt that shares a prefix with it.
+A log may start late (`start`): an entry read from disk at t holds the windows at t
+only (Stored.from_file reads no more), so it, and the entries of the prompts that
+restore it and go on, are cut at t or later only (Stored.lowest).
 """
 
 import copy
@@ -33,7 +36,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, Rot
 
 from ..shard.stage import Stage
 from ..transport import Op
-from .disk_cache import BLOCK, DiskCache, chain_hashes
+from .disk_cache import BLOCK, Corrupt, DiskCache, EntryFile, chain_hashes
 
 # Ops that change caches; each rank applies them with `apply` and rank 0 needs no reply.
 CACHE_OPS = (Op.RESET, Op.JOIN, Op.FILTER, Op.MERGE, Op.PREPARE, Op.FINALIZE, Op.SNAPSHOT, Op.RESTORE, Op.EVICT,
@@ -43,13 +46,14 @@ KV = Tuple[mx.array, mx.array]
 
 
 class Log:
-    """A sequence's sliding-layer keys and values of its first `tokens` positions, in order,
+    """A sequence's sliding-layer keys and values of positions [start, tokens), in order,
     unrotated (one list of chunks per layer; None for a full-attention layer). `open` while
     its prompt is prefilled: the frames of its slot add to it."""
 
-    def __init__(self, chunks: List[Optional[List[KV]]], tokens: int):
+    def __init__(self, chunks: List[Optional[List[KV]]], tokens: int, start: int = 0):
         self.chunks = chunks
         self.tokens = tokens
+        self.start = start
         self.open = True
 
     def add(self, layer: int, kv: KV) -> None:
@@ -68,12 +72,14 @@ class Log:
 @dataclass
 class Stored:
     """A prefix-cache entry's slice on this rank: the compact caches after all its tokens and,
-    where its sliding windows wrapped, each sliding layer's keys and values of its first
-    `logged` tokens, unrotated, from which a window at any earlier position is rebuilt."""
+    where its sliding windows wrapped, each sliding layer's keys and values of positions
+    [log_start, logged), unrotated, from which a window at an earlier position is rebuilt
+    (one that lies inside them: Stored.lowest)."""
 
     caches: List
     log: List[Optional[KV]]
     logged: int
+    log_start: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -87,8 +93,13 @@ class Stored:
             if tokens == cache.offset or cache.is_trimmable() or kv is None:
                 out.append(cut(cache, tokens))  # refuses to cut a wrapped window with no log
             else:
-                out.append(window_at(kv, tokens, cache.max_size))
+                out.append(window_at(kv, tokens, cache.max_size, self.log_start))
         return out
+
+    @staticmethod
+    def lowest(log_start: int, window: int) -> int:
+        """The fewest tokens an entry whose logs start at `log_start` is cut to (any, from 0)."""
+        return log_start + window if log_start else 0
 
     def on_disk(self) -> Tuple[List, Dict[str, str]]:
         """Its caches as the disk tier writes them (plain mlx-lm caches): each layer's, then each
@@ -100,29 +111,62 @@ class Stored:
             c.keys, c.values = self.log[i]
             c.offset = self.logged
             extra.append(c)
-        return self.caches + extra, {"logged": str(self.logged), "logs": ",".join(map(str, logs))}
+        meta = {"logged": str(self.logged), "logs": ",".join(map(str, logs)), "log_start": str(self.log_start)}
+        return self.caches + extra, meta
 
     @classmethod
-    def from_disk(cls, caches: List, meta: Dict[str, str], layers: int) -> "Stored":
-        logs = [int(i) for i in meta.get("logs", "").split(",") if i]
-        if len(caches) != layers + len(logs):
-            raise ValueError(f"{len(caches)} caches for {layers} layers and {len(logs)} logs")
-        log: List[Optional[KV]] = [None] * layers
-        for i, c in zip(logs, caches[layers:]):
-            log[i] = (c.keys, c.values)
-        return cls(caches[:layers], log, int(meta.get("logged", 0)))
+    def from_file(cls, f: EntryFile, layers: int, tokens: int) -> Optional["Stored"]:
+        """An entry of the first `tokens` tokens of the disk entry `f` (on_disk's layout), reading
+        only what its caches hold: the full-attention layers' first `tokens` positions and each
+        sliding layer's window before `tokens` (from its log, or from its window where `tokens`
+        is the entry's whole length). Its logs are those windows (log_start: where they begin),
+        so it is cut at `tokens` only. None where the file cannot give `tokens` so."""
+        logs = [int(i) for i in f.meta.get("logs", "").split(",") if i]
+        if len(f.classes) != layers + len(logs) or sorted(set(logs)) != logs or any(not 0 <= i < layers for i in logs):
+            raise Corrupt(f"{len(f.classes)} caches for {layers} layers and logs {logs}")
+        logged, log_start = int(f.meta.get("logged", 0)), int(f.meta.get("log_start", 0))
+        caches, log, start = [], [None] * layers, 0
+        for i in range(layers):
+            offset, *rest = f.scalars(i)[2:]
+            if f.classes[i] == "KVCache":
+                if tokens > offset:
+                    return None
+                out = KVCache()
+                out.keys, out.values = f.read(i, 0, tokens)
+            else:
+                keep, window, _ = rest
+                held = min(tokens, window)
+                if i in logs and log_start <= tokens - held and tokens <= logged:
+                    at = layers + logs.index(i)
+                    keys_values = f.read(at, tokens - held - log_start, tokens - log_start)
+                elif offset <= window and tokens <= offset:  # never wrapped: its positions from 0, in order
+                    keys_values = f.read(i, tokens - held, tokens)
+                elif tokens == offset and f.length(i) == held:  # compact: its window, in order
+                    keys_values = f.read(i, 0, held)
+                else:
+                    return None
+                out = RotatingKVCache(window, keep)
+                out.keys, out.values = keys_values
+                out._idx = held
+                if tokens > window:
+                    log[i], start = keys_values, tokens - window
+            out.offset = tokens
+            caches.append(out)
+        return cls(caches, log, tokens if start else 0, start)
 
-    def seed(self, tokens: int) -> List[Optional[KV]]:
-        """Each sliding layer's keys and values of its first `tokens` positions (a Log's start)."""
+    def seed(self, tokens: int) -> Tuple[List[Optional[KV]], int]:
+        """Each sliding layer's keys and values of positions [start, tokens), and start (the
+        log_start a Log seeded from them has)."""
         seeds = []
         for cache, kv in zip(self.caches, self.log):
             if not isinstance(cache, RotatingKVCache):
                 seeds.append(None)
             else:
                 k, v = kv if kv is not None else (cache.keys, cache.values)  # not wrapped: all its tokens
-                assert k.shape[2] >= tokens, "an entry seeds a log only as far as it holds its tokens"
-                seeds.append((k[..., :tokens, :], v[..., :tokens, :]))
-        return seeds
+                start = self.log_start if kv is not None else 0
+                assert start <= tokens <= start + k.shape[2], "an entry seeds a log only as far as it holds its tokens"
+                seeds.append((k[..., :tokens - start, :], v[..., :tokens - start, :]))
+        return seeds, self.log_start if any(kv is not None for kv in self.log) else 0
 
 
 class Tap:
@@ -298,25 +342,25 @@ class SlotCaches:
         caches = self.get(slot)
         return caches[0].offset[row].item() if is_batch(caches) else caches[0].offset
 
-    def snapshot(self, slot: int, entry: int, row: int = 0) -> Tuple[int, int, int]:
+    def snapshot(self, slot: int, entry: int, row: int = 0) -> Tuple[int, int, int, int]:
         """Keep a copy of row `row` of `slot` as prefix-cache entry `entry`. Returns (tokens it
-        covers, bytes kept, tokens from which it can be cut: Stored.cut)."""
+        covers, bytes kept, tokens logged, where the logs start: Stored.cut)."""
         caches = self.slots[slot]
         if is_batch(caches):
             caches = [extract_row(c, row) for c in caches]
         kept = [compact(c) for c in caches]
         log = self.logs.get(self.rows_of[slot][row])
         tokens = kept[0].offset
-        logged, layers = (log.tokens, log.joined()) if log is not None else (0, [None] * len(kept))
+        logged, start, layers = (log.tokens, log.start, log.joined()) if log is not None else (0, 0, [None] * len(kept))
         if log is not None and logged < tokens and logged >= tokens - min(tokens, self.stage.args.sliding_window):
             # The windows hold the tokens the log lacks (those fed by decode steps): the log then
             # covers them all (decided from the model's window: this rank may hold no sliding layer).
-            layers = [kv if kv is None else whole_log(kv, c) for kv, c in zip(layers, kept)]
+            layers = [kv if kv is None else whole_log(kv, c, start) for kv, c in zip(layers, kept)]
             logged = tokens
-        stored = Stored(kept, layers, logged)
+        stored = Stored(kept, layers, logged, start)
         mx.eval([(c.keys, c.values) for c in kept], [kv for kv in layers if kv is not None])
         self.entries[entry] = stored
-        return tokens, stored.nbytes, logged
+        return tokens, stored.nbytes, logged, start
 
     def restore(self, slot: int, entry: int, tokens: int) -> None:
         """Fresh caches for `slot` from `entry`, at its first `tokens` tokens (fewer than it
@@ -329,12 +373,12 @@ class SlotCaches:
         row, before its prompt's frames), starting from entry `entry`'s first `tokens` (-1: none)."""
         caches = self.get(slot)
         if entry >= 0:
-            layers = self.entries[entry].seed(tokens)
+            layers, start = self.entries[entry].seed(tokens)
         else:
-            layers, tokens = [None] * len(caches), 0
+            layers, tokens, start = [None] * len(caches), 0, 0
         self.logs[self.rows_of[slot][0]] = Log(
             [[kv] if kv is not None else [] if isinstance(c, RotatingKVCache) else None for kv, c in zip(layers, caches)],
-            tokens)
+            tokens, start)
 
     @contextmanager
     def tapped(self, slot: int, columns: int):
@@ -378,16 +422,22 @@ class SlotCaches:
             caches, meta = self.entries[entry].on_disk()
             self.disk.put(entry_key(tokens), np.array(tokens, dtype=np.int32), caches, meta)
 
-    def load(self, entry: int, tokens: Sequence[int]) -> bool:
-        """Entry `entry` from the disk tier's entry for `tokens`; whether this rank has it."""
-        got = self.disk.get(entry_key(tokens)) if self.disk is not None else None
-        if got is None or not np.array_equal(got[0], np.asarray(tokens, dtype=np.int32)):
+    def load(self, entry: int, tokens: Sequence[int], cut: int) -> bool:
+        """Entry `entry`: the first `cut` tokens of the disk tier's entry for `tokens`
+        (Stored.from_file); whether this rank has it."""
+        if self.disk is None:
             return False
-        try:
-            self.entries[entry] = Stored.from_disk(got[1], got[2], len(self.stage.layers))
-        except (ValueError, KeyError):  # a file of this fingerprint but not of this layout: a miss
-            return False
-        return True
+        tokens = np.asarray(tokens, dtype=np.int32)
+
+        def read(f: EntryFile) -> Optional[Stored]:
+            if not np.array_equal(f.tokens, tokens):
+                return None
+            return Stored.from_file(f, len(self.stage.layers), cut)
+
+        got = self.disk.read(entry_key(tokens), read)
+        if got is not None:
+            self.entries[entry] = got
+        return got is not None
 
     def close(self) -> None:
         """Write what the disk tier has queued (bounded), then stop its writer."""
@@ -489,18 +539,21 @@ def entry_key(tokens: Sequence[int]) -> str:
     return hashlib.blake2b((blocks[-1] if blocks else "").encode() + tail.tobytes(), digest_size=16).hexdigest()
 
 
-def whole_log(kv: KV, window) -> KV:
-    """A sliding layer's log completed by its compact window (the window holds its newest tokens)."""
-    start = window.offset - window.keys.shape[2]
+def whole_log(kv: KV, window, log_start: int = 0) -> KV:
+    """A sliding layer's log (of positions from `log_start`) completed by its compact window
+    (the window holds its newest tokens)."""
+    start = window.offset - window.keys.shape[2] - log_start
     return tuple(mx.concatenate([a[..., :start, :], b], axis=2) for a, b in zip(kv, (window.keys, window.values)))
 
 
-def window_at(kv: KV, tokens: int, window: int) -> RotatingKVCache:
-    """A sliding-window cache at position `tokens`, from a layer's unrotated keys and values (as
-    compact() leaves one: its last min(tokens, window) positions, in order)."""
+def window_at(kv: KV, tokens: int, window: int, log_start: int = 0) -> RotatingKVCache:
+    """A sliding-window cache at position `tokens`, from a layer's unrotated keys and values of
+    positions from `log_start` (as compact() leaves one: its last min(tokens, window)
+    positions, in order)."""
     held = min(tokens, window)
+    assert tokens - held >= log_start, "a window is rebuilt only from positions its log holds"
     out = RotatingKVCache(window)
-    out.keys, out.values = (a[..., tokens - held:tokens, :] for a in kv)
+    out.keys, out.values = (a[..., tokens - held - log_start:tokens - log_start, :] for a in kv)
     out.offset, out._idx = tokens, held
     return out
 

@@ -7,11 +7,16 @@ from what every rank holds; this module only keeps one rank's files.
 
 On disk: folder/<fingerprint[:16]>/<key>.safetensors, one file per entry, written by
 mlx-lm's save_prompt_cache (safetensors: a JSON header, then the arrays; load_prompt_cache
-reads it back). The header's metadata (mlx-lm keeps ours under "0.") holds the format
+reads it back whole). The header's metadata (mlx-lm keeps ours under "0.") holds the format
 version, the fingerprint (fingerprint(): checkpoint, quantization, dtype, layer range,
-tensor share), the key, the tokens (int32, zlib, base64), the caller's `meta` (JSON) and a
-sha256 checksum over all of these and every cache's state (arrays' dtype, shape and bytes;
-offsets and window sizes), so a torn or flipped file is never read back as an entry.
+tensor share), the key, the tokens (int32, zlib, base64), the caller's `meta` (JSON), a
+digest of every piece of every array (a piece: PIECE tokens of one row, a head's, of a
+cache's keys or values) and a checksum over all of these and the caches' description
+(classes, scalars, arrays' dtypes and shapes). A read (EntryFile) checks the header, then
+reads only the token ranges it is asked for, and checks each piece it reads: restoring a
+prompt's first t tokens reads the full-attention layers' first t and the sliding layers'
+last window before t, not the log of every token (three quarters of a long entry). A torn
+or flipped file is never read back as an entry.
 Subfolders keep fingerprints apart (a restart with another split or checkpoint finds
 nothing of the old one); the byte bound is over the whole folder, least recently used
 first by mtime (a hit refreshes it), so what no server reads any more ages out.
@@ -42,27 +47,37 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
+from mlx.utils import tree_unflatten
+from mlx_lm.models.cache import KVCache, RotatingKVCache, save_prompt_cache
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: piece digests, read by token range
 SUFFIX = ".safetensors"
 TEMP = ".tmp" + SUFFIX  # a temporary file: "." + key + "." + unique + TEMP (mx.save_safetensors wants the suffix)
 STALE_TEMP_SECONDS = 3600  # a temporary file this old was left by a writer that died
 RETRY_SECONDS = 60.0
 MAX_HEADER = 64 * 2**20
-HASH_CHUNK = 8 * 2**20
+PIECE = 1024  # tokens of one row a piece digest covers: a read of a range reads at most two pieces more
+DIGEST = 16  # bytes of a piece's digest (sha256's first 16)
 FIELDS = ("format", "fingerprint", "key", "tokens", "meta")  # what the checksum covers beside the caches
 CACHES = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
 COUNTERS = ("writes", "write_drops", "write_errors", "reads", "hits", "misses", "corrupt",
             "fingerprint_mismatches", "evicted")
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4,
                "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
+# How a file's arrays are read back: (numpy dtype of the bytes, MLX dtype they are viewed as)
+DTYPES = {"BOOL": (np.bool_, mx.bool_), "U8": (np.uint8, mx.uint8), "I8": (np.int8, mx.int8),
+          "U16": (np.uint16, mx.uint16), "I16": (np.int16, mx.int16), "F16": (np.float16, mx.float16),
+          "BF16": (np.uint16, mx.bfloat16), "U32": (np.uint32, mx.uint32), "I32": (np.int32, mx.int32),
+          "F32": (np.float32, mx.float32), "U64": (np.uint64, mx.uint64), "I64": (np.int64, mx.int64),
+          "C64": (np.complex64, mx.complex64)}
+SAFETENSORS = {mx_dtype: name for name, (_, mx_dtype) in DTYPES.items()}
 
 
 def default_folder() -> Path:
@@ -134,6 +149,7 @@ class Held:
     name: str  # the file's name in this instance's subfolder
     tokens: np.ndarray
     size: int
+    meta: dict  # the caller's, as put
 
 
 class DiskCache:
@@ -235,16 +251,24 @@ class DiskCache:
         return True
 
     def get(self, key: str) -> Optional[Tuple[np.ndarray, list, dict]]:
-        """(tokens, caches, meta) of the entry, or None. A file of another fingerprint or
-        format (counted as a fingerprint mismatch), or one that fails any check (header,
-        sizes, shapes, checksum: counted as corrupt), is removed. Every None is a miss."""
+        """(tokens, caches, meta) of the entry, every array whole, or None (as read())."""
+        return self.read(key, lambda f: (f.tokens, [f.whole(i) for i in range(len(f.classes))], f.meta))
+
+    def read(self, key: str, reader: Callable[["EntryFile"], Optional[T]]) -> Optional[T]:
+        """What `reader` makes of the entry's file (EntryFile: it reads what it needs), or None.
+        A file of another fingerprint or format (counted as a fingerprint mismatch), or one that
+        fails any check (header, sizes, checksum, a piece read: counted as corrupt), is removed;
+        a reader that returns None cannot use the entry (a miss; the file stays). The file is
+        read through one descriptor: another server replacing or removing it meanwhile changes
+        nothing of what is read. Every None is a miss."""
         if not self.enabled:
             return None
         start = time.perf_counter()
         path = self.sub / file_name(key)
         got = None
         try:
-            got = self._read(path, key)
+            with open(path, "rb") as f:
+                got = reader(EntryFile(f, self.fingerprint, key))
         except FileNotFoundError:
             self._forget(key)
         except Mismatch as e:
@@ -252,12 +276,9 @@ class DiskCache:
             log.info("prefix cache on disk: %s is not this checkpoint's or split's (%s): removed", path.name, e)
             self._drop(key, path)
         except Exception as e:  # noqa: BLE001  -- nothing in a file may crash a rank
-            if not os.path.exists(path):  # deleted (another server evicted it) between opening and loading
-                self._forget(key)
-            else:
-                self._count("corrupt")
-                log.warning("prefix cache on disk: %s is damaged (%s): removed", path, e)
-                self._drop(key, path)
+            self._count("corrupt")
+            log.warning("prefix cache on disk: %s is damaged (%s): removed", path, e)
+            self._drop(key, path)
         if got is not None:
             self._touch(path)
         with self._lock:
@@ -283,6 +304,11 @@ class DiskCache:
         wrote, or saw another server of the same fingerprint write)."""
         with self._lock:
             return {key: held.tokens for key, held in self._held.items()}
+
+    def listing(self) -> List[Tuple[np.ndarray, dict]]:
+        """(tokens, meta) of every entry entries() names."""
+        with self._lock:
+            return [(held.tokens, held.meta) for held in self._held.values()]
 
     def remove(self, key: str) -> None:
         if self.enabled:
@@ -313,23 +339,6 @@ class DiskCache:
             out["entries"] = len(self._held)
             out["read_seconds"] = self._read_seconds
         return out
-
-    # Reading
-
-    def _read(self, path: Path, key: str) -> Tuple[np.ndarray, list, dict]:
-        # The header first, checked by hand: MLX then only ever parses a sane file.
-        with open(path, "rb") as f:
-            fields = check_fields(read_header(f, os.fstat(f.fileno()).st_size), self.fingerprint, key)
-        # load_prompt_cache opens the file again: if another server replaced it meanwhile, all
-        # that is checked below is of the file it loaded.
-        caches, fields = load_prompt_cache(str(path), return_metadata=True)
-        fields = check_fields(fields, self.fingerprint, key)
-        tokens = decode_tokens(fields["tokens"])
-        mx.eval([c.state for c in caches])
-        check_caches(caches, len(tokens))
-        if checksum(fields, caches) != fields["checksum"]:
-            raise Corrupt("checksum mismatch")
-        return tokens, caches, json.loads(fields["meta"])
 
     def _touch(self, path: Path) -> None:
         """A hit is the most recently used: the eviction goes by mtime."""
@@ -365,7 +374,8 @@ class DiskCache:
         temp = self.sub / f".{name[:-len(SUFFIX)]}.{os.getpid()}-{secrets.token_hex(6)}{TEMP}"
         fields = {"format": str(FORMAT_VERSION), "fingerprint": self.fingerprint, "key": key,
                   "tokens": encode_tokens(tokens), "meta": json.dumps(meta, sort_keys=True)}
-        fields["checksum"] = checksum(fields, caches, threads=False)
+        fields["pieces"] = piece_digests(caches).hex()
+        fields["checksum"] = checksum(fields, describe(caches))
         try:
             if not self.sub.is_dir():  # the folder was removed while the server ran: make it again
                 self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -385,7 +395,7 @@ class DiskCache:
             self._failed(e)
             return
         with self._lock:
-            self._held[key] = Held(name, tokens, size)
+            self._held[key] = Held(name, tokens, size, meta)
             self._counts["writes"] += 1
         self._evict()
 
@@ -444,6 +454,7 @@ class DiskCache:
                 if file_name(fields["key"]) != name:
                     raise Corrupt(f"its key {fields['key']!r} is not its name's")
                 tokens = decode_tokens(fields["tokens"])
+                meta = json.loads(fields["meta"])
             except FileNotFoundError:
                 continue
             except Mismatch as e:
@@ -457,7 +468,7 @@ class DiskCache:
                 self._unlink_if_writable(path)
                 continue
             with self._lock:
-                self._held[fields["key"]] = Held(name, tokens, size)
+                self._held[fields["key"]] = Held(name, tokens, size, meta)
 
     def _evict(self) -> None:
         """Least recently used files first, of every fingerprint, while the folder holds more
@@ -499,6 +510,132 @@ class DiskCache:
             unlink(path)
 
 
+class EntryFile:
+    """An entry's file, open: its header checked (parse_header; format, fingerprint and key:
+    check_fields; the checksum over the caches' description and every piece's digest). Then
+    whole() and read() give a cache's arrays, or any token range of its keys and values,
+    reading and checking only the pieces they span."""
+
+    def __init__(self, f, fingerprint: str, key: Optional[str]):
+        self.fd = f.fileno()
+        self.tensors, metadata, self.data = parse_header(f, os.fstat(self.fd).st_size)
+        self.fields = check_fields({k[2:]: v for k, v in metadata.items() if k.startswith("0.")}, fingerprint, key)
+        self.tokens = decode_tokens(self.fields["tokens"])
+        self.meta = json.loads(self.fields["meta"])
+        _, self.classes, scalars = tree_unflatten(list(metadata.items()))  # save_prompt_cache's layout
+        if not isinstance(self.classes, list) or any(c not in CACHES for c in self.classes):
+            raise Corrupt(f"caches {self.classes!r}")
+        kinds = dict(scalars[1:])  # tensor name -> "scalar" / "string" / "none"
+        self.states = []  # per cache: its state, arrays by tensor name, scalars by value
+        for i in range(len(self.classes)):
+            names = sorted((n for n in self.tensors if n.split(".")[0] == str(i)), key=lambda n: int(n.split(".")[1]))
+            self.states.append([self._scalar(n, kinds[n]) if n in kinds else n for n in names])
+        if len(self.tensors) != sum(map(len, self.states)):
+            raise Corrupt("tensors of no cache")
+        self.digests, at = {}, 0
+        stored = bytes.fromhex(self.fields.get("pieces", ""))
+        for state in self.states:
+            for name in state:
+                if isinstance(name, str) and name in self.tensors and name not in kinds:
+                    shape = self.tensors[name][1]
+                    if len(shape) < 2:
+                        raise Corrupt(f"tensor {name} of shape {shape}")
+                    n = pieces(int(np.prod(shape[:-2], dtype=np.int64)), shape[-2]) * DIGEST
+                    self.digests[name], at = stored[at:at + n], at + n
+        if at != len(stored):
+            raise Corrupt(f"{len(stored)} bytes of piece digests for {at}")
+        described = [[c, [[self.tensors[x][0], self.tensors[x][1]] if x in self.digests else repr(x) for x in state]]
+                     for c, state in zip(self.classes, self.states)]
+        if checksum(self.fields, described) != self.fields["checksum"]:
+            raise Corrupt("checksum mismatch")
+
+    def scalars(self, i: int) -> list:
+        """Cache i's state with its arrays left out (None): offset, and a RotatingKVCache's keep,
+        max_size and _idx."""
+        return [None if x in self.digests else x for x in self.states[i]]
+
+    def length(self, i: int) -> int:
+        """The positions cache i's arrays hold."""
+        return self.tensors[self.states[i][0]][1][-2]
+
+    def whole(self, i: int):
+        """Cache i, every array whole (an mlx-lm cache)."""
+        state = [self._array(x, 0, self.tensors[x][1][-2]) if x in self.digests else x for x in self.states[i]]
+        cache = CACHES[self.classes[i]].from_state(tuple(state))
+        check_cache(cache, len(self.tokens))
+        return cache
+
+    def read(self, i: int, start: int, end: int) -> Tuple[mx.array, mx.array]:
+        """Cache i's keys and values of positions [start, end) (axis -2), evaluated."""
+        keys, values = self.states[i][:2]
+        if not (keys in self.digests and values in self.digests and 0 <= start < end <= self.length(i)):
+            raise Corrupt(f"cache {i} holds no positions {start}-{end}")
+        return self._array(keys, start, end), self._array(values, start, end)
+
+    def _scalar(self, name: str, kind: str):
+        dtype, shape, begin, end = self.tensors[name]
+        value = np.frombuffer(os.pread(self.fd, end - begin, self.data + begin), dtype=DTYPES[dtype][0])
+        if kind == "scalar" and value.size == 1:
+            return value.item()
+        if kind == "none":
+            return None
+        raise Corrupt(f"a {kind} of shape {shape}")
+
+    def _array(self, name: str, start: int, end: int) -> mx.array:
+        """Positions [start, end) of an array, read on the hashing threads a row at a time; the
+        pieces they span are read whole and checked."""
+        dtype, shape, begin, _ = self.tensors[name]
+        *lead, length, last = shape
+        rows = int(np.prod(lead, dtype=np.int64))
+        width = last * DTYPE_BYTES[dtype]  # bytes a position of a row takes
+        first, after = start // PIECE, -(-end // PIECE)
+        lo, hi = first * PIECE, min(length, after * PIECE)
+        per_row = -(-length // PIECE)
+        digests = self.digests[name]
+        out = np.empty((rows, (end - start) * width), dtype=np.uint8)
+
+        def row(r: int) -> None:
+            at = self.data + begin + r * length * width
+            head = os.pread(self.fd, (start - lo) * width, at + lo * width)
+            if os.preadv(self.fd, [out[r]], at + start * width) != out[r].size:
+                raise Corrupt(f"{name}: a short read")
+            tail = os.pread(self.fd, (hi - end) * width, at + end * width)
+            if len(head) != (start - lo) * width or len(tail) != (hi - end) * width:
+                raise Corrupt(f"{name}: a short read")
+            data = Spans([head, memoryview(out[r]), tail])
+            for p in range(first, after):
+                a, b = (p * PIECE - lo) * width, (min(length, (p + 1) * PIECE) - lo) * width
+                want = digests[(r * per_row + p) * DIGEST:(r * per_row + p + 1) * DIGEST]
+                if data.sha256(a, b)[:DIGEST] != want:
+                    raise Corrupt(f"{name}: piece {p} of row {r} does not match its digest")
+
+        if rows > 1:  # preadv and hashlib let go of the GIL: a restore is waited for
+            list(hashers().map(row, range(rows)))
+        elif rows:
+            row(0)
+        array = mx.array(out.view(DTYPES[dtype][0]).reshape(*lead, end - start, last))
+        if DTYPES[dtype][1] != array.dtype:
+            array = array.view(DTYPES[dtype][1])
+        mx.eval(array)
+        return array
+
+
+class Spans:
+    """Byte buffers read one after another, hashed across their seams."""
+
+    def __init__(self, parts: list):
+        self.parts = [memoryview(p).cast("B") for p in parts]
+
+    def sha256(self, a: int, b: int) -> bytes:
+        h, at = hashlib.sha256(), 0
+        for part in self.parts:
+            lo, hi = max(a, at), min(b, at + len(part))
+            if lo < hi:
+                h.update(part[lo - at:hi - at])
+            at += len(part)
+        return h.digest()
+
+
 # The file
 
 def file_name(key: str) -> str:
@@ -517,10 +654,11 @@ def decode_tokens(text: str) -> np.ndarray:
     return np.frombuffer(zlib.decompress(base64.b64decode(text, validate=True)), dtype="<i4").astype(np.int32)
 
 
-def read_header(f, size: int) -> Dict[str, str]:
-    """Our metadata fields of a safetensors file, after checking that its header parses and
-    that its tensors' dtypes, shapes and offsets tile the rest of the file exactly (a
-    truncated or torn file fails here, before MLX reads it)."""
+def parse_header(f, size: int) -> Tuple[Dict[str, tuple], Dict[str, str], int]:
+    """A safetensors file's tensors (name -> (dtype, shape, begin, end), offsets into the data),
+    its metadata and where its data starts, after checking that the header parses and that the
+    tensors' dtypes, shapes and offsets tile the rest of the file exactly (a truncated or torn
+    file fails here, before anything of its data is read)."""
     raw = f.read(8)
     if len(raw) < 8:
         raise Corrupt(f"{size} bytes: no header")
@@ -529,14 +667,16 @@ def read_header(f, size: int) -> Dict[str, str]:
         raise Corrupt(f"a header of {n} bytes in a file of {size}")
     header = json.loads(f.read(n))
     metadata = header.pop("__metadata__", None)
-    if not isinstance(metadata, dict):
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise Corrupt("no metadata")
-    spans = []
+    tensors, spans = {}, []
     for name, t in header.items():
         begin, end = t["data_offsets"]
-        count = int(np.prod(t["shape"], dtype=np.int64))
-        if min(t["shape"], default=0) < 0 or count * DTYPE_BYTES[t["dtype"]] != end - begin:
+        shape = [int(i) for i in t["shape"]]
+        count = int(np.prod(shape, dtype=np.int64))
+        if min(shape, default=0) < 0 or t["dtype"] not in DTYPES or count * DTYPE_BYTES[t["dtype"]] != end - begin:
             raise Corrupt(f"tensor {name}: shape {t['shape']} of {t['dtype']} in {end - begin} bytes")
+        tensors[name] = (t["dtype"], shape, begin, end)
         spans.append((begin, end))
     at = 0
     for begin, end in sorted(spans):
@@ -545,6 +685,12 @@ def read_header(f, size: int) -> Dict[str, str]:
         at = end
     if 8 + n + at != size:
         raise Corrupt(f"{size} bytes where the header announces {8 + n + at}")
+    return tensors, metadata, 8 + n
+
+
+def read_header(f, size: int) -> Dict[str, str]:
+    """Our metadata fields of an entry's file (parse_header's checks passed)."""
+    _, metadata, _ = parse_header(f, size)
     return {k[2:]: v for k, v in metadata.items() if k.startswith("0.")}  # save_prompt_cache's metadata
 
 
@@ -560,19 +706,17 @@ def check_fields(fields, fingerprint: str, key: Optional[str]) -> Dict[str, str]
     return fields
 
 
-def check_caches(caches: list, tokens: int) -> None:
-    for c in caches:
-        if type(c) not in CACHES.values():
-            raise Corrupt(f"a {type(c).__name__}")
-        k, v = c.keys, c.values
-        if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
-            raise Corrupt(f"keys {k.shape}, values {v.shape}")
-        if not 0 < c.offset <= tokens:
-            raise Corrupt(f"a cache of {c.offset} tokens in an entry of {tokens}")
-        if isinstance(c, KVCache) and k.shape[2] != c.offset:
-            raise Corrupt(f"a KVCache holds {k.shape[2]} positions of {c.offset}")
-        if isinstance(c, RotatingKVCache) and not (0 <= c._idx <= k.shape[2] <= max(c.offset, c.max_size)):
-            raise Corrupt(f"a RotatingKVCache of {k.shape[2]} positions at {c._idx}, {c.offset} tokens")
+def check_cache(c, tokens: int) -> None:
+    """A cache read whole is one mlx-lm could have left: shapes and offsets agree."""
+    k, v = c.keys, c.values
+    if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+        raise Corrupt(f"keys {k.shape}, values {v.shape}")
+    if not 0 < c.offset <= tokens:
+        raise Corrupt(f"a cache of {c.offset} tokens in an entry of {tokens}")
+    if isinstance(c, KVCache) and k.shape[2] != c.offset:
+        raise Corrupt(f"a KVCache holds {k.shape[2]} positions of {c.offset}")
+    if isinstance(c, RotatingKVCache) and not (0 <= c._idx <= k.shape[2] <= max(c.offset, c.max_size)):
+        raise Corrupt(f"a RotatingKVCache of {k.shape[2]} positions at {c._idx}, {c.offset} tokens")
 
 
 def snapshot(caches: list, tokens: int) -> list:
@@ -604,31 +748,46 @@ _hashers: Optional[ThreadPoolExecutor] = None
 _hashers_lock = threading.Lock()
 
 
-def checksum(fields: Dict[str, str], caches: list, threads: bool = True) -> str:
-    """sha256 over the fields and every cache's state: class, scalars, and each array's
-    dtype, shape and bytes. sha256 since CPUs hash it in hardware (x86 SHA extensions,
-    ARMv8's crypto ones): 1.7 GB/s a core here, blake2b 0.9. The bytes hash in chunks of
-    HASH_CHUNK, then the chunks' digests together (the chunk size is part of the format). A
-    read hashes them on threads (hashlib lets go of the GIL): a restore is waited for. The
-    writer hashes on its own thread only, leaving the other cores to the steps."""
-    described = [[fields[f] for f in FIELDS]]
-    chunks = []
+def describe(caches: list) -> list:
+    """What the checksum covers of the caches beside their bytes: each one's class and state,
+    arrays by dtype (safetensors' name) and shape, scalars by value."""
+    out = []
     for c in caches:
-        state = []
+        state = [[SAFETENSORS[item.dtype], list(item.shape)] if isinstance(item, mx.array) else repr(item)
+                 for item in c.state]
+        out.append([type(c).__name__, state])
+    return out
+
+
+def checksum(fields: Dict[str, str], described: list) -> str:
+    """sha256 over the fields, the caches' description and every piece's digest (the pieces'
+    bytes are covered by their digests: piece_digests)."""
+    text = json.dumps([[fields[f] for f in FIELDS], described]).encode()
+    return hashlib.sha256(text + bytes.fromhex(fields["pieces"])).hexdigest()
+
+
+def pieces(rows: int, length: int) -> int:
+    """Digests of an array of `rows` rows of `length` tokens: a row's PIECE tokens each."""
+    return rows * -(-length // PIECE)
+
+
+def piece_digests(caches: list) -> bytes:
+    """The digest of every piece of every array of the caches' states, in order: by cache,
+    state item, row (every axis but the last two), then PIECE tokens (axis -2) at a time.
+    sha256 since CPUs hash it in hardware (x86 SHA extensions, ARMv8's crypto ones): 1.7 GB/s
+    a core here, blake2b 0.9. The writer hashes on its own thread only, leaving the other
+    cores to the steps."""
+    out = []
+    for c in caches:
         for item in c.state:
             if isinstance(item, mx.array):
-                state.append([str(item.dtype), list(item.shape)])
-                data = memoryview(item).cast("B")
-                chunks += [data[i:i + HASH_CHUNK] for i in range(0, len(data), HASH_CHUNK)]
-            else:
-                state.append(repr(item))
-        described.append([type(c).__name__, state])
-    digests = [sha256(json.dumps(described).encode())]
-    if threads and len(chunks) > 1:
-        digests += hashers().map(sha256, chunks)
-    else:
-        digests += map(sha256, chunks)
-    return hashlib.sha256(b"".join(digests)).hexdigest()
+                *_, length, _ = item.shape
+                data = np.frombuffer(memoryview(item).cast("B"), dtype=np.uint8)
+                width = data.size // max(1, int(np.prod(item.shape[:-1])))  # bytes a token of a row takes
+                rows = data.reshape(-1, length * width) if data.size else data.reshape(0, 0)
+                for row in rows:
+                    out += [sha256(row[at:at + PIECE * width])[:DIGEST] for at in range(0, length * width, PIECE * width)]
+    return b"".join(out)
 
 
 def sha256(data) -> bytes:

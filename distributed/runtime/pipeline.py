@@ -245,19 +245,20 @@ class Pipeline:
         """Write entry `entry` (of `tokens`) to every rank's disk tier (caches.SlotCaches.persist)."""
         self._cache_op(Op.PERSIST, 0, values=[entry] + list(tokens))
 
-    def load(self, entry: int, tokens: List[int]) -> bool:
-        """Entry `entry` from every rank's disk tier, the entry of `tokens`: whether every rank
-        has it now (if not, some may: evict it). Call only with no reply outstanding."""
-        ok = self._load_here(entry, tokens)
+    def load(self, entry: int, tokens: List[int], cut: int) -> bool:
+        """Entry `entry` from every rank's disk tier: the first `cut` tokens of the entry of
+        `tokens` (caches.SlotCaches.load); whether every rank has it now (if not, some may:
+        evict it). Call only with no reply outstanding."""
+        ok = self._load_here(entry, tokens, cut)
         if self.transport is not None:
             payload = mx.array([entry, int(ok)] + list(tokens), dtype=mx.int32).reshape(1, -1, 1)
-            self._send(Header.for_payload(Op.LOAD, payload), payload)
+            self._send(Header.for_payload(Op.LOAD, payload, arg=cut), payload)
             header, back = self.transport.recv()
             ok = header.op == Op.LOAD and bool(back.reshape(-1)[1].item())
         return ok
 
-    def _load_here(self, entry: int, tokens: List[int]) -> bool:
-        return self.caches.load(entry, tokens)
+    def _load_here(self, entry: int, tokens: List[int], cut: int) -> bool:
+        return self.caches.load(entry, tokens, cut)
 
     def evict(self, entries: List[int]) -> None:
         """Forget entries, on every rank."""
@@ -451,9 +452,9 @@ class StageWorker:
             return None if self.is_last else (header, payload)
         if header.op == Op.LOAD:  # back to rank 0 from the last rank, each rank's answer in it
             values = payload.reshape(-1).tolist()
-            ok = self._load_here(values[0], values[2:]) and values[1]
+            ok = self._load_here(values[0], values[2:], header.arg) and values[1]
             out = mx.array([values[0], int(ok)] + values[2:], dtype=mx.int32).reshape(1, -1, 1)
-            return Header.for_payload(Op.LOAD, out), out
+            return Header.for_payload(Op.LOAD, out, arg=header.arg), out
         if header.op == Op.INFO:
             row = rank_info.encode_row(
                 self.rank, self.stage.start, self.stage.end, False, self.parameter_bytes
@@ -471,8 +472,8 @@ class StageWorker:
             return header, None  # round trips: the last rank passes them back to rank 0
         raise ValueError(f"rank {self.rank} received unknown op {header.op}")
 
-    def _load_here(self, entry: int, tokens: List[int]) -> bool:
-        return self.caches.load(entry, tokens)
+    def _load_here(self, entry: int, tokens: List[int], cut: int) -> bool:
+        return self.caches.load(entry, tokens, cut)
 
     def _forward(self, header: Header, h: mx.array) -> Optional[Frame]:
         self.stats.forward_frames += 1

@@ -47,6 +47,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from .disk_cache import BLOCK
+from .caches import Stored
 from .pipeline import Pipeline
 from .sequence import Sequence
 
@@ -61,8 +62,12 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class Entry:
     id: int
     tokens: np.ndarray  # the tokens its caches cover
-    cuttable: int  # it can be cut to any prefix of at most this many tokens (caches.Stored.cut)
+    cuttable: int  # it can be cut to any prefix of at most this many tokens (caches.Stored.cut)...
     nbytes: List[int]  # what each rank keeps
+    lowest: int = 0  # ... and at least this many (caches.Stored.lowest: its logs start late)
+
+    def cuts_to(self, tokens: int) -> bool:
+        return self.lowest <= tokens <= self.cuttable
 
 
 class Node:
@@ -102,8 +107,9 @@ class PrefixIndex:
         # as the node's best entry can be cut. Below the walk's end they share all it matched.
         for node, depth in [(below, matched)] + path[::-1]:
             if node is not None and min(depth, node.cuttable) > best_tokens:
-                best_tokens = min(depth, node.cuttable)
-                best = self._cuttable_under(node, best_tokens)
+                entry = self._cuttable_under(node, min(depth, node.cuttable))
+                if entry is not None:
+                    best, best_tokens = entry, min(depth, node.cuttable)
         if best is not None:
             self.entries.move_to_end(best.id)
         return best, best_tokens
@@ -120,18 +126,22 @@ class PrefixIndex:
         end = below or (path[-1][0] if path else self._root)
         entry = end.entry if below is None else None  # the same tokens
         if entry is None and end.cuttable >= len(tokens):
-            entry = self._cuttable_under(end, len(tokens))
+            entry = self._cuttable_under(end, len(tokens))  # or None: those below start cutting later
         if entry is not None:
             self.entries.move_to_end(entry.id)
         return entry
 
     def insert(self, entry: Entry) -> List[int]:
         """Add `entry` (most recently used); returns the ids of the entries dropped:
-        those it makes useless (the same tokens; those it extends and can be cut to),
-        then the least recently used while a rank is over budget."""
+        those it makes useless (the same tokens; those it extends and can be cut to, as
+        far back), then the least recently used while a rank is over budget; or only its
+        own where one of the same tokens is cut further back."""
         node, path = self._make_path(entry.tokens)
+        if node.entry is not None and node.entry.lowest < entry.lowest:  # the one there is cut further back
+            return [entry.id]
         dropped = [node.entry.id] if node.entry is not None else []
-        dropped += [n.entry.id for n in path[:-1] if n.entry is not None and len(n.entry.tokens) <= entry.cuttable]
+        dropped += [n.entry.id for n in path[:-1]
+                    if n.entry is not None and entry.cuts_to(len(n.entry.tokens)) and entry.lowest <= n.entry.lowest]
         for entry_id in dropped:
             self._remove(entry_id)
         if dropped:  # removing may have pruned or merged nodes on the way
@@ -194,11 +204,16 @@ class PrefixIndex:
             node.cuttable = max([own] + [c.cuttable for c in node.children.values()])
             node = node.parent
 
-    def _cuttable_under(self, node: Node, tokens: int) -> Entry:
-        """An entry at or below `node` that can be cut to `tokens` (node.cuttable >= tokens)."""
-        while node.entry is None or node.entry.cuttable < tokens:
-            node = next(c for c in node.children.values() if c.cuttable >= tokens)
-        return node.entry
+    def _cuttable_under(self, node: Node, tokens: int) -> Optional[Entry]:
+        """An entry at or below `node` that can be cut to `tokens`, or None. The nodes' cuttable
+        leads the search; an entry whose logs start late (Entry.lowest) may still refuse."""
+        todo = [node]
+        while todo:
+            node = todo.pop()
+            if node.entry is not None and node.entry.cuts_to(tokens):
+                return node.entry
+            todo += [c for c in node.children.values() if c.cuttable >= tokens]
+        return None
 
     def _remove(self, entry_id: int) -> int:
         entry = self.entries.pop(entry_id)
@@ -280,8 +295,8 @@ class PrefixCache(PrefixHooks):
         self._disk_next = 0
         self.disk_hits = self.disk_failed = self.disk_tokens = self.disk_written = 0
         self.disk_seconds = 0.0
-        for tokens in (self.disk.entries().values() if self.disk is not None else ()):
-            self._disk_indexed(tokens)
+        for tokens, meta in (self.disk.listing() if self.disk is not None else ()):
+            self._disk_indexed(tokens, int(meta.get("logged", 0)), int(meta.get("log_start", 0)))
 
     # -- hooks ----------------------------------------------------------------
 
@@ -294,7 +309,7 @@ class PrefixCache(PrefixHooks):
         prompt = np.array(seq.fed_prompt, dtype=np.int32)
         entry, tokens = self.index.find(prompt)
         on_disk, disk_tokens = self.disk_index.find(prompt) if self.disk is not None else (None, 0)
-        if on_disk is not None and disk_tokens >= tokens + DISK_MIN_TOKENS and self._load(on_disk, settle):
+        if on_disk is not None and disk_tokens >= tokens + DISK_MIN_TOKENS and self._load(on_disk, disk_tokens, settle):
             entry, tokens = self.index.find(prompt)
             seq.disk_tokens = tokens
             self.disk_tokens += tokens
@@ -306,7 +321,7 @@ class PrefixCache(PrefixHooks):
             seq.cached_tokens = tokens
             self.hits += 1
             self.cached_tokens += tokens
-        if self._records(len(prompt)) and (entry is None or entry.cuttable >= tokens):
+        if self._records(len(prompt)) and (entry is None or entry.cuts_to(tokens)):
             self.pipeline.record(seq.slot, -1 if entry is None else entry.id, tokens)
 
     def _records(self, tokens: int) -> bool:
@@ -365,13 +380,13 @@ class PrefixCache(PrefixHooks):
                 self._write(covering)
             return
         entry_id = self._new_id()
-        fed, nbytes, logged = self.pipeline.snapshot(slot, entry_id, row)
+        fed, nbytes, logged, log_start = self.pipeline.snapshot(slot, entry_id, row)
         assert fed == len(tokens), f"the slot holds {fed} tokens, expected {len(tokens)}"
-        per_rank = self.entry_bytes(len(tokens), logged, nbytes)
+        per_rank = self.entry_bytes(len(tokens), logged - log_start, nbytes)
         if max(per_rank) > self.budget:
             self.pipeline.evict([entry_id])
             return
-        entry = Entry(entry_id, tokens, self._cuttable(len(tokens), logged), per_rank)
+        entry = self._entry(entry_id, tokens, logged, log_start, per_rank)
         if to_disk:
             self._write(entry)
         dropped = self.index.insert(entry)
@@ -379,8 +394,10 @@ class PrefixCache(PrefixHooks):
         self.stored += 1
         self.evicted += len(dropped)
 
-    def _cuttable(self, tokens: int, logged: int) -> int:
-        return tokens if not any(self.sliding) or tokens < self.window else logged
+    def _entry(self, entry_id: int, tokens: np.ndarray, logged: int, log_start: int, nbytes: List[int]) -> Entry:
+        if not any(self.sliding) or len(tokens) < self.window:
+            return Entry(entry_id, tokens, len(tokens), nbytes)
+        return Entry(entry_id, tokens, logged, nbytes, Stored.lowest(log_start, self.window))
 
     # -- the disk tier --------------------------------------------------------
 
@@ -389,27 +406,29 @@ class PrefixCache(PrefixHooks):
         if self.disk is None or len(entry.tokens) < DISK_MIN_TOKENS or self.disk_index.covered(entry.tokens):
             return
         self.pipeline.persist(entry.id, entry.tokens.tolist())
-        self._disk_indexed(entry.tokens)
+        stored = self.pipeline.caches.entries[entry.id]
+        self._disk_indexed(entry.tokens, stored.logged, stored.log_start)
         self.disk_written += 1
 
-    def _disk_indexed(self, tokens: np.ndarray) -> None:
-        """Index a disk entry (as if it could be cut anywhere: a load says how far it can)."""
+    def _disk_indexed(self, tokens: np.ndarray, logged: int, log_start: int) -> None:
+        """Index a disk entry, with how far it can be cut (on_disk's meta says; a file whose
+        windows never wrapped is cut anywhere, as in RAM)."""
         entry_id = self._disk_next = self._disk_next + 1
-        for dropped in self.disk_index.insert(Entry(entry_id, tokens, len(tokens), [0])):
+        for dropped in self.disk_index.insert(self._entry(entry_id, tokens, logged, log_start, [0])):
             self._disk_keys.pop(dropped, None)
         self._disk_keys[entry_id] = tokens
 
-    def _load(self, on_disk: Entry, settle: Callable[[], None]) -> bool:
-        """Read `on_disk` into RAM as a new entry on every rank; False (and forgotten) where a
-        rank does not have it whole: no rank then keeps it."""
-        tokens = on_disk.tokens
+    def _load(self, on_disk: Entry, tokens: int, settle: Callable[[], None]) -> bool:
+        """Read the first `tokens` tokens of `on_disk` into RAM as a new entry on every rank
+        (only what they need: caches.Stored.from_file); False (and forgotten) where a rank does
+        not have it whole: no rank then keeps it."""
         settle()
         start = time.perf_counter()
         entry_id = self._new_id()
-        ok = self.pipeline.load(entry_id, tokens.tolist())
+        ok = self.pipeline.load(entry_id, on_disk.tokens.tolist(), tokens)
         if ok:
             stored = self.pipeline.caches.entries[entry_id]
-            per_rank = self.entry_bytes(len(tokens), stored.logged, stored.nbytes)
+            per_rank = self.entry_bytes(tokens, stored.logged - stored.log_start, stored.nbytes)
             ok = max(per_rank) <= self.budget
         if not ok:
             self.pipeline.evict([entry_id])
@@ -417,8 +436,8 @@ class PrefixCache(PrefixHooks):
             self._disk_keys.pop(on_disk.id, None)
             self.disk_failed += 1
             return False
-        dropped = self.index.insert(Entry(entry_id, tokens, self._cuttable(len(tokens), stored.logged), per_rank))
-        self.pipeline.evict(dropped)
+        entry = self._entry(entry_id, on_disk.tokens[:tokens], stored.logged, stored.log_start, per_rank)
+        self.pipeline.evict(self.index.insert(entry))
         self.disk_hits += 1
         self.disk_seconds += time.perf_counter() - start
         return True
@@ -429,7 +448,7 @@ class PrefixCache(PrefixHooks):
         return entry_id
 
     def entry_bytes(self, tokens: int, logged: int, rank0_bytes: int) -> List[int]:
-        """What each rank keeps for an entry of `tokens` tokens, `logged` of them logged: rank
+        """What each rank keeps for an entry of `tokens` tokens, `logged` of them in its logs: rank
         0's measured bytes, scaled by the tokens each rank's layers hold (a sliding layer its
         window, at most, and the log)."""
         held = [sum(min(tokens, self.window) + logged if self.sliding[layer] else tokens

@@ -142,10 +142,10 @@ class TensorPipeline(Pipeline):
         self._tell(Header(Op.CLEAR))
         super().clear()
 
-    def _load_here(self, entry: int, tokens: List[int]) -> bool:
-        self._tell(Header(Op.LOAD), [entry, 1] + list(tokens))
+    def _load_here(self, entry: int, tokens: List[int], cut: int) -> bool:
+        self._tell(Header(Op.LOAD, arg=cut), [entry, 1] + list(tokens))
         with self._collectives():
-            return group_loaded(self.broadcast, self.caches.load(entry, tokens))
+            return group_loaded(self.broadcast, self.caches.load(entry, tokens, cut))
 
     def rank_info(self) -> List[dict]:
         self._tell(Header(Op.INFO))
@@ -194,8 +194,8 @@ class TensorStageWorker(StageWorker):
             self.broadcast.send(header, payload.reshape(-1).tolist())
         return super().handle(header, payload)
 
-    def _load_here(self, entry: int, tokens: List[int]) -> bool:
-        return group_loaded(self.broadcast, self.caches.load(entry, tokens))
+    def _load_here(self, entry: int, tokens: List[int], cut: int) -> bool:
+        return group_loaded(self.broadcast, self.caches.load(entry, tokens, cut))
 
     def _forward_plain(self, header: Header, h: mx.array) -> Optional[Frame]:
         """StageWorker's, but the stage's output always evaluated, as the group's other ranks do: a
@@ -255,8 +255,8 @@ class TensorFollower:
                 self.guard.settle()
             elif op == Op.INFO:
                 self.broadcast.gather_rows(_info_row(self.stage, self.rank))
-            elif op == Op.LOAD:  # (entry, -, tokens...)
-                group_loaded(self.broadcast, self.caches.load(values[0], values[2:]))
+            elif op == Op.LOAD:  # (entry, -, tokens...); arg: the tokens to restore
+                group_loaded(self.broadcast, self.caches.load(values[0], values[2:], header.arg))
             elif op == Op.PARK:
                 if self.wait_wake is not None:
                     self.wait_wake(header.arg)

@@ -43,8 +43,8 @@ class Op(IntEnum):
     RECORD = 21  # keep the keys and values `slot`'s prompt brings to sliding layers, unrotated, from entry
     # `entry`'s first `tokens` (payload: entry, tokens; entry -1: from nothing): its entries can then be cut anywhere
     PERSIST = 22  # write entry `entry` to this rank's disk tier (payload: entry, then its tokens)
-    LOAD = 23  # read the entry of these tokens from the disk tier as entry `entry`, back to rank 0 (payload: entry,
-    # whether every rank so far has it, then the tokens; each rank clears the second where it has not)
+    LOAD = 23  # read the first `arg` tokens of the disk tier's entry of these tokens as entry `entry`, back to rank 0
+    # (payload: entry, whether every rank so far has it, then the tokens; each rank clears the second where it has not)
     # Speculative decoding (runtime/speculation.py):
     TRIM = 19  # drop the newest `arg` positions of `slot` (drafts the target rejected)
     # Recovery (runtime/batching.py Batcher.reset): drop every slot's caches, then back to rank 0,

@@ -142,6 +142,46 @@ def test_a_cache_of_a_prefix_of_the_tokens_travels_too(tmp_path):
     cache.close()
 
 
+def read_bytes() -> int:
+    """Bytes this process has read through read(2)-like calls so far (the kernel counts them)."""
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])
+
+
+def test_a_range_reads_only_the_pieces_it_spans(tmp_path):
+    """EntryFile.read gives exactly the positions asked for, reading the pieces they span (a
+    piece: PIECE positions of one head) and no more: damage elsewhere is never read, damage
+    inside them is found (a counted miss, the file removed)."""
+    piece = disk_cache.PIECE
+    n = 3 * piece + 100
+    c = KVCache()
+    c.keys, c.values = pair(n, np.random.default_rng(5))
+    c.offset = n
+    cache = DiskCache(tmp_path / "pc", GiB, FP)
+    assert cache.put("k", np.arange(n, dtype=np.int32), [c])
+    cache.flush()
+    size = path_of(cache, "k").stat().st_size
+    for start, end in [(0, n), (5, 17), (piece - 1, piece + 1), (2 * piece, n), (n - 1, n)]:
+        before = read_bytes()
+        keys, values = cache.read("k", lambda f: f.read(0, start, end))
+        spanned = min(n, -(-end // piece) * piece) - start // piece * piece
+        data = 2 * HEADS * spanned * DIM * 4  # keys and values, float32
+        assert data <= read_bytes() - before < data + 16384 + (size if (start, end) == (0, n) else 0) // 8
+        assert mx.array_equal(keys, c.keys[..., start:end, :]).item()
+        assert mx.array_equal(values, c.values[..., start:end, :]).item()
+    with open(path_of(cache, "k"), "rb") as f:
+        tensors, _, data_start = disk_cache.parse_header(f, size)
+    last = data_start + tensors["0.0"][2] + (n - 1) * DIM * 4  # keys, head 0, the last position
+    with open(path_of(cache, "k"), "r+b") as f:
+        f.seek(last)
+        byte = f.read(1)
+        f.seek(last)
+        f.write(bytes([byte[0] ^ 1]))
+    assert cache.read("k", lambda f: f.read(0, 5, 17)) is not None  # the damaged piece is not read
+    assert cache.read("k", lambda f: f.read(0, n - 10, n)) is None
+    assert cache.stats()["corrupt"] == 1 and not path_of(cache, "k").exists()
+    cache.close()
+
+
 def test_what_is_queued_is_the_state_at_put(tmp_path):
     """The caller's caches go on (in-place updates) while the writer has not written yet."""
     cache = DiskCache(tmp_path / "pc", GiB, FP)
@@ -286,16 +326,17 @@ def test_a_file_deleted_mid_run_is_a_miss(tmp_path, monkeypatch):
 
     cache.put("k1", tokens, caches)
     cache.flush()
-    load = disk_cache.load_prompt_cache
+    class DeletedMeanwhile(disk_cache.EntryFile):  # another server evicts it between our open and our reads
+        def __init__(self, f, *args):
+            os.unlink(f.name)
+            super().__init__(f, *args)
 
-    def deleted_meanwhile(name, **kwargs):  # another server evicts it between our header and MLX's load
-        os.unlink(name)
-        return load(name, **kwargs)
-
-    monkeypatch.setattr(disk_cache, "load_prompt_cache", deleted_meanwhile)
-    assert cache.get("k1") is None
-    stats = cache.stats()
-    assert (stats["misses"], stats["corrupt"], stats["entries"]) == (2, 0, 0)
+    monkeypatch.setattr(disk_cache, "EntryFile", DeletedMeanwhile)
+    got = cache.get("k1")  # the file opened is read whole: POSIX keeps it while it is open
+    assert got is not None and np.array_equal(got[0], tokens)
+    assert_same(caches, got[1])
+    assert not cache.holds("k1") and cache.stats()["corrupt"] == 0
+    monkeypatch.undo()
 
     shutil.rmtree(tmp_path / "pc")  # the whole folder, while the server runs
     assert not cache.holds("k0") and cache.get("k0") is None

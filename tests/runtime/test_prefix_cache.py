@@ -20,6 +20,7 @@ from distributed.runtime.prefix_cache import Entry, PrefixCache, PrefixIndex, co
 from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
 from distributed.serving.proto import generation_pb2 as pb
+from distributed.shard.config import read_config
 from distributed.transport import Reply
 from grpc_server import SERVER_ARGS, Server
 from prefill_frames import FrameLog
@@ -558,11 +559,21 @@ def test_a_restart_restores_from_disk(hf_checkpoint, tmp_path, split):
     again = disk_pipeline(hf_checkpoint, split, tmp_path)
     warm = Scheduler(again, load_tokenizer(hf_checkpoint), prefill_step_size=64, prefix_cache_bytes=1 << 30)
     cold = cold_scheduler(hf_checkpoint, split)
-    for prompt, cached in [(LONGER, len(LONGER) - 1), (LONGER[:280] + other(9, 2), 280)]:
+    window = read_config(hf_checkpoint)["sliding_window"]
+    for prompt, cached, from_disk in [(LONGER, len(LONGER) - 1, True), (LONGER[:280] + other(9, 2), 280, True),
+                                      (LONGER, len(LONGER) - 1, False)]:
+        loads = warm.prefix_cache.disk_hits
         got = run(warm, prompt, 6)
         assert_same(got, run(cold, prompt, 6))
-        assert got[2].cached_tokens == cached
-    assert warm.prefix_cache.disk_hits == 1  # the second restored the first's entry, loaded into RAM
+        assert got[2].cached_tokens == cached and got[2].disk_tokens == (cached if from_disk else 0)
+        if from_disk:  # read from disk: the windows at its cut only (Stored.from_file), on every stage; the
+            # request's own entries log on from there, and no entry holds a whole log
+            for stage in rank_caches(again):
+                starts = {e.log_start for e in stage.entries.values() if e.logged}
+                assert cached - window in starts and 0 not in starts
+        assert warm.prefix_cache.disk_hits == loads + from_disk
+    # The second, cut further back than the first's RAM entry can be, read the disk entry again;
+    # the third found the first's request's own entry in RAM, recorded on from that window.
     again.close()
 
 

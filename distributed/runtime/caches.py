@@ -83,7 +83,8 @@ class Stored:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches) + sum(k.nbytes + v.nbytes for k, v in filter(None, self.log))
+        arrays = [a for c in self.caches for a in (c.keys, c.values)] + [a for kv in self.log if kv for a in kv]
+        return sum({id(a): a.nbytes for a in arrays}.values())  # from_file's windows are its logs too
 
     def cut(self, tokens: int) -> List:
         """Fresh caches at its first `tokens` tokens (its arrays are new slices: the caches'
@@ -125,32 +126,35 @@ class Stored:
         if len(f.classes) != layers + len(logs) or sorted(set(logs)) != logs or any(not 0 <= i < layers for i in logs):
             raise Corrupt(f"{len(f.classes)} caches for {layers} layers and logs {logs}")
         logged, log_start = int(f.meta.get("logged", 0)), int(f.meta.get("log_start", 0))
-        caches, log, start = [], [None] * layers, 0
+        wanted, shapes = [], []  # what to read of which cache; each layer's cache class, window, positions
         for i in range(layers):
             offset, *rest = f.scalars(i)[2:]
             if f.classes[i] == "KVCache":
                 if tokens > offset:
                     return None
-                out = KVCache()
-                out.keys, out.values = f.read(i, 0, tokens)
+                wanted.append((i, 0, tokens))
+                shapes.append((KVCache, None, tokens))
+                continue
+            keep, window, _ = rest
+            held = min(tokens, window)
+            if i in logs and log_start <= tokens - held and tokens <= logged:
+                wanted.append((layers + logs.index(i), tokens - held - log_start, tokens - log_start))
+            elif offset <= window and tokens <= offset:  # never wrapped: its positions from 0, in order
+                wanted.append((i, tokens - held, tokens))
+            elif tokens == offset and f.length(i) == held:  # compact: its window, in order
+                wanted.append((i, 0, held))
             else:
-                keep, window, _ = rest
-                held = min(tokens, window)
-                if i in logs and log_start <= tokens - held and tokens <= logged:
-                    at = layers + logs.index(i)
-                    keys_values = f.read(at, tokens - held - log_start, tokens - log_start)
-                elif offset <= window and tokens <= offset:  # never wrapped: its positions from 0, in order
-                    keys_values = f.read(i, tokens - held, tokens)
-                elif tokens == offset and f.length(i) == held:  # compact: its window, in order
-                    keys_values = f.read(i, 0, held)
-                else:
-                    return None
-                out = RotatingKVCache(window, keep)
-                out.keys, out.values = keys_values
-                out._idx = held
-                if tokens > window:
-                    log[i], start = keys_values, tokens - window
+                return None
+            shapes.append((RotatingKVCache, (window, keep), held))
+        caches, log, start = [], [None] * layers, 0
+        for i, ((kind, args, held), keys_values) in enumerate(zip(shapes, f.read(wanted))):
+            out = kind(*args) if args else kind()
+            out.keys, out.values = keys_values
             out.offset = tokens
+            if kind is RotatingKVCache:
+                out._idx = held
+                if tokens > args[0]:  # wrapped: the window is the log, from tokens - window
+                    log[i], start = keys_values, tokens - args[0]
             caches.append(out)
         return cls(caches, log, tokens if start else 0, start)
 

@@ -560,17 +560,24 @@ class EntryFile:
 
     def whole(self, i: int):
         """Cache i, every array whole (an mlx-lm cache)."""
-        state = [self._array(x, 0, self.tensors[x][1][-2]) if x in self.digests else x for x in self.states[i]]
-        cache = CACHES[self.classes[i]].from_state(tuple(state))
+        names = [x for x in self.states[i] if x in self.digests]
+        arrays = iter(self._arrays([(x, 0, self.tensors[x][1][-2]) for x in names]))
+        cache = CACHES[self.classes[i]].from_state(tuple(next(arrays) if x in self.digests else x
+                                                         for x in self.states[i]))
         check_cache(cache, len(self.tokens))
         return cache
 
-    def read(self, i: int, start: int, end: int) -> Tuple[mx.array, mx.array]:
-        """Cache i's keys and values of positions [start, end) (axis -2), evaluated."""
-        keys, values = self.states[i][:2]
-        if not (keys in self.digests and values in self.digests and 0 <= start < end <= self.length(i)):
-            raise Corrupt(f"cache {i} holds no positions {start}-{end}")
-        return self._array(keys, start, end), self._array(values, start, end)
+    def read(self, wanted: List[Tuple[int, int, int]]) -> List[Tuple[mx.array, mx.array]]:
+        """For each (i, start, end): cache i's keys and values of positions [start, end) (axis
+        -2), evaluated. All are read at once, on the hashing threads."""
+        ranges = []
+        for i, start, end in wanted:
+            keys, values = self.states[i][:2]
+            if not (keys in self.digests and values in self.digests and 0 <= start < end <= self.length(i)):
+                raise Corrupt(f"cache {i} holds no positions {start}-{end}")
+            ranges += [(keys, start, end), (values, start, end)]
+        arrays = self._arrays(ranges)
+        return list(zip(arrays[::2], arrays[1::2]))
 
     def _scalar(self, name: str, kind: str):
         dtype, shape, begin, end = self.tensors[name]
@@ -581,43 +588,44 @@ class EntryFile:
             return None
         raise Corrupt(f"a {kind} of shape {shape}")
 
-    def _array(self, name: str, start: int, end: int) -> mx.array:
-        """Positions [start, end) of an array, read on the hashing threads a row at a time; the
-        pieces they span are read whole and checked."""
+    def _arrays(self, ranges: List[Tuple[str, int, int]]) -> List[mx.array]:
+        """Positions [start, end) of each (array, start, end), read a row at a time on the
+        hashing threads (preadv and hashlib let go of the GIL: a restore is waited for, and a
+        disk serves several reads at once); the pieces they span are read whole and checked."""
+        outs, rows = [], []
+        for name, start, end in ranges:
+            dtype, shape, _, _ = self.tensors[name]
+            out = np.empty((int(np.prod(shape[:-2], dtype=np.int64)), (end - start) * shape[-1] * DTYPE_BYTES[dtype]),
+                           dtype=np.uint8)
+            outs.append(out)
+            rows += [(name, start, end, r, out[r]) for r in range(out.shape[0])]
+        list(hashers().map(lambda row: self._row(*row), rows))
+        arrays = []
+        for (name, start, end), out in zip(ranges, outs):
+            dtype, shape, _, _ = self.tensors[name]
+            array = mx.array(out.view(DTYPES[dtype][0]).reshape(*shape[:-2], end - start, shape[-1]))
+            arrays.append(array if DTYPES[dtype][1] == array.dtype else array.view(DTYPES[dtype][1]))
+        mx.eval(arrays)
+        return arrays
+
+    def _row(self, name: str, start: int, end: int, r: int, out: np.ndarray) -> None:
+        """Row r's positions [start, end) of an array into `out`, its pieces checked."""
         dtype, shape, begin, _ = self.tensors[name]
-        *lead, length, last = shape
-        rows = int(np.prod(lead, dtype=np.int64))
-        width = last * DTYPE_BYTES[dtype]  # bytes a position of a row takes
+        length, width = shape[-2], shape[-1] * DTYPE_BYTES[dtype]  # width: the bytes of a row's position
         first, after = start // PIECE, -(-end // PIECE)
         lo, hi = first * PIECE, min(length, after * PIECE)
-        per_row = -(-length // PIECE)
-        digests = self.digests[name]
-        out = np.empty((rows, (end - start) * width), dtype=np.uint8)
-
-        def row(r: int) -> None:
-            at = self.data + begin + r * length * width
-            head = os.pread(self.fd, (start - lo) * width, at + lo * width)
-            if os.preadv(self.fd, [out[r]], at + start * width) != out[r].size:
-                raise Corrupt(f"{name}: a short read")
-            tail = os.pread(self.fd, (hi - end) * width, at + end * width)
-            if len(head) != (start - lo) * width or len(tail) != (hi - end) * width:
-                raise Corrupt(f"{name}: a short read")
-            data = Spans([head, memoryview(out[r]), tail])
-            for p in range(first, after):
-                a, b = (p * PIECE - lo) * width, (min(length, (p + 1) * PIECE) - lo) * width
-                want = digests[(r * per_row + p) * DIGEST:(r * per_row + p + 1) * DIGEST]
-                if data.sha256(a, b)[:DIGEST] != want:
-                    raise Corrupt(f"{name}: piece {p} of row {r} does not match its digest")
-
-        if rows > 1:  # preadv and hashlib let go of the GIL: a restore is waited for
-            list(hashers().map(row, range(rows)))
-        elif rows:
-            row(0)
-        array = mx.array(out.view(DTYPES[dtype][0]).reshape(*lead, end - start, last))
-        if DTYPES[dtype][1] != array.dtype:
-            array = array.view(DTYPES[dtype][1])
-        mx.eval(array)
-        return array
+        at = self.data + begin + r * length * width
+        head = os.pread(self.fd, (start - lo) * width, at + lo * width)
+        got = os.preadv(self.fd, [out], at + start * width)
+        tail = os.pread(self.fd, (hi - end) * width, at + end * width)
+        if len(head) != (start - lo) * width or got != out.size or len(tail) != (hi - end) * width:
+            raise Corrupt(f"{name}: a short read")
+        data, per_row = Spans([head, out, tail]), -(-length // PIECE)
+        for p in range(first, after):
+            a, b = (p * PIECE - lo) * width, (min(length, (p + 1) * PIECE) - lo) * width
+            at = (r * per_row + p) * DIGEST
+            if data.sha256(a, b)[:DIGEST] != self.digests[name][at:at + DIGEST]:
+                raise Corrupt(f"{name}: piece {p} of row {r} does not match its digest")
 
 
 class Spans:
@@ -798,7 +806,7 @@ def hashers() -> ThreadPoolExecutor:
     global _hashers
     with _hashers_lock:
         if _hashers is None:
-            _hashers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="prefix-hash")
+            _hashers = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="prefix-hash")
         return _hashers
 
 

@@ -162,7 +162,7 @@ def test_a_range_reads_only_the_pieces_it_spans(tmp_path):
     size = path_of(cache, "k").stat().st_size
     for start, end in [(0, n), (5, 17), (piece - 1, piece + 1), (2 * piece, n), (n - 1, n)]:
         before = read_bytes()
-        keys, values = cache.read("k", lambda f: f.read(0, start, end))
+        keys, values = cache.read("k", lambda f: f.read([(0, start, end)])[0])
         spanned = min(n, -(-end // piece) * piece) - start // piece * piece
         data = 2 * HEADS * spanned * DIM * 4  # keys and values, float32
         assert data <= read_bytes() - before < data + 16384 + (size if (start, end) == (0, n) else 0) // 8
@@ -176,8 +176,8 @@ def test_a_range_reads_only_the_pieces_it_spans(tmp_path):
         byte = f.read(1)
         f.seek(last)
         f.write(bytes([byte[0] ^ 1]))
-    assert cache.read("k", lambda f: f.read(0, 5, 17)) is not None  # the damaged piece is not read
-    assert cache.read("k", lambda f: f.read(0, n - 10, n)) is None
+    assert cache.read("k", lambda f: f.read([(0, 5, 17)])) is not None  # the damaged piece is not read
+    assert cache.read("k", lambda f: f.read([(0, n - 10, n)])) is None
     assert cache.stats()["corrupt"] == 1 and not path_of(cache, "k").exists()
     cache.close()
 

@@ -9,6 +9,12 @@ verify        one process, one stage holding every layer: after a prefill of --c
               verification frame) against a pass over one, K = 0..--max-k, each trimmed again so every
               pass starts from the same history. A draft accepted with probability a pays while
               1 + a + ... + a^K exceeds that ratio
+disk-entry    one rank's disk-tier entry of Trinity-Mini's shape (32 layers, 3 sliding then 1 full, 4 KV
+              heads of 128, window 2,048, bf16; random values, no model) of --tokens tokens: written by the
+              disk tier, then read back, the page cache dropped first where the kernel lets it, as a
+              restore of all but its last token and of half of it reads it (only the ranges they need),
+              against every array of it read whole (what a restore read before) and the file's bytes
+              read alone: seconds, and bytes per token on disk
 prefix-index  what the batcher asks of the index per request (a lookup at admission, then two stores),
               in microseconds, as the index fills to --sizes entries: `distinct` 128-token prompts, and
               `chat` ones sharing a 500-token system prompt; --baseline DIR: the same for another
@@ -39,6 +45,10 @@ def add_arguments(p) -> None:
     verify.add_argument("--context", type=int, default=512, help="prompt tokens before the passes")
     verify.add_argument("--max-k", type=int, default=8)
     verify.set_defaults(parser=verify, run=verify_main)
+    entry = subs.add_parser("disk-entry", help="a disk-tier entry written and read back")
+    flags(entry, reps=3, out=None, smoke=False)
+    entry.add_argument("--tokens", type=int, default=32768)
+    entry.set_defaults(parser=entry, run=disk_entry_main)
     index = subs.add_parser("prefix-index", help="the prefix-cache index's host time per request")
     flags(index, out=None, smoke=False)
     index.add_argument("--baseline", metavar="DIR", help="another checkout, measured the same way")
@@ -132,6 +142,90 @@ def verify_main(args) -> None:
     for r in rows:
         print(f"{r['k']:>3}{r['positions']:>11}{r['ms']:>10.2f}{r['ratio']:>8.2f}{'%.2f-%.2f' % tuple(r['ms_range']):>16}")
     print(f"wrote {save(out_path(args, 'verify'), {'rows': rows}, dict(vars(args), model=model))}")
+
+
+def mini_entry(tokens: int, layers: int = 32, every: int = 4, heads: int = 4, dim: int = 128, window: int = 2048):
+    """caches.Stored of Trinity-Mini's shape after `tokens` recorded tokens (random bf16)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    from distributed.runtime.caches import Stored
+
+    caches, log = [], []
+    for i in range(layers):
+        k, v = (mx.random.normal((1, heads, tokens, dim)).astype(mx.bfloat16) for _ in "kv")
+        if (i + 1) % every == 0:
+            c = KVCache()
+            c.keys, c.values, c.offset = k, v, tokens
+            log.append(None)
+        else:
+            c = RotatingKVCache(window)
+            c.keys, c.values = k[..., -window:, :], v[..., -window:, :]
+            c.offset, c._idx = tokens, min(tokens, window)
+            log.append((k, v))
+        caches.append(c)
+    mx.eval([(c.keys, c.values) for c in caches], [kv for kv in log if kv])
+    return Stored(caches, log, tokens)
+
+
+def drop_page_cache(path) -> None:
+    import os
+
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # gVisor and some others ignore it
+    finally:
+        os.close(fd)
+
+
+def disk_entry_main(args) -> None:
+    import tempfile
+    from pathlib import Path
+
+    import mlx.core as mx
+    import numpy as np
+
+    from distributed.runtime import disk_cache
+    from distributed.runtime.caches import Stored, entry_key
+
+    shrink(args, tokens=1024, reps=1)
+    n = args.tokens
+    stored = mini_entry(n)
+    tokens = np.arange(n, dtype=np.int32)
+    with tempfile.TemporaryDirectory() as folder:
+        disk = disk_cache.DiskCache(Path(folder), 1 << 40, "0" * 64)
+        caches, meta = stored.on_disk()
+        key = entry_key(tokens)
+        tic = time.perf_counter()
+        assert disk.put(key, tokens, caches, meta)
+        disk.flush(600)
+        path = disk.sub / disk_cache.file_name(key)
+        out = {"tokens": n, "file_bytes": path.stat().st_size, "bytes_per_token": path.stat().st_size / n,
+               "write_s": time.perf_counter() - tic, "device": str(mx.default_device()), "rounds": []}
+
+        def timed(read):
+            drop_page_cache(path)
+            tic = time.perf_counter()
+            got = read()
+            return time.perf_counter() - tic, got
+
+        for _ in range(args.reps):
+            row = {}
+            for name, cut in (("all_but_one", n - 1), ("half", n // 2)):
+                seconds, got = timed(lambda: disk.read(key, lambda f: Stored.from_file(f, len(stored.caches), cut)))
+                mx.eval([c.state for c in got.cut(cut)])
+                row[name] = {"s": seconds, "ram_bytes": got.nbytes}
+            row["whole_s"], _ = timed(lambda: disk.get(key))
+            row["file_read_s"], _ = timed(lambda: len(path.read_bytes()))
+            out["rounds"].append(row)
+            print(f"all but one {row['all_but_one']['s']:.3f} s ({row['all_but_one']['ram_bytes'] / 2**20:.0f} MiB), "
+                  f"half {row['half']['s']:.3f} s, whole {row['whole_s']:.3f} s, the file's bytes alone "
+                  f"{row['file_read_s']:.3f} s")
+        disk.close()
+    print(f"{n} tokens: {out['file_bytes'] / 2**20:.1f} MiB on disk ({out['bytes_per_token']:.0f} B/token), "
+          f"written in {out['write_s']:.2f} s")
+    print(f"wrote {save(out_path(args, 'disk_entry'), out, vars(args))}")
 
 
 def index_requests(workload: str, seed: int):

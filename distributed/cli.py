@@ -17,6 +17,7 @@ from . import TrinityError, logs
 from .command_line import DEFAULT_PROMPT, parse_settings
 from .runtime.request import GenerationRequest, RequestError, TokenEvent
 from .runtime.scheduler import Scheduler
+from .runtime.step_budget import StepBudget
 from .serving.front_ends import start_front_ends
 from .serving.metrics import Metrics
 from .serving.options import ServeOptions, check_options, split_hosts
@@ -46,6 +47,10 @@ def validate(settings: Settings) -> None:
         raise TrinityError(f"--max-batch must be at least 1, got {sizing.max_batch}")
     if sizing.prefill_batch_tokens < 1:
         raise TrinityError(f"--prefill-batch-tokens must be at least 1, got {sizing.prefill_batch_tokens}")
+    if sizing.max_step_tokens is not None and sizing.max_step_tokens < 1:
+        raise TrinityError(f"--max-step-tokens must be at least 1, got {sizing.max_step_tokens}")
+    if sizing.itl_target_ms is not None and not sizing.itl_target_ms > 0:
+        raise TrinityError(f"--itl-target-ms must be positive, got {sizing.itl_target_ms}")
     settings.speculation.options()
     if sizing.prefix_cache_bytes is not None and sizing.prefix_cache_bytes < 0:
         raise TrinityError(f"--prefix-cache-bytes must be >= 0, got {sizing.prefix_cache_bytes}")
@@ -246,7 +251,8 @@ def start_scheduler(settings: Settings, built: Loaded, front_ends: FrontEnds,
                           on_failure=front_ends.not_serving, prefill_batch_tokens=sizing.prefill_batch_tokens,
                           prefix_cache_bytes=cache_bytes, speculation=speculation,
                           memory=memory_admission(sizing, config, ranks, memory, sizes),
-                          chunk_budget=sizes.chunk_budget)
+                          chunk_budget=sizes.chunk_budget,
+                          step_budget=StepBudget(sizing.max_step_tokens, sizing.itl_target_ms, sizes.prefill_step_size))
     front_ends.running(scheduler)  # ends every stream with the failed rank's name, then NOT_SERVING
     return scheduler, sizes, ranks
 

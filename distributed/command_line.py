@@ -88,6 +88,13 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
     p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE,
                    help="prompt tokens per prefill frame (a batch of B prompts: N/B each); "
                    "several ranks work on successive chunks at once")
+    p.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
+                   help="prompt tokens a step may carry beside the rows decoding (a long prompt then delays "
+                   "running streams by about N tokens' time a step; alone it goes at full speed); default: "
+                   "no bound, or as --itl-target-ms sets it")
+    p.add_argument("--itl-target-ms", type=float, default=None, metavar="T",
+                   help="let the prompt tokens a step carries beside decoding follow what steps cost, so that "
+                   "a running stream's time between tokens stays near T ms (--max-step-tokens fixes it instead)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="sequences decoding together (split into one micro-batch per rank); default: as many "
                    f"as fit beside the weights on the tightest rank, each with a --max-context-token KV cache "

@@ -49,6 +49,7 @@ from .pipeline import Pipeline
 from .prefix_cache import PrefixHooks
 from .sequence import Sequence, draw, shaped_logprobs, top_candidates, top_logprobs
 from .speculation import SpeculationOptions, Verifier
+from .step_budget import StepBudget
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Admission:
         self.current: Optional[PrefillBatch] = None  # the batch whose frames are being sent
         self.memory = memory  # --memory-limit: a MemoryAdmission a prompt waits for (memory_guard.py)
         self.chunk_budget = chunk_budget  # --memory-limit, --max-context auto: a ChunkBudget (memory_guard.py)
+        self.last_tokens = 0  # prompt tokens of the chunk send_next sent last
 
     def held(self) -> List[Sequence]:
         """Sequences waiting or in the batch being sent."""
@@ -99,18 +101,23 @@ class Admission:
         seq = self.current.members[0] if self.current else self.waiting[0] if self.waiting else None
         return seq is not None and seq.request.scores_prompt
 
-    def send_next(self, carry: Optional[Callable[[mx.array, int], None]] = None) -> Optional[PrefillBatch]:
+    def send_next(self, carry: Optional[Callable[[mx.array, int], None]] = None,
+                  tokens: Optional[int] = None) -> Optional[PrefillBatch]:
         """Send the next chunk of the current batch, forming a batch first if needed
         (a batch of one-token prompts has no chunk to send). Returns the batch, or None
         if nothing waits. Once `done`, the batch is no longer current: its prompts are
         in the ring but each row's last token, the input of the row's first decode
         step (its `next_token`). With `carry`, the chunk goes through carry(tokens, slot)
-        instead, to ride in a decode step's frame (never a scored prompt's: see next_scored)."""
+        instead, to ride in a decode step's frame (never a scored prompt's: see next_scored).
+        `tokens`: the chunk's prompt tokens at most (the step budget beside decoding rows).
+        `last_tokens` says what went (padding included)."""
+        self.last_tokens = 0
         batch = self.current or self._form()
         if batch is None:
             return None
         if batch.sent < batch.width:
-            n = self._columns(batch)
+            n = self._columns(batch, None if tokens is None else max(1, tokens // len(batch.rows)))
+            self.last_tokens = n * len(batch.rows)
             chunk = [(row[batch.sent:batch.sent + n] + [0] * n)[:n] for row in batch.rows]  # right-padded
             batch.sent += n
             # A scored prompt needs every position's output (sequence.PromptScores).
@@ -128,14 +135,17 @@ class Admission:
             self.current = None
         return batch
 
-    def _columns(self, batch: PrefillBatch) -> int:
-        """The next chunk's columns: `step`, the rest, or fewer where its activations at its
-        context would not fit the chunk budget."""
+    def _columns(self, batch: PrefillBatch, most: Optional[int] = None) -> int:
+        """The next chunk's columns: `step`, the rest, or fewer: `most` (the step budget's), or
+        where its activations at its context would not fit the chunk budget."""
         left = batch.width - batch.sent
-        n = min(batch.step, left)
-        if self.chunk_budget is None:
+        n = whole = min(batch.step, left)
+        if most is not None:
+            n = min(n, most)
+        if self.chunk_budget is not None:
+            n = min(n, self.chunk_budget.columns(len(batch.rows), batch.past + batch.sent, n))
+        if n == whole:
             return n
-        n = min(n, self.chunk_budget.columns(len(batch.rows), batch.past + batch.sent, n))
         if batch.padded:  # never a chunk of one column, nor one left over (see _form)
             n = max(2, n)
             n += (left - n == 1) * (1 if n == 2 else -1)
@@ -211,8 +221,10 @@ class Admission:
 class Batcher:
     def __init__(self, pipeline: Pipeline, tokenizer, max_batch: int = 16, prefill_step_size: int = PREFILL_STEP_SIZE,
                  prefill_batch_tokens: int = 2048, prefix: Optional[PrefixHooks] = None,
-                 speculation: Optional[SpeculationOptions] = None, memory=None, chunk_budget=None):
-        """`memory`, `chunk_budget`: what admission waits for and cuts prefill chunks to (Admission)."""
+                 speculation: Optional[SpeculationOptions] = None, memory=None, chunk_budget=None,
+                 step_budget: Optional[StepBudget] = None):
+        """`memory`, `chunk_budget`: what admission waits for and cuts prefill chunks to (Admission);
+        `step_budget`: the prompt tokens a chunk beside decoding rows may have (step_budget.py)."""
         self.pipeline, self.tokenizer = pipeline, tokenizer
         ranks = pipeline.num_ranks
         # One-row groups' verification frames (speculation.Verifier), through this batcher's public methods.
@@ -227,6 +239,7 @@ class Batcher:
         # first tokens (bench_load --arrival-gap: TTFT p50 +13% to +52% mixed on an H200, +6% to +36% on a CPU).
         self.mix = ranks > 1
         self.prefix = prefix or PrefixHooks()
+        self.budget = step_budget or StepBudget()
         self.admission = Admission(pipeline, self._new_slot, prefill_step_size, prefill_batch_tokens, memory,
                                    chunk_budget)
         self.ready: deque = deque()  # PrefillBatch: prefilled rows waiting to join a group
@@ -316,16 +329,19 @@ class Batcher:
         if any(o.kind == FrameKind.CHUNK or o.chunk for o in self.outstanding) or not self._prefill_may_go():
             return
         if not self.mix or self.admission.next_scored or len(self.outstanding) < self.depth:
-            self._send_prefill()
+            self._send_prefill(self.budget.tokens)
 
     def _prefill_may_go(self) -> bool:
         """No prefill while prefilled rows wait to join a group or for their first token (it comes first)."""
         return not self.ready and not any(o.first for o in self.outstanding)
 
-    def _send_prefill(self) -> bool:
-        batch = self.admission.send_next()
+    def _send_prefill(self, tokens: Optional[int] = None) -> bool:
+        """The next chunk in a frame of its own; `tokens`: its prompt tokens at most (beside decoding)."""
+        batch = self.admission.send_next(tokens=tokens)
         if batch is None:
             return False
+        if tokens is not None:
+            self.budget.sent(self.admission.last_tokens)
         if batch.width:  # a chunk went (a batch of one-token prompts has none)
             self.expect(Outstanding(FrameKind.CHUNK, list(batch.members), batch.slot))
         if batch.done:
@@ -383,7 +399,8 @@ class Batcher:
         batch = None
         if (self.mix and not first and self._prefill_may_go() and self.admission.pending
                 and not self.admission.next_scored):
-            batch = self.admission.send_next(carry)
+            batch = self.admission.send_next(carry, self.budget.tokens)
+            self.budget.sent(self.admission.last_tokens if carried else 0)
         if not carried:
             self.pipeline.send(tokens[:, None], Reply.LAST, group.slot,
                                next_length=self.verifier.length_after_step(group) if ahead else 0)
@@ -470,6 +487,7 @@ class Batcher:
             return
         tops = top_logprobs(frame.sequences, top)
         tokens, chosen = tokens.tolist(), chosen.tolist()
+        self.budget.replied(frame.group.slot)  # the group's tokens are here: its interval ends
         keep = []
         for row, (i, seq) in enumerate(in_slot):
             reason = seq.accept(tokens[i], chosen[i], tops[i])
@@ -486,6 +504,8 @@ class Batcher:
                 self.prefix.prefilled(seq, frame.slot, row)
         frame.group.members = kept
         frame.group.busy = group is not None  # its next step is in the ring
+        if not kept:
+            self.budget.idle(frame.group.slot)
 
     def _pick(self, sequences: List[Sequence], h: mx.array) -> tuple:
         """(next tokens, their log-probabilities, the top candidates or None), lazily,

@@ -20,6 +20,7 @@ from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
 from .request import RING_RESET, FinishEvent, GenerationRequest, TokenEvent
 from .speculation import SpeculationOptions
+from .step_budget import StepBudget
 
 Event = Union[TokenEvent, FinishEvent]
 log = logging.getLogger(__name__)
@@ -76,14 +77,14 @@ class Scheduler:
                  max_batch: int = 16, on_failure: Optional[Callable[[str], None]] = None,
                  prefill_batch_tokens: int = 2048, prefix_cache_bytes: int = 0,
                  speculation: Optional[SpeculationOptions] = None, memory: Optional[MemoryAdmission] = None,
-                 chunk_budget: Optional[ChunkBudget] = None):
+                 chunk_budget: Optional[ChunkBudget] = None, step_budget: Optional[StepBudget] = None):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.on_failure = on_failure  # e.g. turn health to NOT_SERVING
         self.grammars = Grammars(tokenizer, pipeline.stage.args.vocab_size)  # constrained decoding's tokenizer
         self.prefix_cache = PrefixCache(pipeline, prefix_cache_bytes)  # 0: off
         self.memory = memory  # --memory-limit: admission waits for memory
         self.batcher = Batcher(pipeline, tokenizer, max_batch, prefill_step_size, prefill_batch_tokens,
-                               self.prefix_cache, speculation, memory, chunk_budget)
+                               self.prefix_cache, speculation, memory, chunk_budget, step_budget)
         # Bound: max_batch running + max_queue waiting. A burst within the batch's room is
         # taken even before the loop moves it from this queue into the batch.
         self.max_queue, self.capacity = max_queue, max_batch + max_queue

@@ -130,6 +130,10 @@ class _RingCollector:
         yield _gauge("requests_waiting", "Requests queued for admission (at most --max-queue)", s.waiting)
         yield _gauge("sequences_running", "Requests admitted and decoding (or prefilling)", s.running)
         yield _gauge("max_batch", "Sequences that may decode together (--max-batch)", info.max_batch)
+        batcher = getattr(s, "batcher", None)
+        if batcher is not None and batcher.budget.tokens is not None:
+            yield _gauge("step_token_budget", "Prompt tokens a step may carry beside decoding rows now "
+                         "(--max-step-tokens, or as --itl-target-ms sets it)", batcher.budget.tokens)
         prefix = prefix_cache_of(s)
         if prefix is not None:
             yield _gauge("prefix_cache_entries", "Prefix-cache entries", len(prefix.index.entries))

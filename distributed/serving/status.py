@@ -46,7 +46,7 @@ def status_document(health, requests) -> dict:
         "ranks": _ranks(info.ranks if info else [], scheduler, requests.recent, state),
         "requests": {"running": scheduler.running if scheduler else 0, "waiting": scheduler.waiting if scheduler else 0,
                      "max_batch": info.max_batch if info else None, "served": sum(totals["outcomes"].values()),
-                     "outcomes": totals["outcomes"]},
+                     "outcomes": totals["outcomes"], "step_budget": _step_budget(scheduler)},
         "tokens": {"prompt": totals["prompt_tokens"], "cached": totals["cached_tokens"],
                    "generated": totals["generated_tokens"]},
         "last_minute": requests.recent.figures(), "history": requests.recent.history(),
@@ -62,6 +62,12 @@ def status_document(health, requests) -> dict:
         doc["speculative"] = {"passes": spec.passes, "drafted": spec.drafted, "accepted": spec.accepted,
                               "acceptance": _ratio(spec.accepted, spec.drafted), "cancelled": spec.cancelled}
     return doc
+
+
+def _step_budget(scheduler):
+    """The prompt tokens a step carries beside decoding rows (runtime/step_budget.py; null in the router)."""
+    batcher = getattr(scheduler, "batcher", None)
+    return batcher.budget.describe() if batcher is not None else None
 
 
 def _disk(prefix):

@@ -56,6 +56,8 @@ class SizingSettings:
     max_batch: Optional[int] = None  # None: as many as fit
     prefill_step_size: int = PREFILL_STEP_SIZE
     prefill_batch_tokens: int = 2048
+    max_step_tokens: Optional[int] = None  # prompt tokens beside decoding rows per step (None: no bound)
+    itl_target_ms: Optional[float] = None  # ... or as many as keep a step near this (runtime/step_budget.py)
     memory_limit: Union[int, str, None] = None  # bytes, "auto", or None
     prefix_cache_bytes: Optional[int] = None  # None: a share of the memory
     prefix_cache_dir: Optional[str] = None  # None: the user's cache folder; "none": no disk tier

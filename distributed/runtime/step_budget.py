@@ -1,0 +1,79 @@
+"""The token budget per step: how many prompt tokens may go into the ring beside running rows.
+
+A prompt prefills in chunks. While other sequences decode, each chunk delays their next token: with
+several ranks it rides in a decode step's frame, with one it goes just before the step. At
+--prefill-step-size (2,048 tokens) one chunk holds every running stream for as long as it takes:
+seconds on a CPU, about a second on a GPU at 64 streams. So, as vLLM's `max_num_batched_tokens`
+and Sarathi-Serve's stall-free batching do, a step carries its running rows plus at most B prompt
+tokens. `--max-step-tokens N` fixes B. `--itl-target-ms T` lets B follow what steps cost: each
+decode group's time from one reply to the next is measured, with the prompt tokens that entered the
+ring meanwhile; B shrinks where such intervals run over T and grows where they stay under, by the
+ratio of the time a step has for prompt tokens (T less a step without any) to what they took.
+Either way a prompt with nothing decoding beside it is not bounded (it goes at full speed), and B
+never falls below MIN_TOKENS, so a prompt always gets on.
+"""
+
+import time
+from typing import Dict, Optional, Tuple
+
+MIN_TOKENS = 16
+FIRST_TOKENS = 64  # B before anything is measured (--itl-target-ms)
+SMOOTHING = 0.25  # the weight of the newest interval in the running figures
+
+
+class StepBudget:
+    def __init__(self, tokens: Optional[int] = None, target_ms: Optional[float] = None, most: int = 1 << 30):
+        self.fixed = tokens
+        self.target = target_ms / 1000 if target_ms else None
+        self.most = most  # B never exceeds it (a chunk is --prefill-step-size at most anyway)
+        self.adaptive = self.target is not None and tokens is None
+        self.budget = float(min(FIRST_TOKENS, most)) if self.adaptive else None
+        self.step_seconds: Optional[float] = None  # a group's interval with no prompt tokens in it
+        self.carried = 0  # prompt tokens sent while rows decode, ever
+        self._last: Dict[int, Tuple[float, int]] = {}  # group slot -> (its last reply's time, carried then)
+
+    @property
+    def tokens(self) -> Optional[int]:
+        """B now; None: no bound."""
+        if self.fixed is not None:
+            return self.fixed
+        return None if self.budget is None else max(MIN_TOKENS, int(self.budget))
+
+    def columns(self, rows: int) -> Optional[int]:
+        """The most columns a chunk of `rows` rows may have beside decoding (None: no bound)."""
+        tokens = self.tokens
+        return None if tokens is None else max(1, tokens // max(1, rows))
+
+    def sent(self, tokens: int) -> None:
+        """`tokens` prompt tokens (padding included) went into the ring beside decoding rows."""
+        self.carried += tokens
+
+    def replied(self, group: int, now: Optional[float] = None) -> None:
+        """Group `group`'s decode step replied (at `now`, monotonic seconds): learn from the
+        interval since its last reply."""
+        now = time.monotonic() if now is None else now
+        last = self._last.get(group)
+        self._last[group] = (now, self.carried)
+        if last is None or not self.adaptive:
+            return
+        seconds, tokens = now - last[0], self.carried - last[1]
+        if tokens == 0:
+            self.step_seconds = seconds if self.step_seconds is None else _mix(self.step_seconds, seconds)
+            return
+        spare = self.target - (self.step_seconds or 0.0)  # what a step leaves the prompt tokens
+        took = max(1e-6, seconds - (self.step_seconds or 0.0))
+        wanted = min(self.most, max(MIN_TOKENS, tokens * max(0.0, spare) / took))
+        self.budget = _mix(self.budget, wanted)
+
+    def idle(self, group: int) -> None:
+        """Group `group` stopped decoding: its next reply starts a fresh interval."""
+        self._last.pop(group, None)
+
+    def describe(self) -> dict:
+        return {"tokens": self.tokens, "fixed": self.fixed is not None,
+                "itl_target_ms": None if self.target is None else round(self.target * 1000, 3),
+                "step_ms": None if self.step_seconds is None else round(self.step_seconds * 1000, 3)}
+
+
+def _mix(old: float, new: float) -> float:
+    return (1 - SMOOTHING) * old + SMOOTHING * new

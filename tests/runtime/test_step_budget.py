@@ -1,0 +1,83 @@
+"""The token budget per step (runtime/step_budget.py): while other sequences decode, a prompt's
+chunks carry at most B prompt tokens (--max-step-tokens), or as many as keep a step near a target
+(--itl-target-ms); a prompt alone is not bounded, and every request stays exact."""
+
+import pytest
+
+from distributed.runtime.request import GenerationRequest
+from distributed.runtime.step_budget import FIRST_TOKENS, MIN_TOKENS, StepBudget
+from prefill_frames import PROMPTS, STEP, FrameLog, admitted_together, assert_alone, assert_no_caches_left, scheduler_for
+
+LONG = [(7 * i + 3) % 250 + 1 for i in range(90)]
+
+
+@pytest.mark.parametrize("split", [(8,), (4, 4)])
+def test_chunks_beside_decoding_stay_within_the_budget(hf_checkpoint, split):
+    """A 90-token prompt arriving while others decode goes in chunks of at most B tokens (the
+    budget, under the 16-token prefill step), alone first (one rank) or in the steps' frames
+    (two); the same prompt with nothing decoding goes in whole steps; all exact."""
+    budget = 5
+    late = []
+
+    def submit_late(slot, shape, reply):  # once the running requests decode
+        if slot < len(split) and not late:
+            late.append(scheduler.submit(GenerationRequest(LONG, max_tokens=6)))
+
+    scheduler = scheduler_for(hf_checkpoint, split, step_budget=StepBudget(budget))
+    log = FrameLog(scheduler, submit_late)
+    scheduler.start()
+    try:
+        running = [PROMPTS[4], PROMPTS[5]][:len(split)]
+        handles = admitted_together(scheduler, [GenerationRequest(p, max_tokens=60) for p in running])
+        results = [list(h.events()) for h in handles] + [list(late[0].events())]
+        alone = scheduler.submit(GenerationRequest(LONG[::-1], max_tokens=3))
+        alone_events = list(alone.events())
+    finally:
+        scheduler.close()
+    for prompt, events, n in zip(running + [LONG], results, [60] * len(split) + [6]):
+        assert_alone(hf_checkpoint, prompt, events, n)
+    assert_alone(hf_checkpoint, LONG[::-1], alone_events, 3)
+    *_, late_slot, alone_slot = dict.fromkeys(slot for slot, *_ in log.prefill())  # in order of their first chunks
+    chunks = [s for s in log.sends if s[0] == late_slot]
+    assert sum(shape[1] for _, shape, *_ in chunks) == len(LONG) - 1
+    beside = [shape for _, shape, _, _, decoding in chunks if decoding]
+    assert beside and all(shape[1] <= budget for shape in beside), beside
+    assert scheduler.batcher.budget.carried >= sum(shape[1] for shape in beside)
+    assert [shape[1] for slot, shape, *_ in log.sends if slot == alone_slot] == [STEP] * 5 + [len(LONG) - 1 - 5 * STEP]
+    assert_no_caches_left(scheduler.pipeline)
+
+
+def test_the_target_steers_the_budget():
+    """--itl-target-ms: intervals over the target shrink B, under it grow it; never below
+    MIN_TOKENS nor above the prefill step; a group that stops decoding starts afresh."""
+    budget = StepBudget(target_ms=50, most=512)
+    assert budget.tokens == FIRST_TOKENS and budget.columns(4) == FIRST_TOKENS // 4
+    t = 0.0
+    budget.replied(0, t)
+    for _ in range(20):  # steps alone take 10 ms
+        t += 0.010
+        budget.replied(0, t)
+    assert budget.step_seconds == pytest.approx(0.010)
+    for _ in range(30):  # each prompt token costs 2 ms: 20 fit a 50 ms step beside 10 ms of decoding
+        budget.sent(budget.tokens)
+        t += 0.010 + 0.002 * budget.tokens
+        budget.replied(0, t)
+    assert abs(budget.tokens - 20) <= 2
+    for _ in range(40):  # prompt tokens get cheap: 0.05 ms each
+        budget.sent(budget.tokens)
+        t += 0.010 + 0.00005 * budget.tokens
+        budget.replied(0, t)
+    assert budget.tokens > 400
+    budget.idle(0)
+    budget.replied(0, t + 100)  # the first reply after idling measures nothing
+    assert budget.tokens > 400
+    for _ in range(40):  # a step alone now takes longer than the target: the floor
+        budget.sent(budget.tokens)
+        t += 0.080 + 0.001 * budget.tokens
+        budget.replied(0, t)
+    assert budget.tokens == MIN_TOKENS
+    fixed = StepBudget(32, target_ms=50)
+    fixed.sent(32)
+    fixed.replied(0, 0.0)
+    fixed.replied(0, 5.0)
+    assert fixed.tokens == 32 and StepBudget().tokens is None and StepBudget().columns(3) is None

@@ -29,6 +29,8 @@ SHORT = [1, 2, 3, 4, 5, 6]  # within the sliding window: asked twice, the second
 CHOICES = {5: 2}  # served's 6th request asks for n=2 choices (each its own sequence; the others have one)
 ACCESS = re.compile(r"^trinity: request (.*)$", re.M)
 
+STEP_TOKENS = 48  # the ring's --max-step-tokens
+
 
 def get(address, path, conn=None, token=None):
     """(status, Content-Type, body) of GET path (on `conn`, kept alive, if given)."""
@@ -72,7 +74,8 @@ def access_lines(output: str) -> list:
 @pytest.fixture(scope="module")
 def ring(hf_checkpoint):
     """2 ranks started by hand, so that rank 0 outlives a killed rank 1 by its grace (about 1 s)."""
-    s = Server(hf_checkpoint, 2, ["--http", "127.0.0.1:0", *SERVER_ARGS], manual=True)
+    s = Server(hf_checkpoint, 2, ["--http", "127.0.0.1:0", "--max-step-tokens", str(STEP_TOKENS), *SERVER_ARGS],
+               manual=True)
     try:
         s.wait_serving()
         s.http = host, port = s.http_address()
@@ -136,6 +139,7 @@ def test_a_scrape_counts_what_the_clients_saw(ring, served):
     assert total(samples, "trinity_prefix_cache_entries") >= 1
     info = ring.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     assert total(samples, "trinity_max_batch") == info.max_batch
+    assert total(samples, "trinity_step_token_budget") == STEP_TOKENS  # --max-step-tokens
     assert total(samples, "trinity_requests_waiting") == total(samples, "trinity_sequences_running") == 0
     assert total(samples, "trinity_ring_failures_total") == total(samples, "trinity_ring_restarts_total") == 0
     assert total(samples, "process_resident_memory_bytes") > 0

@@ -10,6 +10,13 @@ in a ring was cut into 4·P chunks.
               of a ring's gain is its smaller chunks, not its stages working at once
   P=1 side by side  as many P=1 processes as the ring has ranks, at once, one per core, each with the
               prompt: their summed tok/s over P=1's is what this machine's cores allow any ring
+  tensor T=N  (--tensor) the ring of N started the same way with --tensor-parallel-size N: one tensor
+              group, each rank half (1/N) of every layer's heads and experts, an all_sum over the ring
+              after attention and after the MLP; a prompt alone goes in P=1's chunks (one stage). Its
+              ranks evaluate every layer's output for a prompt chunk, the last layer's included (its
+              all_sums must pair: runtime/tensor.py), where P=1 evaluates the last layer's KV cache only:
+              on the embedded model, whose last layer is full attention, at 16,384 tokens (2,048-token
+              chunks) that is 31.0 CPU s of layers to split against P=1's 20.4, so at most 1.31x P=1
 
 Prefill tok/s = prompt tokens / time to the first token inside rank 0 (the runner's JSON, after
 loading). Each prompt is alone in a fresh process (max_tokens 1); configurations interleave per
@@ -68,6 +75,9 @@ def add_arguments(p) -> None:
                    "bandwidth, a hypervisor's cores)")
     p.add_argument("--runner-arg", action="append", default=[], metavar="ARG",
                    help="more run_trinity.py arguments (repeatable), e.g. --runner-arg=--prefill-step-size=1024")
+    p.add_argument("--tensor", action="store_true", help="also 'tensor T=N' for each ring: the same N ranks, "
+                   "each on its core, with --tensor-parallel-size N (one tensor group splitting every layer, "
+                   "the full-attention layer's heads included)")
     p.add_argument("--layer-costs", action="store_true", help="also each layer's CPU seconds in one process at "
                    "P=1's chunk and each ring's, each rank's share and the most a ring can gain over P=1 "
                    "(see above)")
@@ -117,17 +127,19 @@ def run_one(root: Path, ranks: int, cores: str, ids: str, args, env: dict, extra
 
 
 def configs_of(args, old) -> dict:
-    """Name -> (checkout, ranks)."""
+    """Name -> (checkout, ranks, tensor-parallel size)."""
     configs = {}
     for p in args.ranks:
         name = "P=1" if p == 1 else f"ring P={p}"
-        configs[name] = (ROOT, p)
+        configs[name] = (ROOT, p, 1)
         if p == 1 and max(args.ranks) > 1 and not args.no_same_chunks:
-            configs["P=1 same chunks"] = (ROOT, 1)
+            configs["P=1 same chunks"] = (ROOT, 1, 1)
         if p == 1 and max(args.ranks) > 1 and not args.no_side_by_side:
-            configs["P=1 side by side"] = (ROOT, 1)
+            configs["P=1 side by side"] = (ROOT, 1, 1)
+        if p > 1 and args.tensor:
+            configs[f"tensor T={p}"] = (ROOT, p, p)
         if old and (p > 1 or args.old_p1):
-            configs[f"{name} @old"] = (old, p)
+            configs[f"{name} @old"] = (old, p, 1)
     return configs
 
 
@@ -147,7 +159,7 @@ def measure(configs: dict, cores: list, args, env: dict) -> dict:
     for rep in range(args.reps):
         for n in args.prompt_lens:
             ids = prompt(n)
-            for name, (root, p) in configs.items():
+            for name, (root, p, t) in configs.items():
                 if name == "P=1 side by side":
                     r = side_by_side(root, cores, ids, args, env)
                 elif name == "P=1 same chunks":
@@ -156,6 +168,9 @@ def measure(configs: dict, cores: list, args, env: dict) -> dict:
                     chunk = ring_chunk(n, max(args.ranks), step)
                     r = dict(run_one(root, 1, cores[0], ids, args, env, ["--prefill-step-size", str(chunk)]),
                              chunk=chunk)
+                elif t > 1:  # one tensor group: one stage, P=1's chunks
+                    r = dict(run_one(root, p, ",".join(cores[:p]), ids, args, env,
+                                     ["--tensor-parallel-size", str(t)]), chunk=ring_chunk(n, 1, step))
                 else:
                     r = dict(run_one(root, p, ",".join(cores[:p]), ids, args, env),
                              chunk=ring_chunk(n, p if root == ROOT else 1, step))

@@ -44,9 +44,9 @@ class FrameLog:
             if on_send is not None:
                 on_send(slot, shape, reply)
 
-        def logged_send(tokens, reply, slot=0, **hints):
+        def logged_send(tokens, reply, slot=0, *more, **hints):
             log(tokens.shape, reply, slot)
-            return send(tokens, reply, slot, **hints)
+            return send(tokens, reply, slot, *more, **hints)
 
         def logged_send_mixed(tokens, slot, chunk, chunk_slot):
             self.mixed.append(len(self.sends))

@@ -139,14 +139,12 @@ class Admission:
         """The next chunk's columns: `step`, the rest, or fewer: `most` (the step budget's), or
         where its activations at its context would not fit the chunk budget."""
         left = batch.width - batch.sent
-        n = whole = min(batch.step, left)
+        n = min(batch.step, left)
         if most is not None:
             n = min(n, most)
         if self.chunk_budget is not None:
             n = min(n, self.chunk_budget.columns(len(batch.rows), batch.past + batch.sent, n))
-        if n == whole:
-            return n
-        if batch.padded:  # never a chunk of one column, nor one left over (see _form)
+        if batch.padded:  # never a chunk of one column, nor one left over (see _form), whatever cut the last
             n = max(2, n)
             n += (left - n == 1) * (1 if n == 2 else -1)
         return n

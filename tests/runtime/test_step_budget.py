@@ -6,9 +6,26 @@ import pytest
 
 from distributed.runtime.request import GenerationRequest
 from distributed.runtime.step_budget import FIRST_TOKENS, MIN_TOKENS, StepBudget
-from prefill_frames import PROMPTS, STEP, FrameLog, admitted_together, assert_alone, assert_no_caches_left, scheduler_for
+from prefill_frames import (PROMPTS, STEP, FrameLog, admitted_together, assert_alone, assert_no_caches_left,
+                            scheduler_for, tokens_of)
 
 LONG = [(7 * i + 3) % 250 + 1 for i in range(90)]
+SPECULATING = PROMPTS[4]  # its greedy continuation: 71 tokens, then EOS
+
+
+class Drafter:
+    """Drafts a row's greedy continuation, a wrong last draft in every third pass."""
+
+    def __init__(self, reference):
+        self.reference, self.passes = reference, 0
+
+    def propose(self, seq, k, after=()):
+        at = len(seq.generated) + len(after)
+        drafts = list(self.reference[at:at + k])
+        self.passes += 1
+        if self.passes % 3 == 0 and drafts:
+            drafts[-1] = (drafts[-1] + 1) % 250
+        return drafts
 
 
 @pytest.mark.parametrize("split", [(8,), (4, 4)])
@@ -81,3 +98,74 @@ def test_the_target_steers_the_budget():
     fixed.replied(0, 0.0)
     fixed.replied(0, 5.0)
     assert fixed.tokens == 32 and StepBudget().tokens is None and StepBudget().columns(3) is None
+
+
+@pytest.mark.parametrize("split", [(8,), (4, 4)])
+def test_the_budget_holds_with_speculation_grammars_and_the_prefix_cache(hf_checkpoint, split):
+    """Beside a row that speculates (its drafts: its greedy continuation, every third one wrong) and
+    a row kept to a JSON schema, two long prompts arrive, the second restoring the first's prefix
+    from the prefix cache: every chunk beside decoding stays within the budget, and every request
+    gets what it gets alone."""
+    from distributed.runtime.grammar import json_schema_grammar
+    from distributed.runtime.speculation import SpeculationOptions
+    from reference import mlx_lm_greedy, mlx_lm_masked_greedy
+
+    budget, shared = 6, LONG[:70]
+    RUNNING = 71
+    grammar = json_schema_grammar({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+                                   "required": ["name"]})
+    late = []
+    arriving = [(PROMPTS[5], 40, grammar), (shared + [5, 9, 11], 4, None), (shared + [17, 4, 2, 8], 4, None)]
+
+    def submit(prompt, max_tokens, grammar):
+        late.append(scheduler.submit(GenerationRequest(prompt, max_tokens=max_tokens, grammar=grammar)))
+
+    def submit_late(slot, shape, reply):  # once the first row speculates: two, then the third after the second
+        if slot < len(split) and scheduler.batcher.verifier.stats.passes:
+            if not late:
+                submit(*arriving[0])
+                submit(*arriving[1])
+            elif len(late) == 2 and late[1].done:
+                submit(*arriving[2])
+
+    scheduler = scheduler_for(hf_checkpoint, split, step_budget=StepBudget(budget), prefix_cache_bytes=1 << 28,
+                              speculation=SpeculationOptions(prompt_lookup=True, num_draft_tokens=3, measured=False))
+    scheduler.batcher.verifier.drafter = Drafter(mlx_lm_greedy(hf_checkpoint, SPECULATING, RUNNING, STEP)[0])
+    log = FrameLog(scheduler, submit_late)
+    scheduler.start()
+    try:
+        results = [list(scheduler.submit(GenerationRequest(SPECULATING, max_tokens=RUNNING)).events())]
+        for i in range(len(arriving)):  # each in turn (the first row may finish before they all came)
+            if len(late) <= i:
+                submit(*arriving[i])
+            results.append(list(late[i].events()))
+    finally:
+        scheduler.close()
+    assert_alone(hf_checkpoint, SPECULATING, results[0], RUNNING)
+    assert tokens_of(results[1]) == mlx_lm_masked_greedy(hf_checkpoint, PROMPTS[5], grammar, 40)
+    for (prompt, _, _), events in zip(arriving[1:], results[2:]):
+        assert_alone(hf_checkpoint, prompt, events, 4)
+    assert results[3][-1].cached_tokens >= len(shared) - 1
+    beside = [shape for slot, shape, _, _, decoding in log.prefill() if decoding]
+    assert beside and all(shape[1] <= budget for shape in beside), beside
+    assert scheduler.batcher.verifier.stats.passes > 0
+    assert_no_caches_left(scheduler.pipeline)
+
+
+def test_a_padded_batch_never_goes_one_column_at_a_time_whatever_cuts_its_chunks():
+    """mlx-lm's rotating batch cache takes a one-column frame for a decode step (it refuses one
+    before finalize): a padded batch's chunks, cut by the budget while others decode and whole
+    once they stop, never leave one column (it was: 63 of 72 sent in threes, then 8, then 1)."""
+    from distributed.runtime.batching import Admission, PrefillBatch
+
+    admission = Admission(None, None)
+    for width in range(2, 40):
+        for pattern in ([3, None], [None, 3, 3], [2], [5, 2, None], [1]):
+            batch = PrefillBatch(0, [], [[0] * width, [0]], width, step=8, padded=True)
+            chunks = []
+            while batch.sent < batch.width:
+                n = admission._columns(batch, pattern[len(chunks) % len(pattern)])
+                assert n >= 2 and batch.width - batch.sent - n != 1, (width, pattern, chunks, n)
+                chunks.append(n)
+                batch.sent += n
+            assert batch.sent == batch.width

@@ -7,8 +7,11 @@ seconds on a CPU, about a second on a GPU at 64 streams. So, as vLLM's `max_num_
 and Sarathi-Serve's stall-free batching do, a step carries its running rows plus at most B prompt
 tokens. `--max-step-tokens N` fixes B. `--itl-target-ms T` lets B follow what steps cost: each
 decode group's time from one reply to the next is measured, with the prompt tokens that entered the
-ring meanwhile; B shrinks where such intervals run over T and grows where they stay under, by the
-ratio of the time a step has for prompt tokens (T less a step without any) to what they took.
+ring meanwhile, and fitted to a line, a + b x tokens (least squares, recent intervals weighted
+most): a step alone costs a, a prompt token b, so B = (T - a) / b. Where a step alone already
+takes T or more (64 streams on one GPU), prompt tokens still get a step's time, B = a / b: the
+streams' time between tokens at most doubles while prompts are admitted, and the prompts are not
+starved.
 Either way a prompt with nothing decoding beside it is not bounded (it goes at full speed), and B
 never falls below MIN_TOKENS, so a prompt always gets on.
 """
@@ -19,6 +22,7 @@ from typing import Dict, Optional, Tuple
 MIN_TOKENS = 16
 FIRST_TOKENS = 64  # B before anything is measured (--itl-target-ms)
 SMOOTHING = 0.25  # the weight of the newest interval in the running figures
+DITHER = 0.25  # B's chunks alternate between (1 - DITHER) B and (1 + DITHER) B: the fit needs them to differ
 
 
 class StepBudget:
@@ -29,7 +33,9 @@ class StepBudget:
         self.adaptive = self.target is not None and tokens is None
         self.budget = float(min(FIRST_TOKENS, most)) if self.adaptive else None
         self.step_seconds: Optional[float] = None  # a group's interval with no prompt tokens in it
+        self.fit = Fit()  # a group's interval against the prompt tokens that went in meanwhile
         self.carried = 0  # prompt tokens sent while rows decode, ever
+        self._up = False  # the next chunk's dither
         self._last: Dict[int, Tuple[float, int]] = {}  # group slot -> (its last reply's time, carried then)
 
     @property
@@ -37,7 +43,9 @@ class StepBudget:
         """B now; None: no bound."""
         if self.fixed is not None:
             return self.fixed
-        return None if self.budget is None else max(MIN_TOKENS, int(self.budget))
+        if self.budget is None:
+            return None
+        return max(MIN_TOKENS, int(self.budget * (1 + (DITHER if self._up else -DITHER))))
 
     def columns(self, rows: int) -> Optional[int]:
         """The most columns a chunk of `rows` rows may have beside decoding (None: no bound)."""
@@ -47,6 +55,7 @@ class StepBudget:
     def sent(self, tokens: int) -> None:
         """`tokens` prompt tokens (padding included) went into the ring beside decoding rows."""
         self.carried += tokens
+        self._up = not self._up
 
     def replied(self, group: int, now: Optional[float] = None) -> None:
         """Group `group`'s decode step replied (at `now`, monotonic seconds): learn from the
@@ -56,24 +65,47 @@ class StepBudget:
         self._last[group] = (now, self.carried)
         if last is None or not self.adaptive:
             return
-        seconds, tokens = now - last[0], self.carried - last[1]
+        tokens, seconds = self.carried - last[1], now - last[0]
+        self.fit.add(tokens, seconds)
         if tokens == 0:
             self.step_seconds = seconds if self.step_seconds is None else _mix(self.step_seconds, seconds)
-            return
-        spare = self.target - (self.step_seconds or 0.0)  # what a step leaves the prompt tokens
-        took = max(1e-6, seconds - (self.step_seconds or 0.0))
-        wanted = min(self.most, max(MIN_TOKENS, tokens * max(0.0, spare) / took))
-        self.budget = _mix(self.budget, wanted)
+        line = self.fit.line()
+        if line is not None:
+            step, per_token = line
+            self.budget = _mix(self.budget, min(self.most, max(MIN_TOKENS, max(self.target - step, step) / per_token)))
 
     def idle(self, group: int) -> None:
         """Group `group` stopped decoding: its next reply starts a fresh interval."""
         self._last.pop(group, None)
 
     def describe(self) -> dict:
-        return {"tokens": self.tokens, "fixed": self.fixed is not None,
+        return {"tokens": self.tokens if self.budget is None else int(self.budget), "fixed": self.fixed is not None,
                 "itl_target_ms": None if self.target is None else round(self.target * 1000, 3),
                 "step_ms": None if self.step_seconds is None else round(self.step_seconds * 1000, 3)}
 
 
 def _mix(old: float, new: float) -> float:
     return (1 - SMOOTHING) * old + SMOOTHING * new
+
+
+class Fit:
+    """seconds = a + b x tokens, fitted by least squares over the intervals added, the newest
+    weighted most (exponentially: SMOOTHING)."""
+
+    def __init__(self):
+        self.means: Optional[Tuple[float, float, float, float]] = None  # of n, t, n*n, n*t
+
+    def add(self, tokens: int, seconds: float) -> None:
+        x = (tokens, seconds, tokens * tokens, tokens * seconds)
+        self.means = x if self.means is None else tuple(_mix(m, v) for m, v in zip(self.means, x))
+
+    def line(self) -> Optional[Tuple[float, float]]:
+        """(a, b), a >= 0 and b > 0; None until the intervals' tokens vary enough to tell them apart."""
+        if self.means is None:
+            return None
+        n, t, nn, nt = self.means
+        spread = nn - n * n
+        if spread < 0.01 * max(1.0, n * n) or spread <= 0:
+            return None
+        b = (nt - n * t) / spread
+        return (max(0.0, t - b * n), b) if b > 0 else None

@@ -5,7 +5,7 @@ chunks carry at most B prompt tokens (--max-step-tokens), or as many as keep a s
 import pytest
 
 from distributed.runtime.request import GenerationRequest
-from distributed.runtime.step_budget import FIRST_TOKENS, MIN_TOKENS, StepBudget
+from distributed.runtime.step_budget import DITHER, FIRST_TOKENS, MIN_TOKENS, StepBudget
 from prefill_frames import (PROMPTS, STEP, FrameLog, admitted_together, assert_alone, assert_no_caches_left,
                             scheduler_for, tokens_of)
 
@@ -65,33 +65,32 @@ def test_chunks_beside_decoding_stay_within_the_budget(hf_checkpoint, split):
 
 
 def test_the_target_steers_the_budget():
-    """--itl-target-ms: intervals over the target shrink B, under it grow it; never below
-    MIN_TOKENS nor above the prefill step; a group that stops decoding starts afresh."""
+    """--itl-target-ms: B follows a line fitted to the intervals (a step alone, a prompt token):
+    B = (target - step) / token; a step alone over the target still leaves prompts a step's time;
+    never below MIN_TOKENS nor above the prefill step; a group that stops decoding starts afresh."""
     budget = StepBudget(target_ms=50, most=512)
-    assert budget.tokens == FIRST_TOKENS and budget.columns(4) == FIRST_TOKENS // 4
-    t = 0.0
-    budget.replied(0, t)
-    for _ in range(20):  # steps alone take 10 ms
-        t += 0.010
-        budget.replied(0, t)
-    assert budget.step_seconds == pytest.approx(0.010)
-    for _ in range(30):  # each prompt token costs 2 ms: 20 fit a 50 ms step beside 10 ms of decoding
-        budget.sent(budget.tokens)
-        t += 0.010 + 0.002 * budget.tokens
-        budget.replied(0, t)
-    assert abs(budget.tokens - 20) <= 2
-    for _ in range(40):  # prompt tokens get cheap: 0.05 ms each
-        budget.sent(budget.tokens)
-        t += 0.010 + 0.00005 * budget.tokens
-        budget.replied(0, t)
-    assert budget.tokens > 400
+    assert abs(budget.tokens - FIRST_TOKENS) <= FIRST_TOKENS * DITHER + 1
+
+    def run(steps, step_s, token_s, every=1):
+        t = budget._last.get(0, (0.0,))[0]
+        for i in range(steps):  # every `every`-th interval carries a chunk
+            tokens = budget.tokens if i % every == 0 else 0
+            if tokens:
+                budget.sent(tokens)
+            t += step_s + token_s * tokens
+            budget.replied(0, t)
+
+    budget.replied(0, 0.0)
+    run(40, 0.010, 0.002, every=2)  # a step alone 10 ms, a prompt token 2 ms: 20 fit beside it in 50 ms
+    assert abs(budget.budget - 20) <= 2 and budget.step_seconds == pytest.approx(0.010)
+    run(60, 0.010, 0.00005)  # prompt tokens get cheap: 800 would fit, the prefill step is 512
+    assert budget.budget > 450
     budget.idle(0)
-    budget.replied(0, t + 100)  # the first reply after idling measures nothing
-    assert budget.tokens > 400
-    for _ in range(40):  # a step alone now takes longer than the target: the floor
-        budget.sent(budget.tokens)
-        t += 0.080 + 0.001 * budget.tokens
-        budget.replied(0, t)
+    budget.replied(0, 1e4)  # the first reply after idling measures nothing
+    assert budget.budget > 450
+    run(80, 0.080, 0.001)  # a step alone over the target: prompts still get a step's time, 80 tokens
+    assert abs(budget.budget - 80) <= 8
+    run(80, 0.200, 0.05)  # tokens dear: the floor
     assert budget.tokens == MIN_TOKENS
     fixed = StepBudget(32, target_ms=50)
     fixed.sent(32)

@@ -85,22 +85,10 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
     p.add_argument("--transport", choices=["auto", "p2p", "collective"], default="auto",
                    help="how hidden states move between ranks: point-to-point send/recv, or collectives "
                    "(for backends without send/recv, such as NCCL); auto picks collective under NCCL")
-    p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE,
-                   help="prompt tokens per prefill frame (a batch of B prompts: N/B each); "
-                   "several ranks work on successive chunks at once")
-    p.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
-                   help="prompt tokens a step may carry beside the rows decoding (a long prompt then delays "
-                   "running streams by about N tokens' time a step; alone it goes at full speed); default: "
-                   "no bound, or as --itl-target-ms sets it")
-    p.add_argument("--itl-target-ms", type=float, default=None, metavar="T",
-                   help="let the prompt tokens a step carries beside decoding follow what steps cost, so that "
-                   "a running stream's time between tokens stays near T ms (--max-step-tokens fixes it instead)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="sequences decoding together (split into one micro-batch per rank); default: as many "
                    f"as fit beside the weights on the tightest rank, each with a --max-context-token KV cache "
                    f"(for this estimate --max-context defaults to {DEFAULT_CONTEXT}), at most {MAX_BATCH}")
-    p.add_argument("--prefill-batch-tokens", type=int, default=2048,
-                   help="waiting prompts prefill together up to this many tokens (each padded to the longest)")
     p.add_argument("--max-context", type=context_arg, default=None, metavar="N|auto",
                    help="prompt + max tokens limit (default: max_position_embeddings); auto: the longest at which "
                    "--max-batch sequences' KV caches fit beside the weights on the tightest rank")
@@ -141,8 +129,25 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
     serve.add_argument("--prefix-cache-disk-bytes", type=int, default=None, metavar="N",
                        help="the most the prefix cache's folder holds, least recently used first "
                        "(default: a quarter of the disk's free space at start, at most 64 GiB)")
+    prefill_arguments(p)
     speculation_arguments(p)
     return p
+
+
+def prefill_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill: prompts in chunks, beside running streams (runtime/step_budget.py)")
+    g.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE,
+                   help="prompt tokens per prefill frame (a batch of B prompts: N/B each); "
+                   "several ranks work on successive chunks at once")
+    g.add_argument("--prefill-batch-tokens", type=int, default=2048,
+                   help="waiting prompts prefill together up to this many tokens (each padded to the longest)")
+    g.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
+                   help="prompt tokens a step may carry beside the rows decoding (a long prompt then delays "
+                   "running streams by about N tokens' time a step; alone it goes at full speed); default: "
+                   "no bound, or as --itl-target-ms sets it")
+    g.add_argument("--itl-target-ms", type=float, default=None, metavar="T",
+                   help="let the prompt tokens a step carries beside decoding follow what steps cost, so that "
+                   "a running stream's time between tokens stays near T ms (--max-step-tokens fixes it instead)")
 
 
 def speculation_arguments(p: argparse.ArgumentParser) -> None:

@@ -7,11 +7,12 @@ seconds on a CPU, about a second on a GPU at 64 streams. So, as vLLM's `max_num_
 and Sarathi-Serve's stall-free batching do, a step carries its running rows plus at most B prompt
 tokens. `--max-step-tokens N` fixes B. `--itl-target-ms T` lets B follow what steps cost: each
 decode group's time from one reply to the next is measured, with the prompt tokens that entered the
-ring meanwhile, and fitted to a line, a + b x tokens (least squares, recent intervals weighted
-most): a step alone costs a, a prompt token b, so B = (T - a) / b. Where a step alone already
-takes T or more (64 streams on one GPU), prompt tokens still get a step's time, B = a / b: the
-streams' time between tokens at most doubles while prompts are admitted, and the prompts are not
-starved.
+ring meanwhile: B follows the ratio of the time prompt tokens may take of an interval to what
+they took, the time a step alone takes (a) coming from a line fitted to the intervals, a + b x
+tokens (least squares, recent intervals weighted most; the chunks alternate a little in size so
+that the fit can tell a from b). Prompt tokens may take T - a, and where a step alone already takes
+T or more (64 streams on one GPU) a step's time, a: the streams' time between tokens at most
+doubles while prompts are admitted, and the prompts are not starved.
 Either way a prompt with nothing decoding beside it is not bounded (it goes at full speed), and B
 never falls below MIN_TOKENS, so a prompt always gets on.
 """
@@ -69,10 +70,13 @@ class StepBudget:
         self.fit.add(tokens, seconds)
         if tokens == 0:
             self.step_seconds = seconds if self.step_seconds is None else _mix(self.step_seconds, seconds)
+        if tokens == 0:
+            return
         line = self.fit.line()
-        if line is not None:
-            step, per_token = line
-            self.budget = _mix(self.budget, min(self.most, max(MIN_TOKENS, max(self.target - step, step) / per_token)))
+        step = line[0] if line is not None else self.step_seconds or 0.0  # a step alone, now
+        spare = max(self.target - step, step)  # what prompt tokens may take of an interval
+        took = max(1e-6, seconds - step)
+        self.budget = _mix(self.budget, min(self.most, max(MIN_TOKENS, tokens * spare / took)))
 
     def idle(self, group: int) -> None:
         """Group `group` stopped decoding: its next reply starts a fresh interval."""

@@ -53,6 +53,16 @@ def tensor_share(stage: Stage, rank: int, size: int) -> dict:
     return share
 
 
+def evaluated(h: mx.array, caches: list, last_stage: bool, reply: Reply) -> list:
+    """What every rank of a group evaluates for a frame: the stage's output and its caches, or,
+    for a prompt chunk whose output nobody reads (the last stage, reply NONE or ACK), the caches
+    alone, as one rank does (Pipeline.send): the last layer's attention output and MLP, and their
+    all_sums, are skipped on every rank alike. On the embedded model, whose last layer is a
+    full-attention one, that is a third of a 16k-token prefill."""
+    states = [c.state for c in caches]
+    return states if last_stage and reply in (Reply.NONE, Reply.ACK) else [h, states]
+
+
 def group_loaded(broadcast: Broadcast, here: bool) -> bool:
     """Whether every rank of the tensor group read its share of an entry from disk."""
     return bool(broadcast.gather_rows(mx.array([[[int(here)]]], dtype=mx.int32)).min().item())
@@ -111,7 +121,7 @@ class TensorPipeline(Pipeline):
         # stream of its own): the other ranks run this frame's all_sums now. (A failure here,
         # allocation included, would leave them mid-frame: it fails the ring, which the watchdog reports.)
         with self.stats.computing(), self._collectives():
-            mx.eval(out, [c.state for c in caches])
+            mx.eval(evaluated(out, caches, self.transport is None, reply))
         if self.transport is not None:
             self._sent(Header.for_payload(Op.FORWARD, h, reply=reply, slot=slot, arg=keep, next_length=next_length), h)
         elif reply == Reply.ACK:
@@ -198,13 +208,12 @@ class TensorStageWorker(StageWorker):
         return group_loaded(self.broadcast, self.caches.load(entry, tokens, cut))
 
     def _forward_plain(self, header: Header, h: mx.array) -> Optional[Frame]:
-        """StageWorker's, but the stage's output always evaluated, as the group's other ranks do: a
-        last stage's reply of NONE or ACK would evaluate only the caches, leaving out the last
-        layer's all_sums. (No memory verdict here: the other ranks run the frame already.)"""
+        """StageWorker's, evaluated as the group's other ranks evaluate it (`evaluated`), so that
+        their all_sums pair. (No memory verdict here: the other ranks run the frame already.)"""
         caches = self.caches.get(header.slot)
         with keeping(caches, header.arg), self.caches.tapped(header.slot, header.length) as staged:
             h = self.stage(h, staged)
-        mx.eval(h, [c.state for c in caches])
+        mx.eval(evaluated(h, caches, self.is_last, header.reply))
         if self.is_last:
             if header.reply in (Reply.NONE, Reply.ACK):
                 return None if header.reply == Reply.NONE else (Header(Op.FORWARD, Reply.ACK, header.slot), None)
@@ -245,7 +254,7 @@ class TensorFollower:
                 with self.stats.computing():
                     with keeping(caches, header.arg), self.caches.tapped(header.slot, header.length) as staged:
                         h = self.stage(h, staged)
-                    mx.eval(h, [c.state for c in caches])
+                    mx.eval(evaluated(h, caches, self.stage.end == self.stage.args.num_hidden_layers, header.reply))
                 self.stats.forward_frames += 1
             elif op in CACHE_OPS:
                 self.caches.apply(op, header.slot, header.arg, values)

@@ -8,9 +8,10 @@ and Sarathi-Serve's stall-free batching do, a step carries its running rows plus
 tokens. `--max-step-tokens N` fixes B. `--itl-target-ms T` lets B follow what steps cost: each
 decode group's time from one reply to the next is measured, with the prompt tokens that entered the
 ring meanwhile: B follows the ratio of the time prompt tokens may take of an interval to what
-they took, the time a step alone takes (a) coming from a line fitted to the intervals, a + b x
-tokens (least squares, recent intervals weighted most; the chunks alternate a little in size so
-that the fit can tell a from b). Prompt tokens may take T - a, and where a step alone already takes
+they took. The time a step alone takes (a) is that of the intervals that carried no prompt
+tokens, or, before any came, the intercept of a line fitted to the intervals, a + b x tokens
+(least squares, recent intervals weighted most; the chunks alternate a little in size so that
+the fit can tell a from b). Prompt tokens may take T - a, and where a step alone already takes
 T or more (64 streams on one GPU) a step's time, a: the streams' time between tokens at most
 doubles while prompts are admitted, and the prompts are not starved.
 Either way a prompt with nothing decoding beside it is not bounded (it goes at full speed), and B
@@ -72,8 +73,10 @@ class StepBudget:
             self.step_seconds = seconds if self.step_seconds is None else _mix(self.step_seconds, seconds)
         if tokens == 0:
             return
-        line = self.fit.line()
-        step = line[0] if line is not None else self.step_seconds or 0.0  # a step alone, now
+        step = self.step_seconds  # a step alone: measured where intervals without prompt tokens came
+        if step is None:  # (none while prompts come steadily from the start: 64 at once) the line's
+            line = self.fit.line()
+            step = line[0] if line is not None else 0.0
         spare = max(self.target - step, step)  # what prompt tokens may take of an interval
         took = max(1e-6, seconds - step)
         self.budget = _mix(self.budget, min(self.most, max(MIN_TOKENS, tokens * spare / took)))

@@ -88,8 +88,13 @@ def test_the_target_steers_the_budget():
     budget.idle(0)
     budget.replied(0, 1e4)  # the first reply after idling measures nothing
     assert budget.budget > 450
-    run(80, 0.080, 0.001)  # a step alone over the target: prompts still get a step's time, 80 tokens
+    run(80, 0.080, 0.001, every=2)  # a step alone over the target: prompts still get a step's time, 80 tokens
     assert abs(budget.budget - 80) <= 8
+    steady = StepBudget(target_ms=50, most=512)  # every interval carries prompt tokens: the line's intercept
+    budget = steady
+    budget.replied(0, 0.0)
+    run(80, 0.080, 0.001)
+    assert budget.step_seconds is None and abs(budget.budget - 80) <= 8
     run(80, 0.200, 0.05)  # tokens dear: the floor
     assert budget.tokens == MIN_TOKENS
     fixed = StepBudget(32, target_ms=50)

@@ -10,8 +10,8 @@ decode group's time from one reply to the next is measured, with the prompt toke
 ring meanwhile: B follows the ratio of the time prompt tokens may take of an interval to what
 they took. The time a step alone takes (a) is that of the intervals that carried no prompt
 tokens, or, before any came, the intercept of a line fitted to the intervals, a + b x tokens
-(least squares, recent intervals weighted most; the chunks alternate a little in size so that
-the fit can tell a from b). Prompt tokens may take T - a, and where a step alone already takes
+(least squares, recent intervals weighted most; the chunks alternate a little in size until a
+is measured, so that the fit can tell a from b). Prompt tokens may take T - a, and where a step alone already takes
 T or more (64 streams on one GPU) a step's time, a: the streams' time between tokens at most
 doubles while prompts are admitted, and the prompts are not starved.
 Either way a prompt with nothing decoding beside it is not bounded (it goes at full speed), and B
@@ -24,7 +24,7 @@ from typing import Dict, Optional, Tuple
 MIN_TOKENS = 16
 FIRST_TOKENS = 64  # B before anything is measured (--itl-target-ms)
 SMOOTHING = 0.25  # the weight of the newest interval in the running figures
-DITHER = 0.25  # B's chunks alternate between (1 - DITHER) B and (1 + DITHER) B: the fit needs them to differ
+DITHER = 0.25  # until a step alone is measured, chunks alternate between (1 -+ DITHER) B: the fit needs them to differ
 
 
 class StepBudget:
@@ -47,7 +47,8 @@ class StepBudget:
             return self.fixed
         if self.budget is None:
             return None
-        return max(MIN_TOKENS, int(self.budget * (1 + (DITHER if self._up else -DITHER))))
+        dither = 0.0 if self.step_seconds is not None else DITHER if self._up else -DITHER  # (for the fit)
+        return max(MIN_TOKENS, int(self.budget * (1 + dither)))
 
     def columns(self, rows: int) -> Optional[int]:
         """The most columns a chunk of `rows` rows may have beside decoding (None: no bound)."""

@@ -338,6 +338,21 @@ def decode_stream(server: CacheServer, prompt: list, stop: threading.Event, out:
             out["error"] = f"{e.code().name}: {e.details()}"
 
 
+def start_streams(server: CacheServer, prompts: list, tokens: int) -> tuple:
+    """A decode_stream thread per prompt, returned once each has `tokens` tokens (120 s at most)
+    and half a second more: (stop event, each stream's out, the threads)."""
+    stop, streams = threading.Event(), [{} for _ in prompts]
+    threads = [threading.Thread(target=decode_stream, daemon=True, args=(server, prompt, stop, out))
+               for prompt, out in zip(prompts, streams)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while not all(len(s.get("times", [])) >= tokens for s in streams) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    return stop, streams, threads
+
+
 def itl_run(args, runner_args: list, env: dict, disk: bool, rep: int) -> dict:
     root = Path(tempfile.mkdtemp(prefix="trinity-bench-itl-"))
     folders = [root / f"rank{r}" for r in range(args.ranks[0])] if disk else ["none"] * args.ranks[0]
@@ -346,16 +361,8 @@ def itl_run(args, runner_args: list, env: dict, disk: bool, rep: int) -> dict:
         with CacheServer(args.ranks[0], runner_args, env, folders, args.timeout) as server:
             generate(server, warm_prompt(args.warmup_len, f"itl-{rep}-{disk}"), 1, args.timeout)
             before = [folder_files(f) for f in folders] if disk else None
-            stop, streams = threading.Event(), [{} for _ in range(args.itl_streams)]
-            threads = [threading.Thread(target=decode_stream, daemon=True, args=(
-                server, [3] + prompt_of(ITL_PROMPT - 1, f"stream-{k}"), stop, streams[k]))
-                for k in range(args.itl_streams)]
-            for t in threads:
-                t.start()
-            deadline = time.monotonic() + 120
-            while not all(len(s.get("times", [])) >= 2 for s in streams) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.5)
+            stop, streams, threads = start_streams(server, [[3] + prompt_of(ITL_PROMPT - 1, f"stream-{k}")
+                                                            for k in range(args.itl_streams)], tokens=2)
             out["loadavg_start"] = _load()
             prefills = []
             try:

@@ -11,11 +11,10 @@ tokens of the prompt are compared across settings.
 
 import logging
 import statistics
-import threading
 import time
 
 from bench.harness import bench_env, flags, out_path, percentile, save, shrink
-from bench.prefix_cache import CacheServer, _load, decode_stream, generate, prompt_of
+from bench.prefix_cache import CacheServer, _load, generate, prompt_of, start_streams
 
 log = logging.getLogger("bench")
 STREAM_PROMPT = 64
@@ -39,15 +38,8 @@ def one_round(args, runner_args: list, env: dict, flags_: list, rep: int) -> dic
         prompt = prompt_of(args.prompt_len, f"long-{rep}")
         if args.alone:
             out["alone_ttft_s"] = generate(server, prompt_of(args.prompt_len, f"alone-{rep}"), 1, args.timeout)["ttft_s"]
-        stop, streams = threading.Event(), [{} for _ in range(args.streams)]
-        threads = [threading.Thread(target=decode_stream, daemon=True, args=(
-            server, [3] + prompt_of(STREAM_PROMPT - 1, f"s{k}-{rep}"), stop, streams[k])) for k in range(args.streams)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 120
-        while not all(len(s.get("times", [])) >= 3 for s in streams) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)
+        stop, streams, threads = start_streams(server, [[3] + prompt_of(STREAM_PROMPT - 1, f"s{k}-{rep}")
+                                                        for k in range(args.streams)], tokens=3)
         try:
             sent = time.perf_counter()
             r = generate(server, prompt, 1, args.timeout)

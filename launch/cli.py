@@ -386,6 +386,8 @@ def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
               + ": the ranks measure it and plan at start-up (--split auto)", file=sys.stderr)
     if planner.config is not None:
         note_tensor_advice(planner, hf, choose_links(args, hf, planner.config))
+    if not (args.dry_run or args.no_checks) and not checks_pass(args, hf, layout.plan, planner):
+        return 1
     ours = runner.can_start_ourselves(hf, args.backend)
     if args.via == "direct" and not ours:
         raise TrinityError("--via direct needs the ring backend (and an IP for every host); "
@@ -433,6 +435,24 @@ def note_tensor_advice(planner, hf: hostfile.Hostfile, links) -> None:
     if advice.choice.tensor != size:
         print(f"launch: note: for one chat over these links the speed model advises {advice.why} "
               "(`trinity-launch plan` shows its figures)", file=sys.stderr)
+
+
+def checks_pass(args, hf: hostfile.Hostfile, plan, planner) -> bool:
+    """The doctor's fast checks (versions, memory, ports) where a remote host or another interpreter
+    could differ from here; the failures said, as `trinity-launch doctor` says them."""
+    if all(h.is_local for h in hf.hosts) and args.python in (None, sys.executable) and args.starting_port is None:
+        return True  # this interpreter, this memory (planned above), ports picked free here
+    from . import doctor
+
+    options = doctor.Options(python=args.python or sys.executable, ssh=ssh_command(args.ssh),
+                             starting_port=args.starting_port, plan=lambda _: plan)
+    failed = doctor.failures(doctor.fast_checks(hf, options))
+    for line in failed:
+        print(f"launch: check failed: {line}", file=sys.stderr)
+    if failed:
+        print("launch: error: not starting the ring (`trinity-launch doctor` checks everything; "
+              "--no-checks skips these)", file=sys.stderr)
+    return not failed
 
 
 def _supervised(router_plan, cmd: List[str], run) -> int:

@@ -12,8 +12,8 @@
 `run` calls `fast_checks` (step 1 alone: versions, memory, ports) before starting a ring.
 """
 
+import copy
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -30,6 +30,7 @@ from .hostfile import Hostfile, Host
 from .probes import Probe
 from .processes import free_ports, signal_group
 
+FAST = {"reachable", "python", "mlx", "mlx_backend", "mlx_lm", "package", "macos", "memory", "port"}
 LINK_RING_S = 180.0  # the measuring ring's start, its trips at a few ms each, and its stop
 
 
@@ -119,7 +120,8 @@ def connect_neighbours(probes: List[Probe], addresses: List[tuple], bound: list)
 
 
 def with_measured_memory(hf: Hostfile, facts: list) -> Hostfile:
-    """The hostfile with each host's measured memory where it gives none (as --split auto plans)."""
+    """A copy of the hostfile with each host's measured memory where it gives none (as --split auto plans)."""
+    hf = copy.deepcopy(hf)
     for h, f in zip(hf.hosts, facts):
         if h.memory_bytes is None and f is not None and f.get("memory_bytes"):
             h.memory_bytes = f["memory_bytes"]
@@ -199,12 +201,12 @@ def measure_links(options: Options, hidden: int) -> dict:
 def link_checks(report: Report, hf: Hostfile) -> None:
     """A "link" check on each host: its link to the next rank, as the backend measured it."""
     pairs = {p["from"]: p for p in (report.links or {}).get("pairs", [])}
+    if len(pairs) == 1 and len(hf.hosts) == 2:  # two ranks: one link, both ways
+        pairs[1] = dict(pairs[0], to=0)
     for r, host in enumerate(report.hosts):
         p = pairs.get(r)
         if p is None:
-            two = report.links and report.links["ranks"] == 2
-            host.checks.append(Check("link", SKIP, "measured from rank 0 (two ranks: one link)" if two else
-                                     report.links_note or "one rank"))
+            host.checks.append(Check("link", SKIP, report.links_note or "one rank"))
             continue
         tcp = report.tcp.get(f"{host.host.ssh} -> {hf.hosts[p['to']].ssh}")
         plain = f" (plain TCP {tcp['rtt_ms']:.3f} ms, {tcp['mbit_s']:,.0f} Mbit/s)" if tcp else ""
@@ -256,4 +258,13 @@ def describe(report: Report) -> str:
 
 def fast_checks(hf: Hostfile, options: Options) -> Report:
     """Before `run` starts a ring: versions, memory and ports (no connections, no links)."""
-    return probe_hosts(hf, options, connect=False, env=dict(os.environ))
+    report = probe_hosts(hf, options, connect=False)
+    for h in report.hosts:
+        h.checks = [c for c in h.checks if c.name in FAST]
+    return report
+
+
+def failures(report: Report) -> List[str]:
+    """One line per failed check: host, what was found, the fix."""
+    return [f"{h.host.ssh} (rank {h.host.rank}): {c.name}: {c.detail}" + (f" -> fix: {c.fix}" if c.fix else "")
+            for h in report.hosts for c in h.failed]

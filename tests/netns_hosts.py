@@ -72,6 +72,16 @@ class Hosts:
     def cut(self, name: str) -> None:
         ip("-n", name, "link", "set", f"trpp{self.tag}{name[-1]}", "down")
 
+    def shape(self, name: str, *netem: str) -> None:
+        """tc netem on the host's side of its link (what it sends), e.g. shape(A, "delay", "5ms");
+        none given: the shaping removed."""
+        dev = f"trpp{self.tag}{name[-1]}"
+        if netem:
+            ip_tc = ["tc", "-n", name, "qdisc", "replace", "dev", dev, "root", "netem", *netem]
+        else:
+            ip_tc = ["tc", "-n", name, "qdisc", "del", "dev", dev, "root"]
+        subprocess.run(ip_tc, capture_output=True, text=True, check=bool(netem))
+
     def hostfile(self, path: Path, memory_gb=None) -> Path:
         hosts = []
         for n in self.names:
@@ -84,8 +94,8 @@ class Hosts:
 
 
 @contextlib.contextmanager
-def namespace_hosts(tmp_path):
-    """Namespaces A, B, C on a bridge of this machine; everything removed afterwards, and
+def namespace_hosts(tmp_path, letters: str = "abc"):
+    """Namespaces A, B, C (one per letter) on a bridge of this machine; everything removed afterwards, and
     whatever still runs in them killed first, even when the test failed (skips the test
     where namespaces cannot be made)."""
     if os.geteuid() != 0:
@@ -95,7 +105,7 @@ def namespace_hosts(tmp_path):
     tag = uuid.uuid4().hex[:6]
     subnet = next(s for s in (f"10.79.{random.randrange(256)}" for _ in range(50))
                   if not ip("route", "show", f"{s}.0/24", check=False).stdout.strip())
-    names = [f"trp{tag}{x}" for x in "abc"]
+    names = [f"trp{tag}{x}" for x in letters]
     bridge = f"trpbr{tag}"
     made = ip("netns", "add", names[0], check=False)
     if made.returncode != 0:

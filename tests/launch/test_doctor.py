@@ -1,0 +1,189 @@
+"""launch/doctor.py (`trinity-launch doctor`) and `run`'s fast checks, on localhost and on
+network-namespace "hosts" reached through the launcher's `--ssh` (tests/netns_hosts.py): a
+healthy ring passes every check; another MLX in one host's environment, a port taken there, a
+share larger than a host's memory each fail naming host and figures; links shaped with tc netem
+are measured as set and turn the planner's advice (launch/links.py, launch/tensor_plan.py).
+
+The other MLX is a real second environment: a venv with the release before ours, made once in
+the user's cache folder (pip, a few seconds), bind-mounted over our venv's path inside host B's
+mount namespace (`ip netns exec` gives each command its own), so B runs "the same interpreter
+path" with other packages, as a second Mac would.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, free_port_range
+from netns_hosts import assert_nothing_left, namespace_hosts
+
+pytestmark = pytest.mark.slow  # network namespaces, rings over them
+
+OTHER_MLX = "0.32.3"  # a real release other than the one this environment pins
+SSH_MOUNTING = """#!/bin/sh
+while [ $# -gt 0 ]; do case "$1" in -o) shift 2;; -*) shift;; *) break;; esac; done
+host=$1; shift
+if [ "$host" = "{host}" ]; then
+  exec ip netns exec "$host" sh -c 'mount --bind "$1" "$2" && exec sh -c "$0"' "$*" {env} {prefix}
+fi
+exec ip netns exec "$host" sh -c "$*"
+"""
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    with namespace_hosts(tmp_path_factory.mktemp("doctor")) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """XDG_CACHE_HOME of the doctor runs: where they keep the links (launch/links.py)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def hostfile(hosts, names, path: Path, **extra) -> Path:
+    path.write_text(json.dumps([{"ssh": n, "ips": [hosts.ips[n]], **extra} for n in names]))
+    return path
+
+
+def launch(cache: Path, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XDG_CACHE_HOME=str(cache))
+    return subprocess.run([sys.executable, "-m", "launch", *args], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=timeout)
+
+
+def doctor(cache: Path, *args) -> tuple:
+    """(exit status, the JSON report by host name, the report)."""
+    done = launch(cache, "doctor", "--json", *args)
+    assert done.stdout, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    return done.returncode, {h["host"]: {c["name"]: c for c in h["checks"]} for h in report["hosts"]}, report
+
+
+@pytest.fixture(scope="module")
+def healthy(hosts, cache, hf_checkpoint, tmp_path_factory):
+    """One doctor run over A and B, links measured (unshaped)."""
+    a, b, _ = hosts.names
+    path = hostfile(hosts, [a, b], tmp_path_factory.mktemp("healthy") / "hosts.json")
+    status, checks, report = doctor(cache, "--hostfile", str(path), "--ssh", str(hosts.ssh), "--model",
+                                    str(hf_checkpoint))
+    assert_nothing_left(hosts)
+    return status, checks, report
+
+
+def test_a_healthy_ring_passes_every_check(healthy, hosts):
+    status, checks, report = healthy
+    assert status == 0, json.dumps(report, indent=1)
+    assert sorted(checks) == sorted(hosts.names[:2])
+    for host, by_name in checks.items():
+        assert {n: c["status"] for n, c in by_name.items() if c["status"] != "pass"} == {}, by_name
+    assert {"reachable", "python", "mlx", "mlx_backend", "mlx_lm", "package", "memory", "disk", "model", "prerequisites",
+            "port", "firewall", "link"} <= set(by_name)
+    assert report["links"]["ranks"] == 2 and report["links"]["all_reduce_ms"] > 0
+
+
+def test_on_localhost_too(cache, hf_checkpoint):
+    status, checks, report = doctor(cache, "--single-host", "2", "--model", str(hf_checkpoint))
+    assert status == 0, json.dumps(report, indent=1)
+    assert report["links"]["pairs"][0]["rtt_ms"] > 0
+
+
+@pytest.fixture(scope="module")
+def other_mlx() -> Path:
+    """A venv with MLX OTHER_MLX, made once (pip) in the user's cache folder."""
+    import mlx.core as mx
+
+    assert mx.__version__ != OTHER_MLX, "pick another OTHER_MLX"
+    folder = Path.home() / ".cache" / "trinity-pipeline" / "test-envs" / f"mlx-{OTHER_MLX}-py{sys.version_info[0]}{sys.version_info[1]}"
+    if not (folder / "ready").exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+        pip = subprocess.run([str(folder / "bin" / "python"), "-m", "pip", "install", "-q", f"mlx[cpu]=={OTHER_MLX}"],
+                             capture_output=True, text=True)
+        if pip.returncode:
+            shutil.rmtree(folder, ignore_errors=True)
+            pytest.skip(f"cannot install mlx {OTHER_MLX} into a second venv: {pip.stderr.strip()[-300:]}")
+        (folder / "ready").write_text("")
+    return folder
+
+
+@pytest.fixture
+def b_has_other_mlx(hosts, other_mlx, tmp_path) -> Path:
+    """An ssh stand-in under which host B runs our interpreter's path from the second venv."""
+    ssh = tmp_path / "ssh-other-mlx"
+    ssh.write_text(SSH_MOUNTING.format(host=hosts.names[1], env=other_mlx, prefix=sys.prefix))
+    ssh.chmod(0o755)
+    return ssh
+
+
+def test_another_mlx_on_one_host_fails_naming_both(hosts, cache, hf_checkpoint, b_has_other_mlx, tmp_path):
+    import mlx.core as mx
+
+    a, b, _ = hosts.names
+    path = hostfile(hosts, [a, b], tmp_path / "hosts.json")
+    status, checks, report = doctor(cache, "--hostfile", str(path), "--ssh", str(b_has_other_mlx), "--model",
+                                    str(hf_checkpoint))
+    assert status == 1
+    mlx = checks[b]["mlx"]
+    assert mlx["status"] == "fail" and mlx["detail"] == f"MLX {OTHER_MLX} here, {mx.__version__} on {a} (rank 0)", mlx
+    assert OTHER_MLX in mlx["fix"] or mx.__version__ in mlx["fix"]
+    assert checks[a]["mlx"]["status"] == "pass"
+    assert report["links"] is None and "fix the failed checks first" in report["links_note"]
+    assert_nothing_left(hosts)
+
+
+def test_run_stops_at_the_fast_checks(hosts, cache, hf_checkpoint, b_has_other_mlx, tmp_path):
+    import mlx.core as mx
+
+    a, b, _ = hosts.names
+    path = hostfile(hosts, [a, b], tmp_path / "hosts.json")
+    done = launch(cache, "run", "--hostfile", str(path), "--ssh", str(b_has_other_mlx), "--", "run-trinity",
+                  "--model", str(hf_checkpoint), "--prompt-ids", "1,2", "--max-tokens", "1")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"launch: check failed: {b} (rank 1): mlx: MLX {OTHER_MLX} here, {mx.__version__} on {a} (rank 0)" \
+        in done.stderr, done.stderr[-3000:]
+    assert "started rank" not in done.stderr
+    assert_nothing_left(hosts)
+
+
+def test_a_taken_port_fails_naming_host_and_port(hosts, cache, tmp_path):
+    a, b, _ = hosts.names
+    base = free_port_range(2)
+    holder = subprocess.Popen(["ip", "netns", "exec", b, sys.executable, "-c",
+                               "import socket, sys, time; s = socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); "
+                               "print('held', flush=True); time.sleep(600)", hosts.ips[b], str(base + 1)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        path = hostfile(hosts, [a, b], tmp_path / "hosts.json")
+        status, checks, _ = doctor(cache, "--hostfile", str(path), "--ssh", str(hosts.ssh), "--starting-port",
+                                   str(base), "--no-links")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert status == 1
+    port = checks[b]["port"]
+    assert port["status"] == "fail" and port["detail"].startswith(f"{hosts.ips[b]}:{base + 1} cannot be bound: "), port
+    assert checks[a]["port"]["status"] == "pass"
+    assert checks[b]["firewall"]["status"] == "skip"  # not our port: a connection would reach its holder
+    assert_nothing_left(hosts)
+
+
+def test_a_host_with_less_memory_than_its_share_fails_naming_the_numbers(hosts, cache, tmp_path):
+    a, b, _ = hosts.names
+    path = hostfile(hosts, [a, b], tmp_path / "hosts.json")
+    status, checks, _ = doctor(cache, "--hostfile", str(path), "--ssh", str(hosts.ssh), "--preset", "trinity-mini",
+                               "--memory-gb", "400,0.5", "--no-links")
+    assert status == 1
+    memory = checks[a]["memory"]
+    assert memory["status"] == "fail", memory
+    assert memory["detail"].startswith("its share needs ") and " GiB usable there" in memory["detail"], memory
+    need, have = (float(x.split(" GiB")[0]) for x in memory["detail"].replace("its share needs ", "").split("; "))
+    assert need > have
+    assert checks[b]["memory"]["status"] == "pass"

@@ -12,7 +12,7 @@ SUBCOMMANDS = {
     "decode": "decode", "load": "load", "speculation": "speculation", "soak": "soak", "micro": "micro",
     "prefill-limit": "prefill_limit", "tensor": "tensor", "tensor-model": "tensor_model",
     "strict-tools": "strict_tools", "request-path": "request_path",
-    "prefix-cache": "prefix_cache", "prefill-stages": "prefill_stages", "agents": "agents", "stalls": "stalls",
+    "prefix-cache": "prefix_cache", "prefill-stages": "prefill_stages", "agents": "agents", "stalls": "stalls", "admission": "admission",
 }
 
 

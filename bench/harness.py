@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
@@ -385,6 +386,11 @@ class Server:
 
     def dead(self) -> bool:
         return any(p.poll() is not None for p in self.procs)
+
+    def status(self) -> dict:
+        """GET /v1/status (a server started with `http`)."""
+        with urllib.request.urlopen(f"http://{self.http}/v1/status", timeout=30) as r:
+            return json.loads(r.read())
 
     def stub(self):
         from distributed.serving.proto import generation_pb2_grpc as pb_grpc

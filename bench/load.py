@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from distributed.runtime.loop_clock import per_step
+
 from bench.harness import (FULL, PY, ROOT, SMALL, Server, bench_env, checkpoint, concurrent_streams, flags,
                            grpc_generate, int_list, load_mlx_lm, make_mini, out_path, percentile, run_ranks, save,
                            stream_prompts)
@@ -108,7 +110,10 @@ def measure(spec: dict, client, name: str) -> dict:
                 client.batch(stream_prompts(n, length, tag=f"warmup-{length}-{n}"), WARMUP_TOKENS)
                 prompts = stream_prompts(n, length, tag=f"load-{length}-{n}")
                 limits = budgets(n, spec["max_tokens"], spec["mixed"])
+                before = client.loop()
                 run = client.batch(prompts, limits, spec["arrival_gap"]) if spec["arrival_gap"] else client.batch(prompts, limits)
+                if before is not None:
+                    run["loop"] = per_step(before, client.loop())
                 each = limits if isinstance(limits, list) else [limits] * n
                 run["alone"] = [client.alone(p, m) for p, m in zip(prompts[:spec["check"]], each)]
                 runs[str(n)] = run
@@ -143,7 +148,9 @@ class MlxLm:
         start = time.perf_counter()
         uids = gen.insert(prompts, max_tokens if isinstance(max_tokens, list) else [max_tokens] * n)
         tokens, first = {u: [] for u in uids}, {}
+        steps = 0
         while responses := gen.next_generated():
+            steps += 1
             now = time.perf_counter()
             for r in responses:
                 first.setdefault(r.uid, now)
@@ -152,9 +159,12 @@ class MlxLm:
         wall = time.perf_counter() - start
         gen.close()
         count = sum(len(t) for t in tokens.values())
-        return {"streams": n, "wall_s": wall, "tokens": count, "aggregate_tps": count / wall,
+        return {"streams": n, "wall_s": wall, "tokens": count, "aggregate_tps": count / wall, "steps": steps,
                 "ttfts_s": [first[u] - start if u in first else None for u in uids],
                 "token_ids": [tokens[u] for u in uids]}
+
+    def loop(self):
+        return None  # (no scheduler loop to read)
 
     def _generate(self, prompt: list, max_tokens: int):
         import mlx.core as mx
@@ -205,6 +215,10 @@ class GrpcClient:
             raise RuntimeError(self.server.why("a server process exited"))
         return out
 
+    def loop(self) -> dict:
+        """Rank 0's scheduler loop clock (/v1/status)."""
+        return self._call(self.server.status)["loop"]
+
     def batch(self, prompts: list, max_tokens, gap: float = 0.0) -> dict:
         return self._call(concurrent_streams, self.stub, prompts, max_tokens, self.timeout, gap)
 
@@ -233,7 +247,7 @@ def run_runner(ranks: int, args, runner_args: list, env: dict, spec: dict, base:
     checkout = args.baseline.resolve() if base and args.baseline else ROOT
     extra = args.against.split() if base and args.against else []
     server = Server(ranks, runner_args + extra, env, args.backend, args.timeout, args.gpu_per_rank,
-                    run=str(checkout / "run_trinity.py"), name="baseline" if base else "runner")
+                    run=str(checkout / "run_trinity.py"), name="baseline" if base else "runner", http=True)
     try:
         with server:
             out = measure(spec, GrpcClient(server, args.timeout), server.label)
@@ -291,9 +305,26 @@ def print_report(rows: list, results: dict, spec: dict) -> None:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
     print("tok/s = generated tokens / (last stream's end - first request); TTFT: request sent -> first token; ITL: "
           f"gaps between a stream's tokens; exact: streams equal to their prompt alone (the first {spec['check']})")
+    print_loop(results, spec)
     for name, res in results.items():
         if res.get("error"):
             print(f"\n{name} FAILED: {res['error']}")
+
+
+def print_loop(results: dict, spec: dict) -> None:
+    """Where each run's steps went: rank 0's loop by part (ms a step, runtime/loop_clock.py); mlx-lm's
+    BatchGenerator, ms a step (its whole next_generated call)."""
+    parts = ("admit", "build", "launch", "sample", "wait", "accept", "prefix", "other")
+    print("\nms a step: rank 0's loop by part (host = all but wait); mlx-lm: wall / steps")
+    for name, res in results.items():
+        for length, runs in res.get("streams", {}).items():
+            for n, run in runs.items():
+                if "loop" in run:
+                    ms = run["loop"]["ms_per_step"]
+                    print(f"  {name} {length}x{n}: {run['loop']['steps']} steps, busy {ms['busy']:.2f} = host "
+                          f"{ms['host']:.2f} + wait {ms['wait']:.2f}; " + ", ".join(f"{p} {ms[p]:.2f}" for p in parts))
+                elif run.get("steps"):
+                    print(f"  {name} {length}x{n}: {run['steps']} steps, {1e3 * run['wall_s'] / run['steps']:.2f} a step")
 
 
 def main(args) -> None:

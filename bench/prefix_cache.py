@@ -34,7 +34,6 @@ does. Every process started here is gone when it returns, and the temporary fold
 --smoke: prompts of 512 and 1024 tokens, a 2-prompt --itl of 512 tokens.
 """
 
-import json
 import logging
 import random
 import re
@@ -44,7 +43,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from bench.harness import (PY, Server, bench_env, flags, free_ports, int_list, make_mini, out_path, percentile, save,
@@ -103,10 +101,6 @@ class CacheServer(Server):
         self.names = [f"rank {r}" for r in range(self.ranks)]
         self.procs, self.hostfile = start_ranks(cmd, self.ranks, self.env, rank0=stdio[0], others=stdio[1:],
                                                 rank_env=lambda r: {"BENCH_PREFIX_CACHE_DIR": str(self.folders[r])})
-
-    def status(self) -> dict:
-        with urllib.request.urlopen(f"http://{self.http}/v1/status", timeout=30) as r:
-            return json.loads(r.read())
 
     def access_lines(self) -> list:
         return [line for line in self.log().splitlines() if "request front_end=" in line]

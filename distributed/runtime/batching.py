@@ -224,6 +224,7 @@ class Batcher:
         """`memory`, `chunk_budget`: what admission waits for and cuts prefill chunks to (Admission);
         `step_budget`: the prompt tokens a chunk beside decoding rows may have (step_budget.py)."""
         self.pipeline, self.tokenizer = pipeline, tokenizer
+        self.clock = pipeline.stats.clock  # where the loop's time goes (loop_clock.py)
         ranks = pipeline.num_ranks
         # One-row groups' verification frames (speculation.Verifier), through this batcher's public methods.
         self.verifier = Verifier(pipeline, speculation or SpeculationOptions(), self)
@@ -257,13 +258,15 @@ class Batcher:
         seq = Sequence(handle, self.tokenizer, self._new_slot())
         self.sequences += 1
         if not seq.request.scores_prompt:  # those need every prompt position computed
-            self.prefix.restore(seq, self.drain)
+            with self.clock.part("prefix"):
+                self.prefix.restore(seq, self.drain)
         self.admission.waiting.append(seq)
 
     def step(self) -> None:
         """Send what fits into the ring, then take one reply."""
         self._drop_cancelled()
-        self._fill()
+        with self.clock.part("build"):
+            self._fill()
         if self.outstanding:
             self._receive()
 
@@ -416,7 +419,8 @@ class Batcher:
         if frame.kind == FrameKind.STEP and (h := self.pipeline.take_local_reply()) is not None:
             frame.picked = self._pick(frame.sequences, h)
             try:
-                mx.async_eval(*frame.picked)
+                with self.clock.part("launch"):
+                    mx.async_eval(*frame.picked)
             except Exception as e:  # its reply is NO_MEMORY where MLX could not allocate
                 self.pipeline.refuse_reply(frame.slot, e)
                 frame.picked = None
@@ -476,39 +480,52 @@ class Batcher:
             # (the prefix cache keeps its caches as they are: its whole prompt), nor where
             # the next step may verify drafts (they follow from this token).
             rows = [i for i, _ in in_slot]
-            self._send_step(group, tokens if len(rows) == len(frame.sequences) else tokens[mx.array(rows)])
+            with self.clock.part("build"):
+                self._send_step(group, tokens if len(rows) == len(frame.sequences) else tokens[mx.array(rows)])
         else:
             group = None
         if ahead is not None and self._reply_failed(frame, ahead, sent_next=group is not None):
             return
         if not self._evaluated(frame, (tokens, chosen, *(top or ())), sent_next=group is not None):
             return
-        tops = top_logprobs(frame.sequences, top)
-        tokens, chosen = tokens.tolist(), chosen.tolist()
+        self.clock.steps += 1
         self.budget.replied(frame.group.slot)  # the group's tokens are here: its interval ends
-        keep = []
-        for row, (i, seq) in enumerate(in_slot):
-            reason = seq.accept(tokens[i], chosen[i], tops[i])
-            if reason is None:
-                keep.append(row)
-            else:
-                self.finish(seq, reason, frame.slot, row)
+        keep = self._accept(frame, in_slot, tokens, chosen, top)
         if len(keep) < len(in_slot):
             self.pipeline.filter(frame.slot, keep)
         kept = [in_slot[row][1] for row in keep]
         prepare_masks([s.logits.constraint for s in kept], [s.generated for s in kept])  # while the ring runs
-        for row, seq in enumerate(kept):
-            if id(seq) in fresh:
-                self.prefix.prefilled(seq, frame.slot, row)
+        with self.clock.part("prefix"):
+            for row, seq in enumerate(kept):
+                if id(seq) in fresh:
+                    self.prefix.prefilled(seq, frame.slot, row)
         frame.group.members = kept
         frame.group.busy = group is not None  # its next step is in the ring
         if not kept:
             self.budget.idle(frame.group.slot)
 
+    def _accept(self, frame: Outstanding, in_slot: list, tokens: mx.array, chosen: mx.array, top) -> List[int]:
+        """Each row's token (evaluated) to its sequence; rows that finish end here. The rows kept."""
+        with self.clock.part("accept"):
+            tops = top_logprobs(frame.sequences, top)
+            tokens, chosen = tokens.tolist(), chosen.tolist()
+            keep = []
+            for row, (i, seq) in enumerate(in_slot):
+                reason = seq.accept(tokens[i], chosen[i], tops[i])
+                if reason is None:
+                    keep.append(row)
+                else:
+                    self.finish(seq, reason, frame.slot, row)
+            return keep
+
     def _pick(self, sequences: List[Sequence], h: mx.array) -> tuple:
         """(next tokens, their log-probabilities, the top candidates or None), lazily,
         from the last rank's output. Tokens are drawn from what the logits processors
         make of the logits; the logprobs reported are the model's."""
+        with self.clock.part("sample"):
+            return self._sampled(sequences, h)
+
+    def _sampled(self, sequences: List[Sequence], h: mx.array) -> tuple:
         logits = self.pipeline.stage.head(h)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = draw(sequences, shaped_logprobs(sequences, logits, logprobs))
@@ -520,7 +537,8 @@ class Batcher:
     def finish(self, seq: Sequence, reason: str, slot: Optional[int] = None, row: int = 0) -> None:
         """End `seq`; `slot` and `row`: where its caches still are (None: nowhere whole)."""
         if slot is not None:
-            self.prefix.snapshot(seq, slot, row)
+            with self.clock.part("prefix"):
+                self.prefix.snapshot(seq, slot, row)
         seq.finish(reason)
         self.sequences -= 1
 

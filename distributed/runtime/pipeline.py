@@ -44,6 +44,7 @@ from ..transport.base import LocalRing, PendingFrame
 from . import rank_info
 from .caches import CACHE_OPS, SlotCaches, hold, keeping, put_back
 from .disk_cache import DiskCache
+from .loop_clock import LoopClock
 from .memory_guard import MemoryGuard, allocation_failed, step_alone
 
 Frame = Tuple[Header, Optional[mx.array]]
@@ -55,6 +56,7 @@ class RankStats:
 
     def __init__(self, caches: SlotCaches, guard: Optional[MemoryGuard] = None):
         self.caches, self.guard = caches, guard
+        self.clock = LoopClock()  # rank 0: its scheduler loop's parts, `wait` timed here
         self.forward_seconds = 0.0
         self.forward_frames = 0
         self.mixed_frames = 0  # of those, decode steps that carried a prefill chunk (Stage.mixed)
@@ -70,7 +72,8 @@ class RankStats:
         """Time a wait for this rank's own computation; `drains`: all of it in flight."""
         start = time.perf_counter()
         try:
-            yield
+            with self.clock.part("wait"):
+                yield
         finally:
             end = time.perf_counter()
             if self._since is None:
@@ -341,7 +344,8 @@ class Pipeline:
             with self.stats.computing(drains=True):
                 mx.eval(self._computing)
             self._computing = None
-        return self.transport.recv()
+        with self.stats.clock.part("wait"):
+            return self.transport.recv()
 
     def recv_ahead(self, rows: int) -> Optional[PendingFrame]:
         """The reply to the oldest frame, a decode step of `rows` rows (Reply.LAST), as a lazy
@@ -357,7 +361,8 @@ class Pipeline:
 
     def reply_header(self, pending: PendingFrame) -> Header:
         """Waits for a reply received ahead; its header."""
-        return self.transport.header_of(pending)
+        with self.stats.clock.part("wait"):
+            return self.transport.header_of(pending)
 
     def clear(self) -> None:
         """Drop every slot's caches on every rank, after reading and dropping every reply

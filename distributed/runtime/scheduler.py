@@ -203,7 +203,8 @@ class Scheduler:
                 self._run_calls()
                 if self.batcher.idle and not until_idle and self._waiting.empty() and self._calls.empty():
                     self.pipeline.park()  # the other ranks sleep until the next frame
-                self._admit(block=self.batcher.idle)
+                with self.pipeline.stats.clock.part("idle" if self.batcher.idle else "admit"):
+                    self._admit(block=self.batcher.idle)
                 if self.batcher.idle:
                     if until_idle and self._waiting.empty() and self._calls.empty():
                         return

@@ -421,6 +421,7 @@ class Verifier:
             _cancel_ahead(seq, stats)
             return self.batch.failed_here(frame, e)
         stats.passes += 1
+        self.pipeline.stats.clock.steps += 1
         stats.drafted += len(drafts)
         stats.accepted += len(tokens) - 1
         seq.spec.all_held = len(tokens) == len(drafts) + 1

@@ -101,6 +101,12 @@ def speculation_of(scheduler):
     return verifier.stats if verifier is not None and verifier.drafter is not None else None
 
 
+def loop_clock_of(scheduler):
+    """Rank 0's loop clock (runtime/loop_clock.py), or None (the router has none)."""
+    batcher = getattr(scheduler, "batcher", None)
+    return batcher.clock if batcher is not None else None
+
+
 def _counter(name: str, doc: str, value: Optional[float] = None, labels=None) -> CounterMetricFamily:
     return CounterMetricFamily(f"trinity_{name}", doc, value=value, labels=labels)
 
@@ -134,6 +140,15 @@ class _RingCollector:
         if batcher is not None and batcher.budget.tokens is not None:
             yield _gauge("step_token_budget", "Prompt tokens a step may carry beside decoding rows now "
                          "(--max-step-tokens, or as --itl-target-ms sets it)", batcher.budget.tokens)
+        clock = loop_clock_of(s)
+        if clock is not None:
+            report = clock.report()
+            loop = _counter("loop_seconds", "Seconds of rank 0's scheduler loop by part (runtime/loop_clock.py: admit, "
+                            "build, launch, sample, wait, accept, prefix, idle, other)", labels=["part"])
+            for part, seconds in report["seconds"].items():
+                loop.add_metric([part], seconds)
+            yield loop
+            yield _counter("loop_steps", "Decode steps (and verification passes) whose tokens rank 0 took", report["steps"])
         prefix = prefix_cache_of(s)
         if prefix is not None:
             yield _gauge("prefix_cache_entries", "Prefix-cache entries", len(prefix.index.entries))

@@ -17,6 +17,9 @@ what the status page (pages/) shows, for scripts too.
                          0's files (entries, bytes, writes, write_drops, corrupt, ...; null where off)
     speculative          passes, drafted, accepted, acceptance, cancelled (null unless it speculates)
     ring                 failures, restarts (under `launch run --serve`, the router's count)
+    loop                 rank 0's scheduler loop: seconds by part since start (admit, build, launch,
+                         sample, wait, accept, prefix, idle, other: runtime/loop_clock.py), steps
+                         taken and wall_s (null in the router)
 
 It reads the plain numbers the metrics read (metrics.py): it never waits for the ring.
 In the launcher's router the per-rank live figures are rank 0's own (its --metrics):
@@ -26,7 +29,7 @@ here they are null, and ranks are as GetModelInfo last reported them.
 import time
 from typing import Optional
 
-from .metrics import prefix_cache_of, speculation_of
+from .metrics import loop_clock_of, prefix_cache_of, speculation_of
 
 LIVE = ("active_memory_bytes", "cache_memory_bytes", "kv_cache_bytes", "prefix_cache_bytes")  # RankStats
 
@@ -52,7 +55,11 @@ def status_document(health, requests) -> dict:
         "last_minute": requests.recent.figures(), "history": requests.recent.history(),
         "prefix_cache": None, "speculative": None,
         "ring": {"failures": metrics.restarts + metrics.ring_failed, "restarts": metrics.restarts},
+        "loop": None,
     }
+    clock = loop_clock_of(scheduler)
+    if clock is not None:
+        doc["loop"] = clock.report()
     prefix = prefix_cache_of(scheduler)
     if prefix is not None:
         doc["prefix_cache"] = {"entries": len(prefix.index.entries), "hits": prefix.hits, "lookups": prefix.lookups,

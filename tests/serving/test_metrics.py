@@ -143,6 +143,12 @@ def test_a_scrape_counts_what_the_clients_saw(ring, served):
     assert total(samples, "trinity_requests_waiting") == total(samples, "trinity_sequences_running") == 0
     assert total(samples, "trinity_ring_failures_total") == total(samples, "trinity_ring_restarts_total") == 0
     assert total(samples, "process_resident_memory_bytes") > 0
+    # Rank 0's loop: a step at least per token of the longest reply, every part timed, and over a ring
+    # of two, time spent waiting for the ring's replies and building frames.
+    assert total(samples, "trinity_loop_steps_total") >= max(r[5] for r in served)
+    loop = {part: total(samples, "trinity_loop_seconds_total", part=part)
+            for part in ("admit", "build", "launch", "sample", "wait", "accept", "prefix", "idle", "other")}
+    assert loop["wait"] > 0 and loop["build"] > 0 and loop["accept"] > 0 and loop["idle"] > 0, loop
 
     # Rank 1 reports with its heartbeats: every frame went through both ranks.
     def ranks_agree(s):

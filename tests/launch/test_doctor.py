@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, free_port_range
+from delay_line import delay_line
 from netns_hosts import assert_nothing_left, namespace_hosts
 
 pytestmark = pytest.mark.slow  # network namespaces, rings over them
@@ -187,3 +188,53 @@ def test_a_host_with_less_memory_than_its_share_fails_naming_the_numbers(hosts, 
     need, have = (float(x.split(" GiB")[0]) for x in memory["detail"].replace("its share needs ", "").split("; "))
     assert need > have
     assert checks[b]["memory"]["status"] == "pass"
+
+
+@pytest.fixture(scope="module")
+def line(hosts):
+    """A and B joined by a shaped link of their own (tests/delay_line.py: this kernel has no netem)."""
+    with delay_line(hosts, hosts.names[:2]) as made:
+        yield made
+
+
+def advice_after_doctor(hosts, cache, line, path: Path) -> tuple:
+    """(the links the doctor measured, its plain TCP figures, `plan`'s advice with them)."""
+    status, _, report = doctor(cache, "--hostfile", str(path), "--ssh", str(hosts.ssh))
+    assert status == 0, json.dumps(report, indent=1)
+    done = launch(cache, "plan", "--preset", "trinity-mini", "--quantize", "4", "--hostfile", str(path), "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return report["links"], list(report["tcp"].values()), json.loads(done.stdout)["advice"]
+
+
+def within(measured: float, expected: float, share: float = 0.2) -> bool:
+    return abs(measured - expected) <= share * expected
+
+
+def test_shaped_links_are_measured_as_set_and_turn_the_advice(hosts, cache, line, tmp_path):
+    from launch import hostfile as hostfiles
+    from launch.bundled import resolve
+    from launch.links import MeasuredLinks
+    from launch.tensor_plan import EFFICIENCY, active_bytes, advise
+    from distributed.shard.sizes import quantize_config
+
+    config = quantize_config(json.loads(resolve("preset", "trinity-mini").read_text())["config"], 4)
+    # A memory bus slow enough that halving each host's reads pays for 65 all-reduces of ~0.2 ms
+    # (the line unshaped) but not of ~11 ms (5 ms each way): the layers read in about 0.18 s.
+    bandwidth = active_bytes(config)["layers"] / (EFFICIENCY * 0.18) / 1e9
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([{"ssh": n, "ips": [line.ips[n]], "memory_gb": 64, "bandwidth_gb_s": bandwidth}
+                                for n in hosts.names[:2]]))
+    hf = hostfiles.load(path)
+    line.set(delay_ms=0)
+    fast, _, fast_advice = advice_after_doctor(hosts, cache, line, path)
+    line.set(delay_ms=5, rate_mbit=100)
+    slow, tcp, slow_advice = advice_after_doctor(hosts, cache, line, path)
+    line.set(delay_ms=0)
+    assert all(within(t["rtt_ms"], 10.0) and within(t["mbit_s"], 100.0) for t in tcp), tcp
+    hidden_ms = 2 * 2048 * 4 * 8 / 100e6 * 1e3  # a hidden state each way at 100 Mbit/s
+    assert within(slow["pairs"][0]["rtt_ms"], 10.0 + hidden_ms) and within(slow["pairs"][0]["mbit_s"], 100.0), slow
+    for measured, advice in ((fast, fast_advice), (slow, slow_advice)):
+        assert advice["links"].startswith("measured by `trinity-launch doctor` on "), advice
+        assert advice["choice"] == advise(config, hf, MeasuredLinks(measured, "")).choice.tensor
+    assert (fast_advice["choice"], slow_advice["choice"]) == (2, 1), (fast_advice, slow_advice)
+    assert_nothing_left(hosts)

@@ -288,8 +288,8 @@ def choose_links(args, hf: hostfile.Hostfile, config: dict):
 
     if len(hf.hosts) < 2:
         return None
-    if not getattr(args, "measure_links", False):
-        return links.cached(hf)
+    if not getattr(args, "measure_links", False):  # kept per hostfile only: one machine's are its own
+        return links.cached(hf) if args.hostfile else None
     if not (args.hostfile or args.single_host):
         raise TrinityError("--measure-links needs real hosts: --hostfile or --single-host")
     from .doctor import Options, measure_links
@@ -299,7 +299,8 @@ def choose_links(args, hf: hostfile.Hostfile, config: dict):
         measured = measure_links(options, int(config.get("hidden_size", 2048)))
     except RuntimeError as e:
         raise TrinityError(f"--measure-links: {e}") from None
-    links.save(hf, measured)
+    if args.hostfile:
+        links.save(hf, measured)
     return links.fresh(measured)
 
 

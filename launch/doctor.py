@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional
 from distributed.shard.plan import Plan
 
 from . import links as link_cache
-from .checks import FAIL, PASS, SKIP, Check, backend_check, disk_check, firewall_check, memory_check, model_check, \
+from .checks import FAIL, PASS, SKIP, WARN, Check, backend_check, disk_check, firewall_check, memory_check, model_check, \
     port_check, version_checks
 from .hostfile import Hostfile, Host
 from .probes import Probe
@@ -209,9 +209,20 @@ def link_checks(report: Report, hf: Hostfile) -> None:
             host.checks.append(Check("link", SKIP, report.links_note or "one rank"))
             continue
         tcp = report.tcp.get(f"{host.host.ssh} -> {hf.hosts[p['to']].ssh}")
-        plain = f" (plain TCP {tcp['rtt_ms']:.3f} ms, {tcp['mbit_s']:,.0f} Mbit/s)" if tcp else ""
-        host.checks.append(Check("link", PASS, f"to {hf.hosts[p['to']].ssh}: {p['rtt_ms']:.3f} ms round trip of a "
-                                 f"hidden state, {p['mbit_s']:,.0f} Mbit/s{plain}"))
+        host.checks.append(link_check(p, tcp, hf.hosts[p["to"]].ssh))
+
+
+def link_check(pair: dict, tcp: Optional[dict], peer: str) -> Check:
+    """Passed with its figures; warned where the backend's round trip is far above plain TCP's
+    (ranks outnumbering a host's cores: the ring backend waits busily; or other load)."""
+    rate = f"{pair['mbit_s']:,.0f} Mbit/s" if pair["mbit_s"] > 0 else "bandwidth lost in the noise"
+    detail = f"to {peer}: {pair['rtt_ms']:.3f} ms round trip of a hidden state, {rate}"
+    if tcp is None:
+        return Check("link", PASS, detail)
+    detail += f" (plain TCP {tcp['rtt_ms']:.3f} ms, {tcp['mbit_s']:,.0f} Mbit/s)"
+    if pair["rtt_ms"] > max(10 * tcp["rtt_ms"], tcp["rtt_ms"] + 1.0):
+        return Check("link", WARN, detail, "fewer ranks than cores on each host, and nothing else busy there")
+    return Check("link", PASS, detail)
 
 
 def run(hf: Hostfile, options: Options) -> Report:
@@ -225,7 +236,8 @@ def run(hf: Hostfile, options: Options) -> Report:
     else:
         try:
             report.links = measure_links(options, options.hidden)
-            report.links_note = f"kept for `trinity-launch plan` and `run` in {link_cache.save(hf, report.links)}"
+            report.links_note = (f"kept for `trinity-launch plan` and `run` in {link_cache.save(hf, report.links)}"
+                                 if hf.path else "measured (kept only for a hostfile)")
         except RuntimeError as e:
             report.links_note = f"not measured: {e}"
             report.hosts[0].checks.append(Check("links", FAIL, str(e), "run the ring by hand with --log-level debug"))

@@ -496,9 +496,7 @@ class Batcher:
         kept = [in_slot[row][1] for row in keep]
         prepare_masks([s.logits.constraint for s in kept], [s.generated for s in kept])  # while the ring runs
         with self.clock.part("prefix"):
-            for row, seq in enumerate(kept):
-                if id(seq) in fresh:
-                    self.prefix.prefilled(seq, frame.slot, row)
+            self.prefix.prefilled([(seq, row) for row, seq in enumerate(kept) if id(seq) in fresh], frame.slot)
         frame.group.members = kept
         frame.group.busy = group is not None  # its next step is in the ring
         if not kept:
@@ -509,14 +507,15 @@ class Batcher:
         with self.clock.part("accept"):
             tops = top_logprobs(frame.sequences, top)
             tokens, chosen = tokens.tolist(), chosen.tolist()
-            keep = []
+            keep, ended = [], []
             for row, (i, seq) in enumerate(in_slot):
                 reason = seq.accept(tokens[i], chosen[i], tops[i])
                 if reason is None:
                     keep.append(row)
                 else:
-                    self.finish(seq, reason, frame.slot, row)
-            return keep
+                    ended.append((seq, row, reason))
+        self.finish_rows(ended, frame.slot)
+        return keep
 
     def _pick(self, sequences: List[Sequence], h: mx.array) -> tuple:
         """(next tokens, their log-probabilities, the top candidates or None), lazily,
@@ -536,11 +535,21 @@ class Batcher:
 
     def finish(self, seq: Sequence, reason: str, slot: Optional[int] = None, row: int = 0) -> None:
         """End `seq`; `slot` and `row`: where its caches still are (None: nowhere whole)."""
-        if slot is not None:
-            with self.clock.part("prefix"):
-                self.prefix.snapshot(seq, slot, row)
-        seq.finish(reason)
-        self.sequences -= 1
+        if slot is None:
+            seq.finish(reason)
+            self.sequences -= 1
+        else:
+            self.finish_rows([(seq, row, reason)], slot)
+
+    def finish_rows(self, ended: List[tuple], slot: int) -> None:
+        """End each (seq, row, reason) of `ended`, rows of `slot` (their caches stored first, together)."""
+        if not ended:
+            return
+        with self.clock.part("prefix"):
+            self.prefix.snapshot([(seq, row) for seq, row, _ in ended], slot)
+        for seq, _, reason in ended:
+            seq.finish(reason)
+            self.sequences -= 1
 
     # -- a frame that failed ---------------------------------------------------
     # A frame that comes back NO_MEMORY (memory_guard.py: a rank could not allocate for it, or it

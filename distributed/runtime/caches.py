@@ -217,8 +217,8 @@ class SlotCaches:
             self.prepare(slot, list(values[:half]), list(values[half:]))
         elif op == Op.FINALIZE:
             self.finalize(slot)
-        elif op == Op.SNAPSHOT:  # prefix-cache entries: values are (entry, row)
-            self.snapshot(slot, *values)
+        elif op == Op.SNAPSHOT:  # prefix-cache entries: values are (entry, row) pairs
+            self.snapshot(slot, list(zip(values[::2], values[1::2])))
         elif op == Op.RESTORE:  # (entry, tokens)
             self.restore(slot, *values)
         elif op == Op.EVICT:
@@ -340,16 +340,30 @@ class SlotCaches:
         for cache in batch:
             cache.filter(rows)
 
-    def length(self, slot: int, row: int = 0) -> int:
-        """Tokens the sequence in row `row` of `slot` has been fed (none in a slot no
-        frame has reached)."""
+    def lengths(self, slot: int) -> List[int]:
+        """Tokens each row of `slot` has been fed (none in a slot no frame has reached)."""
         caches = self.get(slot)
-        return caches[0].offset[row].item() if is_batch(caches) else caches[0].offset
+        return caches[0].offset.tolist() if is_batch(caches) else [caches[0].offset]
 
-    def snapshot(self, slot: int, entry: int, row: int = 0) -> Tuple[int, int, int, int]:
-        """Keep a copy of row `row` of `slot` as prefix-cache entry `entry`. Returns (tokens it
-        covers, bytes kept, tokens logged, where the logs start: Stored.cut)."""
+    def snapshot(self, slot: int, pairs: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int, int]]:
+        """Keep a copy of each (entry, row) pair's row of `slot` as prefix-cache entry `entry`. For
+        each, (tokens it covers, bytes kept, tokens logged, where the logs start: Stored.cut). One
+        wait for the device at most, whatever the rows: the batch's row bookkeeping is evaluated once
+        (mlx-lm's extract would wait for it per layer and row), and the copies run on behind."""
         caches = self.slots[slot]
+        if is_batch(caches):
+            mx.eval([(c.left_padding, c.offset) for c in caches])
+        out, copies = [], []
+        for entry, row in pairs:
+            stored = self._kept(slot, caches, row)
+            copies += [(c.keys, c.values) for c in stored.caches] + [kv for kv in stored.log if kv is not None]
+            self.entries[entry] = stored
+            out.append((stored.caches[0].offset, stored.nbytes, stored.logged, stored.log_start))
+        mx.async_eval(copies)
+        return out
+
+    def _kept(self, slot: int, caches: List, row: int) -> Stored:
+        """Row `row` of `caches` (a slot's) as an entry of its own buffers, with its log."""
         if is_batch(caches):
             caches = [extract_row(c, row) for c in caches]
         kept = [compact(c) for c in caches]
@@ -361,10 +375,7 @@ class SlotCaches:
             # covers them all (decided from the model's window: this rank may hold no sliding layer).
             layers = [kv if kv is None else whole_log(kv, c, start) for kv, c in zip(layers, kept)]
             logged = tokens
-        stored = Stored(kept, layers, logged, start)
-        mx.eval([(c.keys, c.values) for c in kept], [kv for kv in layers if kv is not None])
-        self.entries[entry] = stored
-        return tokens, stored.nbytes, logged, start
+        return Stored(kept, layers, logged, start)
 
     def restore(self, slot: int, entry: int, tokens: int) -> None:
         """Fresh caches for `slot` from `entry`, at its first `tokens` tokens (fewer than it

@@ -228,11 +228,11 @@ class Pipeline:
 
     # Prefix-cache entries (the index: prefix_cache.py): every rank keeps its slice.
 
-    def snapshot(self, slot: int, entry: int, row: int = 0) -> Tuple[int, int, int]:
-        """Keep row `row` of `slot` as entry `entry`, on every rank. Returns rank 0's
-        share: (tokens it covers, bytes, tokens from which it can be cut)."""
-        kept = self.caches.snapshot(slot, entry, row)
-        self._tell_others(Op.SNAPSHOT, slot, values=[entry, row])
+    def snapshot(self, slot: int, pairs: List[Tuple[int, int]]) -> List[Tuple[int, int, int, int]]:
+        """Keep each (entry, row) pair's row of `slot` as entry `entry`, on every rank, in one op.
+        Returns rank 0's share of each (SlotCaches.snapshot)."""
+        kept = self.caches.snapshot(slot, pairs)
+        self._tell_others(Op.SNAPSHOT, slot, values=[v for pair in pairs for v in pair])
         return kept
 
     def restore(self, slot: int, entry: int, tokens: int) -> None:

@@ -243,14 +243,14 @@ class PrefixHooks:
         token). The batch's prefill then starts from that history. `settle()` takes
         every reply the ring owes (before an exchange that waits for its own)."""
 
-    def snapshot(self, seq: Sequence, slot: int, row: int) -> None:
-        """`seq` has finished; row `row` of `slot` still holds its caches (its prompt
-        and the tokens drawn since, `seq.sampled`: all, or all but the last, as the
-        lookahead may have fed it) until right after this call."""
+    def snapshot(self, rows: List[Tuple[Sequence, int]], slot: int) -> None:
+        """Each (seq, row) of `rows` has finished; row `row` of `slot` still holds its caches
+        (its prompt and the tokens drawn since, `seq.sampled`: all, or all but the last, as
+        the lookahead may have fed it) until right after this call."""
 
-    def prefilled(self, seq: Sequence, slot: int, row: int) -> None:
-        """`seq` has its first token and goes on decoding; row `row` of `slot` holds
-        its whole prompt."""
+    def prefilled(self, rows: List[Tuple[Sequence, int]], slot: int) -> None:
+        """Each (seq, row) of `rows` has its first token and goes on decoding; row `row` of
+        `slot` holds its whole prompt."""
 
 
 # Entries of fewer tokens are not written to disk (their prefill costs less than a file), and a disk
@@ -333,24 +333,23 @@ class PrefixCache(PrefixHooks):
         layers = max(end - start for start, end in self.ranges)
         return layers * tokens * self.token_bytes <= self.budget
 
-    def store_row(self, seq, slot: int, row: int, to_disk: bool = False) -> None:
-        """Store what row `row` of `slot` (`seq`) was fed: its prompt and the tokens
+    def store_rows(self, rows: List[Tuple[Sequence, int]], slot: int, to_disk: bool = False) -> None:
+        """Store what each (seq, row) of `rows` of `slot` was fed: its prompt and the tokens
         drawn since (all, or all but the last: the batcher's lookahead may have fed
-        it already); before the row is filtered out. `to_disk`: written to the disk
+        it already); before the rows are filtered out. `to_disk`: written to the disk
         tier too."""
-        if not self.enabled:
+        if not self.enabled or not rows:
             return
-        fed = self.pipeline.caches.length(slot, row)
-        tokens = list(seq.request.prompt_ids) + seq.sampled  # sampled starts with any resumed tokens
-        if fed <= len(tokens):
-            self.store(slot, row, tokens[:fed], to_disk)
+        fed = self.pipeline.caches.lengths(slot)
+        fed_tokens = [(list(seq.request.prompt_ids) + seq.sampled, row) for seq, row in rows]  # sampled: resumed first
+        self.store([(tokens[:fed[row]], row) for tokens, row in fed_tokens if fed[row] <= len(tokens)], slot, to_disk)
 
-    prefilled = store_row  # the batcher's two store points
+    prefilled = store_rows  # the batcher's two store points
 
-    def snapshot(self, seq, slot: int, row: int) -> None:
+    def snapshot(self, rows: List[Tuple[Sequence, int]], slot: int) -> None:
         """A finished sequence is also written to disk: what it was fed serves whatever its prompt
         alone would (it can be cut anywhere), so each request writes one entry, not two."""
-        self.store_row(seq, slot, row, to_disk=True)
+        self.store_rows(rows, slot, to_disk=True)
 
     def summary(self) -> str:
         if not self.enabled:
@@ -368,23 +367,33 @@ class PrefixCache(PrefixHooks):
 
     # -- storing --------------------------------------------------------------
 
-    def store(self, slot: int, row: int, tokens: List[int], to_disk: bool = False) -> None:
-        """Keep row `row` of `slot`, which has been fed `tokens`, as an entry (unless
-        one serves as well already, or it exceeds the budget), evicting as needed."""
-        tokens = np.array(tokens, dtype=np.int32)
-        if len(tokens) == 0:
-            return
-        covering = self.index.covering(tokens)
-        if covering is not None:
-            if to_disk:
+    def store(self, rows: List[Tuple[List[int], int]], slot: int, to_disk: bool = False) -> None:
+        """Keep each (tokens, row) of `rows`, row `row` of `slot` having been fed `tokens`, as an
+        entry (unless one serves as well already, or it exceeds the budget), evicting as needed.
+        The rows are copied in one op on every rank; one that an entry stored just before it
+        covers (the same prompt twice) is dropped again."""
+        wanted = [(np.array(tokens, dtype=np.int32), row) for tokens, row in rows if tokens]
+        fresh = []
+        for tokens, row in wanted:
+            covering = self.index.covering(tokens)
+            if covering is None:
+                fresh.append((tokens, row, self._new_id()))
+            elif to_disk:
                 self._write(covering)
-            return
-        entry_id = self._new_id()
-        fed, nbytes, logged, log_start = self.pipeline.snapshot(slot, entry_id, row)
-        assert fed == len(tokens), f"the slot holds {fed} tokens, expected {len(tokens)}"
+        kept = self.pipeline.snapshot(slot, [(entry_id, row) for _, row, entry_id in fresh]) if fresh else []
+        for (tokens, _, entry_id), (fed, nbytes, logged, log_start) in zip(fresh, kept):
+            assert fed == len(tokens), f"the slot holds {fed} tokens, expected {len(tokens)}"
+            self._keep(entry_id, tokens, logged, log_start, nbytes, to_disk)
+
+    def _keep(self, entry_id: int, tokens: np.ndarray, logged: int, log_start: int, nbytes: int,
+              to_disk: bool) -> None:
+        """Index a snapshot every rank holds (or drop it: over the budget, or covered by now)."""
         per_rank = self.entry_bytes(len(tokens), logged - log_start, nbytes)
-        if max(per_rank) > self.budget:
+        covering = self.index.covering(tokens)
+        if max(per_rank) > self.budget or covering is not None:
             self.pipeline.evict([entry_id])
+            if covering is not None and to_disk:
+                self._write(covering)
             return
         entry = self._entry(entry_id, tokens, logged, log_start, per_rank)
         if to_disk:

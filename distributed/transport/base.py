@@ -37,7 +37,7 @@ class Op(IntEnum):
     FINALIZE = 10  # after the padded prompt rows: the padding becomes left padding
     # Prefix cache (16 up; 8-15 are admission's). Rank 0 keeps the index, every rank its
     # layers' slice of each entry; int32 payloads, no reply (the ring keeps them in order).
-    SNAPSHOT = 16  # keep row `row` of `slot` as entry `entry` (payload: entry, row)
+    SNAPSHOT = 16  # keep rows of `slot` as entries (payload: entry, row pairs)
     RESTORE = 17  # fresh caches for `slot` from entry `entry`, cut to `tokens` (payload: entry, tokens)
     EVICT = 18  # forget the entries listed in the payload
     RECORD = 21  # keep the keys and values `slot`'s prompt brings to sliding layers, unrotated, from entry

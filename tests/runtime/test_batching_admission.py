@@ -353,14 +353,15 @@ class Snapshots(PrefixHooks):
     def __init__(self, pipeline):
         self.pipeline, self.seen = pipeline, []
 
-    def snapshot(self, seq, slot, row):
+    def snapshot(self, rows, slot):
         caches = self.pipeline.caches.slots[slot]
-        plain = [c.extract(row) for c in caches] if is_batch(caches) else caches
-        layer = next(i for i, layer in enumerate(self.pipeline.stage.layers) if not layer.use_sliding)
-        full = plain[layer]
-        keys = mx.array(full.keys[..., : full.offset, :])
-        mx.eval(keys)  # here: the hook runs on the scheduler's thread
-        self.seen.append((list(seq.request.prompt_ids) + seq.sampled, len(seq.request.prompt_ids), layer, keys))
+        for seq, row in rows:
+            plain = [c.extract(row) for c in caches] if is_batch(caches) else caches
+            layer = next(i for i, layer in enumerate(self.pipeline.stage.layers) if not layer.use_sliding)
+            full = plain[layer]
+            keys = mx.array(full.keys[..., : full.offset, :])
+            mx.eval(keys)  # here: the hook runs on the scheduler's thread
+            self.seen.append((list(seq.request.prompt_ids) + seq.sampled, len(seq.request.prompt_ids), layer, keys))
 
 
 def test_snapshot_hook_sees_the_finished_row(hf_checkpoint):

@@ -87,7 +87,7 @@ def test_every_rank_counts_every_frame_and_its_caches(hf_checkpoint):
     assert {r["forward_frames"] for r in reports.values()} == {1}
     assert all(r["kv_cache_bytes"] > 0 for r in reports.values()), reports
 
-    pipeline.snapshot(7, entry=3)  # a prefix-cache entry: every rank keeps its slice
+    pipeline.snapshot(7, [(3, 0)])  # a prefix-cache entry: every rank keeps its slice
     pipeline.release(7)
     reports = pipeline.rank_reports()
     assert all(r["kv_cache_bytes"] == 0 and r["prefix_cache_bytes"] > 0 for r in reports.values()), reports

@@ -21,7 +21,7 @@ from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
 from distributed.serving.proto import generation_pb2 as pb
 from distributed.shard.config import read_config
-from distributed.transport import Reply
+from distributed.transport import Op, Reply
 from grpc_server import SERVER_ARGS, Server
 from prefill_frames import FrameLog
 from stages import in_process_pipeline
@@ -60,7 +60,7 @@ def prefill(pipeline, slot, tokens):
 def stored(prefix, tokens, slot=100):
     """Prefill `tokens` in a slot of their own and store them as an entry."""
     prefill(prefix.pipeline, slot, tokens)
-    prefix.store(slot, 0, tokens)
+    prefix.store([(tokens, 0)], slot)
     prefix.pipeline.release(slot)
 
 
@@ -637,3 +637,31 @@ def test_a_full_or_read_only_disk_costs_the_disk_tier_only(hf_checkpoint, tmp_pa
         assert len(stats) == 2
         if trouble == "full":
             assert all(s["write_errors"] + s["write_drops"] >= 1 and s["writes"] == 0 for s in stats), stats
+
+
+def test_rows_of_a_batch_are_stored_in_one_op_and_a_repeat_once(hf_checkpoint):
+    """Three rows of one batch slot stored together (one SNAPSHOT op round the ring): the two distinct
+    prompts are kept, each restoring as it was computed alone, and the repeated prompt is kept once."""
+    pipeline, _ = in_process_pipeline(hf_checkpoint, (3, 5))
+    prefix = PrefixCache(pipeline, 1 << 30)
+    a, b = P[:12], other(12, 1)
+    for slot, tokens in ((10, a), (11, b), (12, a)):
+        prefill(pipeline, slot, tokens)
+    pipeline.merge(0, [10, 11, 12])
+    ops = []
+    tell = pipeline._tell_others
+    pipeline._tell_others = lambda op, *rest, **kw: ops.append(op) or tell(op, *rest, **kw)
+    prefix.store([(a, 0), (b, 1), (a, 2)], 0)
+    pipeline._tell_others = tell
+    assert ops.count(Op.SNAPSHOT) == 1
+    assert sorted(list(e.tokens) for e in prefix.index.entries.values()) == sorted([a, b])
+    assert_every_rank_agrees(prefix)
+    pipeline.release(0)
+    for tokens in (a, b):
+        entry, n = prefix.index.find(np.array(tokens + [5], dtype=np.int32))
+        pipeline.restore(20, entry.id, n)
+        restored = pipeline.logits(mx.array([[5]], dtype=mx.uint32), slot=20)
+        alone = pipeline.logits(mx.array([tokens + [5]], dtype=mx.uint32), slot=21)
+        assert mx.abs(restored - alone).max().item() < 1e-4
+        pipeline.release(20)
+        pipeline.release(21)

@@ -37,6 +37,7 @@ class StepBudget:
         self.step_seconds: Optional[float] = None  # a group's interval with no prompt tokens in it
         self.fit = Fit()  # a group's interval against the prompt tokens that went in meanwhile
         self.carried = 0  # prompt tokens sent while rows decode, ever
+        self.largest = 0  # the most a chunk beside decoding carried
         self._up = False  # the next chunk's dither
         self._last: Dict[int, Tuple[float, int]] = {}  # group slot -> (its last reply's time, carried then)
 
@@ -58,6 +59,7 @@ class StepBudget:
     def sent(self, tokens: int) -> None:
         """`tokens` prompt tokens (padding included) went into the ring beside decoding rows."""
         self.carried += tokens
+        self.largest = max(self.largest, tokens)
         self._up = not self._up
 
     def replied(self, group: int, now: Optional[float] = None) -> None:
@@ -89,7 +91,8 @@ class StepBudget:
     def describe(self) -> dict:
         return {"tokens": self.tokens if self.budget is None else int(self.budget), "fixed": self.fixed is not None,
                 "itl_target_ms": None if self.target is None else round(self.target * 1000, 3),
-                "step_ms": None if self.step_seconds is None else round(self.step_seconds * 1000, 3)}
+                "step_ms": None if self.step_seconds is None else round(self.step_seconds * 1000, 3),
+                "carried_tokens": self.carried, "largest_chunk": self.largest}
 
 
 def _mix(old: float, new: float) -> float:

@@ -8,7 +8,9 @@ what the status page (pages/) shows, for scripts too.
                          memory_bytes) plus active_memory_bytes, cache_memory_bytes (MLX's now),
                          kv_cache_bytes, prefix_cache_bytes, forward_share (forward seconds
                          per second over the last minute) and alive
-    requests             running, waiting, max_batch, served (ended so far) and their outcomes
+    requests             running, waiting, max_batch, served (ended so far) and their outcomes;
+                         step_budget: tokens (B now), fixed, itl_target_ms, step_ms (a step alone),
+                         carried_tokens (prompt tokens sent beside decoding rows) and largest_chunk
     tokens               prompt, cached, generated (as the clients' usage counts them)
     last_minute          tokens_per_s, ttft_p50_s, ttft_p99_s (request_log.Recent)
     history              step_s, points: tokens_per_s and ttft_p50_s per step, last five minutes

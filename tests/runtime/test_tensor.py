@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow  # about fifteen rings of 2-4 ranks, each splittin
 
 IDS = ",".join(map(str, PROMPT))
 MAX_TOKENS = 12
+STEP_TOKENS = 8  # --max-step-tokens of the served ring
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +151,12 @@ def test_serving_equals_mlx_lm(hf_checkpoint):
 
     prompts = [PROMPT, PROMPT[5:], PROMPT[:20]]
     refs = [mlx_lm_greedy(hf_checkpoint, p, MAX_TOKENS, 512) for p in prompts]
-    server = Server(hf_checkpoint, ranks=2, extra=["--tensor-parallel-size", "2", *SERVER_ARGS, "--http", "127.0.0.1:0"])
+    server = Server(hf_checkpoint, ranks=2, extra=["--tensor-parallel-size", "2", "--max-step-tokens", str(STEP_TOKENS),
+                                                   *SERVER_ARGS, "--http", "127.0.0.1:0"])
     try:
         server.wait_serving()
         assert_shares_shown(server)
+        assert_budget_beside_decoding(server, hf_checkpoint)
         for _ in range(2):  # the second time, from the prefix cache
             out = generate(server.stub, token_ids=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0)
             assert out["token_ids"] == refs[0][0]
@@ -168,6 +171,33 @@ def test_serving_equals_mlx_lm(hf_checkpoint):
         server.alive()
     finally:
         server.stop()
+
+
+def assert_budget_beside_decoding(server, hf_checkpoint):
+    """--max-step-tokens at T = 2: a prompt arriving while a request decodes goes in chunks of at most
+    the budget (as /v1/status counts them) and still gets mlx-lm's tokens."""
+    import json
+    import urllib.request
+
+    from distributed.serving.proto import generation_pb2 as pb
+    from grpc_server import LONG, generate
+
+    def budget():
+        host, port = server.http_address()
+        with urllib.request.urlopen(f"http://{host}:{port}/v1/status", timeout=30) as r:
+            return json.loads(r.read())["requests"]["step_budget"]
+
+    fresh = PROMPT[::-1] + PROMPT[:30]  # 70 tokens no entry holds
+    before = budget()
+    running = server.stub.Generate(pb.GenerateRequest(token_ids=PROMPT[3:], max_tokens=LONG), timeout=120)
+    next(running)
+    out = generate(server.stub, token_ids=fresh, max_tokens=6)
+    running.cancel()
+    assert_reference(out, hf_checkpoint, fresh, 6)
+    after = budget()
+    assert after["tokens"] == STEP_TOKENS and after["fixed"]
+    assert after["carried_tokens"] - before["carried_tokens"] >= len(fresh) - 1
+    assert 0 < after["largest_chunk"] <= STEP_TOKENS, after
 
 
 def assert_constrained(server, hf_checkpoint):

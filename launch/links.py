@@ -23,8 +23,9 @@ from .hostfile import Hostfile
 
 
 def cache_folder() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    return Path(base if os.path.isabs(base) else Path.home() / ".cache") / "trinity-pipeline" / "links"
+    from distributed.runtime.disk_cache import default_folder
+
+    return default_folder().parent / "links"  # beside the prefix cache's, under the same XDG rule
 
 
 def cache_key(hf: Hostfile) -> str:

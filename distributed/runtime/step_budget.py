@@ -8,12 +8,13 @@ and Sarathi-Serve's stall-free batching do, a step carries its running rows plus
 tokens. `--max-step-tokens N` fixes B. `--itl-target-ms T` lets B follow what steps cost: each
 decode group's time from one reply to the next is measured, with the prompt tokens that entered the
 ring meanwhile: B follows the ratio of the time prompt tokens may take of an interval to what
-they took. The time a step alone takes (a) is that of the intervals that carried no prompt
-tokens, or, before any came, the intercept of a line fitted to the intervals, a + b x tokens
+they took (an interval may hold several chunks: B scales their mean). The time a step alone takes
+(a) is that of the intervals that carried no prompt tokens, or, before any came, the intercept of a line fitted to the intervals, a + b x tokens
 (least squares, recent intervals weighted most; the chunks alternate a little in size until a
 is measured, so that the fit can tell a from b). Prompt tokens may take T - a, and where a step alone already takes
 T or more (64 streams on one GPU) a step's time, a: the streams' time between tokens at most
-doubles while prompts are admitted, and the prompts are not starved.
+doubles while prompts are admitted, and the prompts are not starved. B falls at once where an interval
+ran over, and grows by a quarter at most a reply.
 Either way a prompt with nothing decoding beside it is not bounded (it goes at full speed), and B
 never falls below MIN_TOKENS, so a prompt always gets on.
 """
@@ -24,6 +25,7 @@ from typing import Dict, Optional, Tuple
 MIN_TOKENS = 16
 FIRST_TOKENS = 64  # B before anything is measured (--itl-target-ms)
 SMOOTHING = 0.25  # the weight of the newest interval in the running figures
+GROWTH = 2.0  # B grows by at most (1 - SMOOTHING) + SMOOTHING x GROWTH a reply
 DITHER = 0.25  # until a step alone is measured, chunks alternate between (1 -+ DITHER) B: the fit needs them to differ
 
 
@@ -37,9 +39,10 @@ class StepBudget:
         self.step_seconds: Optional[float] = None  # a group's interval with no prompt tokens in it
         self.fit = Fit()  # a group's interval against the prompt tokens that went in meanwhile
         self.carried = 0  # prompt tokens sent while rows decode, ever
+        self.chunks = 0  # the chunks that carried them
         self.largest = 0  # the most a chunk beside decoding carried
         self._up = False  # the next chunk's dither
-        self._last: Dict[int, Tuple[float, int]] = {}  # group slot -> (its last reply's time, carried then)
+        self._last: Dict[int, Tuple[float, int, int]] = {}  # group slot -> its last reply's time, carried, chunks
 
     @property
     def tokens(self) -> Optional[int]:
@@ -59,6 +62,7 @@ class StepBudget:
     def sent(self, tokens: int) -> None:
         """`tokens` prompt tokens (padding included) went into the ring beside decoding rows."""
         self.carried += tokens
+        self.chunks += tokens > 0
         self.largest = max(self.largest, tokens)
         self._up = not self._up
 
@@ -67,10 +71,10 @@ class StepBudget:
         interval since its last reply."""
         now = time.monotonic() if now is None else now
         last = self._last.get(group)
-        self._last[group] = (now, self.carried)
+        self._last[group] = (now, self.carried, self.chunks)
         if last is None or not self.adaptive:
             return
-        tokens, seconds = self.carried - last[1], now - last[0]
+        tokens, seconds, chunks = self.carried - last[1], now - last[0], self.chunks - last[2]
         self.fit.add(tokens, seconds)
         if tokens == 0:
             self.step_seconds = seconds if self.step_seconds is None else _mix(self.step_seconds, seconds)
@@ -82,7 +86,12 @@ class StepBudget:
             step = line[0] if line is not None else 0.0
         spare = max(self.target - step, step)  # what prompt tokens may take of an interval
         took = max(1e-6, seconds - step)
-        self.budget = _mix(self.budget, min(self.most, max(MIN_TOKENS, tokens * spare / took)))
+        # An interval may hold several chunks (with several ranks both groups' steps carry one): B, a
+        # chunk's tokens, scales their mean.
+        wanted = min(self.most, max(MIN_TOKENS, tokens / max(1, chunks) * spare / took))
+        # Down at once, up by GROWTH at most: with several ranks, tokens sent in one interval may
+        # cost in the next, and one interval that hid their cost must not let a 500-token chunk in.
+        self.budget = wanted if wanted < self.budget else _mix(self.budget, min(wanted, GROWTH * self.budget))
 
     def idle(self, group: int) -> None:
         """Group `group` stopped decoding: its next reply starts a fresh interval."""

@@ -97,6 +97,16 @@ def test_the_target_steers_the_budget():
     assert budget.step_seconds is None and abs(budget.budget - 80) <= 8
     run(80, 0.200, 0.05)  # tokens dear: the floor
     assert budget.tokens == MIN_TOKENS
+    two = StepBudget(target_ms=50, most=512)  # two chunks an interval (a ring of two: both groups' steps carry one)
+    two.replied(0, 0.0)
+    t = 0.0
+    for i in range(80):
+        tokens = two.tokens if i % 2 == 0 else 0
+        for _ in range(2 if tokens else 0):
+            two.sent(tokens)
+        t += 0.010 + 0.001 * 2 * tokens
+        two.replied(0, t)
+    assert abs(two.budget - 20) <= 2  # 10 ms + 2 x 20 tokens x 1 ms: the interval at its 50 ms
     fixed = StepBudget(32, target_ms=50)
     fixed.sent(32)
     fixed.replied(0, 0.0)

@@ -12,6 +12,8 @@ checked against the same prompt alone, its greedy tokens compared. Settings: `of
 import logging
 import statistics
 
+from distributed.runtime.loop_clock import per_step
+
 from bench.harness import (Server, bench_env, concurrent_streams, flags, grpc_generate, out_path, percentile, save,
                            shrink, stream_prompts)
 
@@ -29,7 +31,7 @@ def add_arguments(p) -> None:
 
 
 def measure(server: Server, args, name: str) -> dict:
-    stub, out = server.stub(), {"alone_ttft_s": [], "at_once_ttft_s": [], "tps": [], "same_as_alone": []}
+    stub, out = server.stub(), {"alone_ttft_s": [], "at_once_ttft_s": [], "tps": [], "same_as_alone": [], "loop": []}
     grpc_generate(stub, stream_prompts(1, args.prompt_len, f"{name}-warm")[0], args.max_tokens, args.timeout)
     concurrent_streams(stub, stream_prompts(args.streams, args.prompt_len, f"{name}-warm"), args.max_tokens,
                        args.timeout)
@@ -38,7 +40,9 @@ def measure(server: Server, args, name: str) -> dict:
                               args.timeout)
         out["alone_ttft_s"].append(alone["first"] - alone["sent"])
         prompts = stream_prompts(args.streams, args.prompt_len, f"{name}-round-{rnd}")
+        before = server.status()["loop"]
         run = concurrent_streams(stub, prompts, args.max_tokens, args.timeout)
+        out["loop"].append(per_step(before, server.status()["loop"]))
         if "error" in run:
             raise RuntimeError(run["error"])
         out["at_once_ttft_s"] += run["ttfts_s"]
@@ -63,7 +67,7 @@ def main(args) -> None:
     for ranks in args.ranks:
         for setting in [""] + args.setting:
             name = f"P={ranks} {setting or 'off'}"
-            with Server(ranks, runner + setting.split(), env, timeout=args.timeout) as server:
+            with Server(ranks, runner + setting.split(), env, timeout=args.timeout, http=True) as server:
                 results[name] = measure(server, args, name.replace(" ", "_"))
             save(out_path(args, "admission"), {"runs": results}, vars(args))
     print(f"\n{args.streams} prompts of {args.prompt_len} tokens at once against one alone ({args.rounds} rounds):")
@@ -71,4 +75,6 @@ def main(args) -> None:
         print(f"  {name:36} alone {r['alone_median_s'] * 1e3:6.1f} ms, at once median {r['at_once_median_s'] * 1e3:6.1f}"
               f" ms (p99 {r['at_once_p99_s'] * 1e3:.0f}): {r['ratio']:.1f}x; {statistics.median(r['tps']):.0f} tok/s;"
               f" stream 0 as alone {sum(r['same_as_alone'])}/{len(r['same_as_alone'])}")
+        ms = {k: statistics.median(run["ms_per_step"][k] for run in r["loop"]) for k in r["loop"][0]["ms_per_step"]}
+        print("    rank 0's loop, ms a step (medians of the rounds): " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
     print(f"wrote {out_path(args, 'admission')}")

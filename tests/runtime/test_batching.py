@@ -3,6 +3,7 @@
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from distributed.runtime.frames import FrameKind
 from distributed.runtime.request import FinishEvent, GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
 from reference import mlx_lm_greedy
@@ -15,8 +16,8 @@ MAX_TOKENS = [30, 12, 40, 25, 1, 35]
 
 
 class SendLog:
-    """Records each forward frame rank 0 sends: (slot, rows, prefill frames
-    already in the ring while a group was decoding)."""
+    """Records each forward frame rank 0 sends: (slot, rows, prompt chunks already in
+    the ring, in frames of their own or in decode steps, while a group was decoding)."""
 
     def __init__(self, scheduler):
         self.frames = []
@@ -24,7 +25,7 @@ class SendLog:
 
         def logged(tokens, reply, slot=0, **hints):
             decoding = any(g.members for g in batcher.groups)
-            prefill = sum(o.kind != "step" for o in batcher.outstanding) if decoding else 0
+            prefill = sum(o.kind == FrameKind.CHUNK or bool(o.chunk) for o in batcher.outstanding) if decoding else 0
             self.frames.append((slot, tokens.shape[0], prefill))
             return send(tokens, reply, slot, **hints)
 

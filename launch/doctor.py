@@ -115,7 +115,7 @@ def connect_neighbours(probes: List[Probe], addresses: List[tuple], bound: list)
         result = answer["connected"] if answer else {"ok": False, "error": f"{probes[a].host.ssh}'s probe ended"}
         incoming[b][probes[a].host.ssh] = result
         if measured and result["ok"]:
-            tcp[f"{probes[a].host.ssh} -> {probes[b].host.ssh}"] = {k: result[k] for k in ("rtt_ms", "mbit_s")}
+            tcp[f"{probes[a].host.ssh} -> {probes[b].host.ssh}"] = {k: v for k, v in result.items() if k != "ok"}
     return incoming, tcp
 
 

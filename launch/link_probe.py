@@ -3,8 +3,8 @@ starts the way `trinity-launch run` would (same backend, hosts, ssh), with mx.di
 
     python -m launch.link_probe '{"hidden": 2048, "trips": 40}'
 
-For each pair of consecutive ranks (i, i + 1), in turn while the others wait: the median round
-trip of one hidden state (float32, `hidden` values: a decode step's hop) sent i -> i + 1 and back,
+For each pair of consecutive ranks (i, i + 1), in turn while the others wait: the median (and
+fastest) round trip of one hidden state (float32, `hidden` values: a decode step's hop) sent i -> i + 1 and back,
 and the bandwidth of a bulk frame sent the same way (two transfers, less the small round trip);
 then the median of one all_sum of a hidden state over every rank (what a tensor group's layer
 pays twice). Rank 0 prints one JSON line; the others print nothing.
@@ -35,21 +35,23 @@ def ping_pong(x, me: int, a: int, b: int, group) -> float:
     return time.perf_counter() - tic
 
 
-def median_trip(x, me: int, a: int, b: int, group, trips: int) -> float:
+def trips_s(x, me: int, a: int, b: int, group, trips: int) -> list:
     times = [ping_pong(x, me, a, b, group) for _ in range(WARM_UP + trips)]
-    return statistics.median(times[WARM_UP:]) if me == a else 0.0
+    return sorted(times[WARM_UP:])
 
 
 def measure_pair(me: int, a: int, b: int, group, hidden: int, trips: int):
-    """(round trip s, bulk bytes/s) of a -> b, on a; zeros elsewhere."""
+    """(median round trip s, fastest round trip s, bulk bytes/s) of a -> b, on a; zeros elsewhere.
+    The fastest trip is the link's own; the median adds what the hosts' load adds."""
     import mlx.core as mx
 
-    small = median_trip(mx.ones((1, 1, hidden), dtype=mx.float32), me, a, b, group, trips)
+    small = trips_s(mx.ones((1, 1, hidden), dtype=mx.float32), me, a, b, group, trips)
     bulk = mx.ones((BULK_VALUES,), dtype=mx.float32)
     big = min(ping_pong(bulk, me, a, b, group) for _ in range(BULK_TRIPS + 1))
     if me != a:
-        return 0.0, 0.0
-    return small, 2 * BULK_VALUES * 4 / (big - small) if big > small else 0.0  # 0: lost in the noise
+        return 0.0, 0.0, 0.0
+    rate = 2 * BULK_VALUES * 4 / (big - small[0]) if big > small[0] else 0.0  # 0: lost in the noise
+    return statistics.median(small), small[0], rate
 
 
 def all_reduce_s(group, hidden: int, trips: int) -> float:
@@ -71,16 +73,17 @@ def main() -> None:
     hidden, trips = int(options.get("hidden", 2048)), int(options.get("trips", 40))
     group = mx.distributed.init(strict=True)
     me, n = group.rank(), group.size()
-    rows = mx.zeros((n, 2), dtype=mx.float32)
+    rows = mx.zeros((n, 3), dtype=mx.float32)
     for a in range(n if n > 2 else 1):  # two ranks: one pair
-        rtt, rate = measure_pair(me, a, (a + 1) % n, group, hidden, trips)
+        rtt, fastest, rate = measure_pair(me, a, (a + 1) % n, group, hidden, trips)
         if me == a:
-            rows[a] = mx.array([rtt, rate / 1e6])
+            rows[a] = mx.array([rtt, fastest, rate / 1e6])
     rows = mx.distributed.all_sum(rows, group=group)  # every initiator's row, to rank 0
     reduce_s = all_reduce_s(group, hidden, trips)
     mx.eval(rows)
     if me == 0:
-        pairs = [{"from": a, "to": (a + 1) % n, "rtt_ms": float(rows[a, 0]) * 1e3, "mbit_s": float(rows[a, 1]) * 8}
+        pairs = [{"from": a, "to": (a + 1) % n, "rtt_ms": float(rows[a, 0]) * 1e3, "rtt_min_ms": float(rows[a, 1]) * 1e3,
+                  "mbit_s": float(rows[a, 2]) * 8}
                  for a in range(n if n > 2 else 1)]
         print(json.dumps({"links": {"pairs": pairs, "all_reduce_ms": reduce_s * 1e3, "hidden": hidden,
                                     "ranks": n}}), flush=True)

@@ -1,4 +1,4 @@
-"""python -m launch plan|run (see launch/cli.py)."""
+"""python -m launch plan|run|doctor (see launch/cli.py)."""
 
 from .cli import main
 

@@ -180,10 +180,7 @@ def load_hosts(args, memory_gb: Optional[str] = None) -> hostfile.Hostfile:
     if args.hostfile:
         return hostfile.load(bundled.resolve("hostfile", args.hostfile), args.backend)
     if memory_gb:
-        try:
-            gbs = [float(x) for x in memory_gb.split(",")]
-        except ValueError:
-            raise TrinityError(f"--memory-gb {memory_gb!r}: expected GiB per host, e.g. 64,16") from None
+        gbs = gib_list(memory_gb)
         return hostfile.parse([{"ssh": f"host{i}", "ips": [f"10.0.0.{i + 1}"], "memory_gb": g}
                                for i, g in enumerate(gbs)], "--memory-gb")
     hf = hostfile.local_hosts(args.single_host)
@@ -479,14 +476,18 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(2)
 
 
+def gib_list(memory_gb: str) -> List[float]:
+    try:
+        return [float(x) for x in memory_gb.split(",")]
+    except ValueError:
+        raise TrinityError(f"--memory-gb {memory_gb!r}: expected GiB per host, e.g. 64,16") from None
+
+
 def memory_override(hf: hostfile.Hostfile, memory_gb: Optional[str]) -> None:
     """doctor --memory-gb: the memory each host gives the plan, in place of the hostfile's."""
     if not memory_gb:
         return
-    try:
-        gbs = [float(x) for x in memory_gb.split(",")]
-    except ValueError:
-        raise TrinityError(f"--memory-gb {memory_gb!r}: expected GiB per host, e.g. 64,16") from None
+    gbs = gib_list(memory_gb)
     if len(gbs) != len(hf.hosts):
         raise TrinityError(f"--memory-gb gives {len(gbs)} hosts, the hosts are {len(hf.hosts)}")
     for h, gb in zip(hf.hosts, gbs):

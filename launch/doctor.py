@@ -216,7 +216,7 @@ def link_check(pair: dict, tcp: Optional[dict], peer: str) -> Check:
     """Passed with its figures; warned where the backend's round trip is far above plain TCP's
     (ranks outnumbering a host's cores: the ring backend waits busily; or other load)."""
     rate = f"{pair['mbit_s']:,.0f} Mbit/s" if pair["mbit_s"] > 0 else "bandwidth lost in the noise"
-    detail = f"to {peer}: {pair['rtt_ms']:.3f} ms round trip of a hidden state, {rate}"
+    detail = f"to {peer}: {pair['rtt_ms']:.3f} ms round trip of a decode step's frame, {rate}"
     if tcp is None:
         return Check("link", PASS, detail)
     detail += f" (plain TCP {tcp['rtt_ms']:.3f} ms, {tcp['mbit_s']:,.0f} Mbit/s)"

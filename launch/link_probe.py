@@ -4,10 +4,11 @@ starts the way `trinity-launch run` would (same backend, hosts, ssh), with mx.di
     python -m launch.link_probe '{"hidden": 2048, "trips": 40}'
 
 For each pair of consecutive ranks (i, i + 1), in turn while the others wait: the median (and
-fastest) round trip of one hidden state (float32, `hidden` values: a decode step's hop) sent i -> i + 1 and back,
-and the bandwidth of a bulk frame sent the same way (two transfers, less the small round trip);
-then the median of one all_sum of a hidden state over every rank (what a tensor group's layer
-pays twice). Rank 0 prints one JSON line; the others print nothing.
+fastest) round trip of one decode step's frame (the transport's fixed size, header and inline
+hidden state: distributed/transport/base.py's FRAME_BYTES) sent i -> i + 1 and back, and the
+bandwidth of a bulk frame sent the same way (two transfers, less the small round trip); then
+the median of one all_sum of a hidden state (float32, `hidden` values) over every rank (what a
+tensor group's layer pays twice). Rank 0 prints one JSON line; the others print nothing.
 """
 
 import json
@@ -40,12 +41,14 @@ def trips_s(x, me: int, a: int, b: int, group, trips: int) -> list:
     return sorted(times[WARM_UP:])
 
 
-def measure_pair(me: int, a: int, b: int, group, hidden: int, trips: int):
+def measure_pair(me: int, a: int, b: int, group, trips: int):
     """(median round trip s, fastest round trip s, bulk bytes/s) of a -> b, on a; zeros elsewhere.
     The fastest trip is the link's own; the median adds what the hosts' load adds."""
     import mlx.core as mx
 
-    small = trips_s(mx.ones((1, 1, hidden), dtype=mx.float32), me, a, b, group, trips)
+    from distributed.transport.base import FRAME_BYTES
+
+    small = trips_s(mx.zeros((FRAME_BYTES,), dtype=mx.uint8), me, a, b, group, trips)
     bulk = mx.ones((BULK_VALUES,), dtype=mx.float32)
     big = min(ping_pong(bulk, me, a, b, group) for _ in range(BULK_TRIPS + 1))
     if me != a:
@@ -75,7 +78,7 @@ def main() -> None:
     me, n = group.rank(), group.size()
     rows = mx.zeros((n, 3), dtype=mx.float32)
     for a in range(n if n > 2 else 1):  # two ranks: one pair
-        rtt, fastest, rate = measure_pair(me, a, (a + 1) % n, group, hidden, trips)
+        rtt, fastest, rate = measure_pair(me, a, (a + 1) % n, group, trips)
         if me == a:
             rows[a] = mx.array([rtt, fastest, rate / 1e6])
     rows = mx.distributed.all_sum(rows, group=group)  # every initiator's row, to rank 0

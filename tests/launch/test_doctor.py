@@ -229,6 +229,7 @@ def links_cost(config: dict, measured: dict) -> float:
 
 
 def test_shaped_links_are_measured_as_set_and_turn_the_advice(hosts, cache, line, tmp_path):
+    from distributed.transport.base import FRAME_BYTES
     from launch import hostfile as hostfiles
     from launch.bundled import resolve
     from launch.links import MeasuredLinks
@@ -249,9 +250,9 @@ def test_shaped_links_are_measured_as_set_and_turn_the_advice(hosts, cache, line
     # load on this machine adds). The ring backend's figures add its ranks' own scheduling, which
     # on this busy 2-core machine can be several ms: bounded below by the link, and its bulk rate.
     assert all(within(t["rtt_min_ms"], 10.0) and within(t["mbit_s"], 100.0) for t in tcp), tcp
-    hidden_ms = 2 * 2048 * 4 * 8 / 100e6 * 1e3  # a hidden state each way at 100 Mbit/s
+    frame_ms = 2 * FRAME_BYTES * 8 / 100e6 * 1e3  # a decode step's frame each way at 100 Mbit/s
     pair = links["pairs"][0]
-    assert pair["rtt_min_ms"] > 0.8 * (10.0 + hidden_ms) and within(pair["mbit_s"], 100.0), links
+    assert pair["rtt_min_ms"] > 0.8 * (10.0 + frame_ms) and within(pair["mbit_s"], 100.0), links
     # A memory bus on which halving each host's reads saves the geometric mean of what the two
     # links cost tensor 2 beyond the pipeline: the speed model then advises tensor 2 over the
     # bridge and the pipeline over the shaped line.

@@ -141,7 +141,9 @@ def test_a_rank_frozen_mid_stream(hf_checkpoint):
         assert re.search(rf"rank 1 \(host {re.escape(host)}\) stopped responding \(no heartbeat for 2\.\d s\)",
                          error.details()), error.details()
         assert seen_after in (NOT_SERVING, grpc.StatusCode.UNAVAILABLE), seen_after
-        assert 1.0 <= detected < 6.0, detected  # peer timeout 2 s, less the time since the last heartbeat
+        # Not at once (it waited out the 2 s peer timeout, less the time since the last heartbeat); the
+        # upper bound is the exit's own, as a loaded machine delays the watchdog's thread.
+        assert 1.0 <= detected < EXIT_WITHIN_S, detected
         assert "trinity: rank 1 (host" in s.output() and "no heartbeat" in s.output()
         print(f"SIGSTOP rank 1: stream failed after {detected:.2f} s, rank 0 exited after {exited:.2f} s")
         # Thawed, the frozen rank finds rank 0 gone and exits too.

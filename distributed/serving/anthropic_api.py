@@ -436,7 +436,7 @@ def count_tokens(body: dict, scheduler, tokenizer, info):
         ids = chat_ids(tokenizer, messages, tools, chat.get("chat_template_kwargs"))
     except RequestError as e:
         name = param(e.field)
-        raise ApiError(400, f"{name}: {str(e).split(': ', 1)[1]}", param=name) from None
+        raise ApiError(400, e.as_named(name), param=name) from None
     return 200, {"input_tokens": len(ids)}
 
 

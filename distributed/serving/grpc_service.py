@@ -101,7 +101,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             handle = scheduler.submit(req)
         except RequestError as e:  # a grammar the library rejects: named as the client set it
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.WhichOneof('constraint')}: {str(e).split(': ', 1)[1]}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.as_named(request.WhichOneof('constraint')))
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy, retry later: {e}")
         except RingUnavailable as e:

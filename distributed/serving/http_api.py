@@ -80,7 +80,7 @@ def submit(scheduler, request, run, name=lambda param: param):
         return scheduler.submit(request)
     except RequestError as e:
         param = name(run.constrained_by if e.field == "grammar" else e.field)
-        raise ApiError(400, f"{param}: {str(e).split(': ', 1)[1]}", param=param) from None
+        raise ApiError(400, e.as_named(param), param=param) from None
 
 
 class _Handler:
@@ -243,7 +243,7 @@ class _Handler:
             run = plan(body, chat, tokenizer, info)
         except RequestError as e:
             param = param_of(e, body, chat)
-            raise ApiError(400, f"{param}: {str(e).split(': ', 1)[1]}", param=param) from None
+            raise ApiError(400, e.as_named(param), param=param) from None
         handles = []
         try:
             for request in run.requests:  # one per choice
@@ -266,7 +266,7 @@ class _Handler:
             run = plan(chat_body, "messages" in chat_body or "prompt" not in chat_body, tokenizer, info)
         except RequestError as e:
             param = adapter.param(param_of(e, {}, True))
-            raise ApiError(400, f"{param}: {str(e).split(': ', 1)[1]}", param=param) from None
+            raise ApiError(400, e.as_named(param), param=param) from None
         handle = None
         try:
             handle = submit(scheduler, run.requests[0], run, adapter.param)

@@ -81,7 +81,7 @@ def main() -> None:
     p.add_argument("--delays", default="0.1,1,5")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "links_vs_runs.json"))
+    p.add_argument("--out", default="links_vs_runs.json")
     args = p.parse_args()
     model = checkpoint(FULL)
     config = json.loads((model / "config.json").read_text())

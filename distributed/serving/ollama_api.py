@@ -320,16 +320,7 @@ class OllamaReply:
 
     def __init__(self, reply, body: dict, chat: bool):
         self.reply, self.model, self.chat = reply, body["model"], chat
-        self.start, self.first, self.last = time.perf_counter_ns(), None, None
-        choice = reply.choices[0]
-        add = choice.add
-
-        def timed(event):  # a whole reply's events reach only Choice.add: their times, for the durations
-            self.first = self.first or time.perf_counter_ns()
-            self.last = time.perf_counter_ns()
-            return add(event)
-
-        choice.add = timed
+        self.start = time.perf_counter_ns()
 
     def _line(self, text: str, calls=(), thinking: str = "", **done) -> dict:
         if self.chat:
@@ -340,7 +331,8 @@ class OllamaReply:
                 **({"thinking": thinking} if thinking else {}), **done}
 
     def _done(self, finish, usage: dict) -> dict:
-        first, last = self.first or self.start, self.last or self.start
+        choice = self.reply.choices[0]  # its events' times, for the durations
+        first, last = choice.first_ns or self.start, choice.last_ns or self.start
         return {"done": True, "done_reason": "length" if finish == "length" else "stop",
                 "total_duration": time.perf_counter_ns() - self.start, "load_duration": 0,
                 "prompt_eval_count": usage["prompt_tokens"], "prompt_eval_duration": first - self.start,

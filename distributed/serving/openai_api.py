@@ -336,6 +336,7 @@ class Choice:
         self.offset = 0  # text_offset of the next entry
         self.finish = self.error = self.stop_sequence = None
         self.usage = (0, 0, 0)  # prompt, completion and cached tokens
+        self.first_ns = self.last_ns = None  # when its first and last events came (perf_counter_ns)
 
     def opening(self) -> List[dict]:
         """Chunks before any event: chat's role, or the echoed prompt."""
@@ -347,6 +348,8 @@ class Choice:
 
     def add(self, event) -> List[dict]:
         """Take one event; returns the chunks it makes."""
+        self.last_ns = time.perf_counter_ns()
+        self.first_ns = self.first_ns or self.last_ns
         logprobs = self.reply.plan.logprobs is not None
         if isinstance(event, PromptEvent):
             entries = [self._entry(*e) for e in zip(event.token_ids, event.logprobs, event.top_logprobs)] \

@@ -25,10 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-PINNED_SSH = """#!/bin/sh
-while [ $# -gt 0 ]; do case "$1" in -o) shift 2;; -*) shift;; *) break;; esac; done
-host=$1; shift
-case "$host" in *a) core=0;; *) core=1;; esac
+PINNED_SSH = """case "$host" in *a) core=0;; *) core=1;; esac
 exec ip netns exec "$host" taskset -c "$core" sh -c "$*"
 """
 
@@ -75,7 +72,7 @@ def calibrated_bandwidth(config: dict, tok_s: float) -> float:
 def main() -> None:
     from bench.harness import FULL, checkpoint
     from delay_line import delay_line
-    from netns_hosts import namespace_hosts
+    from netns_hosts import SSH_HOST, namespace_hosts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--delays", default="0.1,1,5")
@@ -90,7 +87,7 @@ def main() -> None:
     out = {"model": str(model), "tokens": args.tokens, "loadavg_before": os.getloadavg(), "delays": {}}
     with namespace_hosts(work, "ab") as hosts, delay_line(hosts, hosts.names) as line:
         ssh = work / "ssh-pinned"
-        ssh.write_text(PINNED_SSH)
+        ssh.write_text(SSH_HOST + PINNED_SSH)
         ssh.chmod(0o755)
         alone = [one_host(hosts, model, args.tokens) for _ in range(args.reps)]
         print(f"one host: {alone} tok/s", flush=True)

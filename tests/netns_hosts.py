@@ -36,11 +36,13 @@ RANK_ARGS = ["--max-context", str(CONTEXT), "--peer-timeout", "2", "--connect-ti
 LAUNCH_ARGS = ["--grace", "4", "--restart-delay", "0.2"]
 # ssh's stand-in: skips ssh's options (SshRing passes -T -o …), then runs the command in
 # the namespace named like the host, as ssh would run it in the remote user's shell.
-FAKE_SSH = """#!/bin/sh
+SSH_HOST = """#!/bin/sh
 while [ $# -gt 0 ]; do case "$1" in -o) shift 2;; -*) shift;; *) break;; esac; done
 host=$1; shift
-exec ip netns exec "$host" sh -c "$*"
-"""
+"""  # a stand-in's start: ssh's options skipped, $host the host, "$*" the remote command
+FAKE_SSH = SSH_HOST + 'exec ip netns exec "$host" sh -c "$*"\n'
+
+
 def ip(*args, check=True):
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 

@@ -21,15 +21,12 @@ import pytest
 
 from conftest import ROOT, free_port_range
 from delay_line import delay_line
-from netns_hosts import assert_nothing_left, namespace_hosts
+from netns_hosts import SSH_HOST, assert_nothing_left, namespace_hosts
 
 pytestmark = pytest.mark.slow  # network namespaces, rings over them
 
 OTHER_MLX = "0.32.3"  # a real release other than the one this environment pins
-SSH_MOUNTING = """#!/bin/sh
-while [ $# -gt 0 ]; do case "$1" in -o) shift 2;; -*) shift;; *) break;; esac; done
-host=$1; shift
-if [ "$host" = "{host}" ]; then
+SSH_MOUNTING = SSH_HOST + """if [ "$host" = "{host}" ]; then
   exec ip netns exec "$host" sh -c 'mount --bind "$1" "$2" && exec sh -c "$0"' "$*" {env} {prefix}
 fi
 exec ip netns exec "$host" sh -c "$*"

@@ -86,6 +86,23 @@ class Admission:
         self.chunk_budget = chunk_budget  # --memory-limit, --max-context auto: a ChunkBudget (memory_guard.py)
         self.last_tokens = 0  # prompt tokens of the chunk send_next sent last
 
+    def add(self, seq: Sequence) -> None:
+        """`seq` waits for a batch (in arrival order)."""
+        self.waiting.append(seq)
+
+    def clear(self) -> None:
+        """Forget every waiting sequence and the batch being sent (the batcher ended them all)."""
+        self.waiting.clear()
+        self.current = None
+
+    def abandon(self, ids: set) -> None:
+        """A frame failed for the sequences whose id() is in `ids`: a batch being sent with one of them
+        is abandoned whole (a chunk covers every row), its slot released on every rank."""
+        current = self.current
+        if current is not None and any(id(s) in ids for s in current.members):
+            self.pipeline.release(current.slot)  # after its chunks still in the ring
+            self.current = None
+
     def held(self) -> List[Sequence]:
         """Sequences waiting or in the batch being sent."""
         return list(self.waiting) + (self.current.members if self.current else [])
@@ -260,7 +277,7 @@ class Batcher:
         if not seq.request.scores_prompt:  # those need every prompt position computed
             with self.clock.part("prefix"):
                 self.prefix.restore(seq, self.drain)
-        self.admission.waiting.append(seq)
+        self.admission.add(seq)
 
     def step(self) -> None:
         """Send what fits into the ring, then take one reply."""
@@ -295,8 +312,7 @@ class Batcher:
         for seq in held + [s for g in self.groups for s in g.members]:
             if not seq.finished:
                 seq.finish("error", error=reason)
-        self.admission.waiting.clear()
-        self.admission.current = None
+        self.admission.clear()
         self.ready.clear()
         for group in self.groups:
             group.members, group.busy = [], False
@@ -571,10 +587,7 @@ class Batcher:
             batch.members = self._without(batch.slot, batch.members, ids)
             if not batch.members:
                 self.ready.remove(batch)
-        current = self.admission.current
-        if current is not None and any(id(s) in ids for s in current.members):
-            self.pipeline.release(current.slot)  # after its chunks still in the ring; a chunk covers every row
-            self.admission.current = None
+        self.admission.abandon(ids)
         if frame.group is not None:
             frame.group.busy = False  # this was its step in the ring
         for seq in doomed:

@@ -293,7 +293,7 @@ def choose_links(args, hf: hostfile.Hostfile, config: dict):
 
     options = Options(python=args.python or sys.executable, ssh=ssh_command(args.ssh), launch_args=host_args(args, hf))
     try:
-        measured = measure_links(options, int(config.get("hidden_size", 2048)))
+        measured = measure_links(options, int(config.get("hidden_size", 2048)), hf)
     except RuntimeError as e:
         raise TrinityError(f"--measure-links: {e}") from None
     if args.hostfile:

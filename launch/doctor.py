@@ -175,10 +175,16 @@ def probe_hosts(hf: Hostfile, options: Options, connect: bool, env=None) -> Repo
     return Report(hosts, hf.backend, tcp=tcp)
 
 
-def measure_links(options: Options, hidden: int) -> dict:
+def tensor_sizes(hf: Hostfile) -> List[int]:
+    """The tensor sizes 1 < T < N whose groups the backend can make (MPI splits groups)."""
+    n = len(hf.hosts)
+    return [t for t in range(2, n) if n % t == 0] if hf.backend == "mpi" else []
+
+
+def measure_links(options: Options, hidden: int, hf: Hostfile) -> dict:
     """Step 3: link_probe's figures from a ring that `trinity-launch run` starts; raises
     RuntimeError with the launcher's last words when it fails."""
-    command = [options.python, "-m", "launch.link_probe", json.dumps({"hidden": hidden})]
+    command = [options.python, "-m", "launch.link_probe", json.dumps({"hidden": hidden, "groups": tensor_sizes(hf)})]
     argv = [sys.executable, "-m", "launch", "run", *options.launch_args, "--no-plan", "--no-checks", "--grace", "3",
             "--ssh", " ".join(options.ssh), "--python", options.python, "--", *command]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -191,10 +197,10 @@ def measure_links(options: Options, hidden: int) -> dict:
         except subprocess.TimeoutExpired:
             signal_group(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-        raise RuntimeError(f"the measuring ring took over {LINK_RING_S:.0f} s: {err.strip()[-500:]}")
+        raise RuntimeError(f"the measuring ring took over {LINK_RING_S:.0f} s: {' '.join(err.split())[-600:]}")
     found = [json.loads(x) for x in out.splitlines() if x.startswith('{"links"')]
     if proc.returncode or not found:
-        raise RuntimeError(f"the measuring ring failed (status {proc.returncode}): {err.strip()[-800:]}")
+        raise RuntimeError(f"the measuring ring failed (status {proc.returncode}): {' '.join(err.split())[-600:]}")
     return found[-1]["links"]
 
 
@@ -235,7 +241,7 @@ def run(hf: Hostfile, options: Options) -> Report:
         report.links_note = "not measured: fix the failed checks first (a ring would not start)"
     else:
         try:
-            report.links = measure_links(options, options.hidden)
+            report.links = measure_links(options, options.hidden, hf)
             report.links_note = (f"kept for `trinity-launch plan` and `run` in {link_cache.save(hf, report.links)}"
                                  if hf.path else "measured (kept only for a hostfile)")
         except RuntimeError as e:
@@ -260,7 +266,8 @@ def describe(report: Report) -> str:
                 lines.append(f"  {MARKS[c.status]:4} {c.name}: {c.detail}" + (f"  -> fix: {c.fix}" if c.fix else ""))
     if report.links:
         lines.append(f"all-reduce of a hidden state ({report.links['hidden']} float32) over {report.links['ranks']} "
-                     f"ranks: {report.links['all_reduce_ms']:.3f} ms")
+                     f"ranks: {report.links['all_reduce_ms']:.3f} ms" + "".join(
+                         f"; ranks {g['ranks']}: {g['all_reduce_ms']:.3f} ms" for g in report.links.get("groups", [])))
     lines.append(f"links: {report.links_note}")
     failed = [f"{h.host.ssh}: {c.name}" for h in report.hosts for c in h.failed]
     lines.append(f"{len(failed)} check(s) failed: {', '.join(failed)}" if failed else

@@ -1,14 +1,16 @@
 """The links as the run will see them: run on every rank of a ring that `trinity-launch doctor`
 starts the way `trinity-launch run` would (same backend, hosts, ssh), with mx.distributed only.
 
-    python -m launch.link_probe '{"hidden": 2048, "trips": 40}'
+    python -m launch.link_probe '{"hidden": 2048, "trips": 40, "groups": [2]}'
 
 For each pair of consecutive ranks (i, i + 1), in turn while the others wait: the median (and
 fastest) round trip of one decode step's frame (the transport's fixed size, header and inline
 hidden state: distributed/transport/base.py's FRAME_BYTES) sent i -> i + 1 and back, and the
 bandwidth of a bulk frame sent the same way (two transfers, less the small round trip); then
 the median of one all_sum of a hidden state (float32, `hidden` values) over every rank (what a
-tensor group's layer pays twice). Rank 0 prints one JSON line; the others print nothing.
+tensor group's layer pays twice), and with "groups" (tensor sizes T < N, on a backend that splits
+groups: MPI) the same inside each group of T consecutive ranks. Rank 0 prints one JSON line;
+the others print nothing.
 """
 
 import json
@@ -69,6 +71,23 @@ def all_reduce_s(group, hidden: int, trips: int) -> float:
     return statistics.median(times[WARM_UP:])
 
 
+def group_all_reduces(group, sizes: list, hidden: int, trips: int) -> list:
+    """For each tensor size T (1 < T < N, a backend that splits groups: MPI), the all_sum of a
+    hidden state inside each group of T consecutive ranks: [{"ranks", "all_reduce_ms"}], on rank 0."""
+    import mlx.core as mx
+
+    me, n = group.rank(), group.size()
+    out = []
+    for size in sizes:
+        mine = all_reduce_s(group.split(me // size), hidden, trips)
+        times = mx.zeros((n // size,), dtype=mx.float32)
+        times[me // size] = mine if me % size == 0 else 0.0
+        times = mx.distributed.all_sum(times, group=group)  # each group's first rank's figure, to rank 0
+        out += [{"ranks": list(range(g * size, (g + 1) * size)), "all_reduce_ms": float(t) * 1e3}
+                for g, t in enumerate(times.tolist())]
+    return out
+
+
 def main() -> None:
     import mlx.core as mx
 
@@ -76,6 +95,7 @@ def main() -> None:
     hidden, trips = int(options.get("hidden", 2048)), int(options.get("trips", 40))
     group = mx.distributed.init(strict=True)
     me, n = group.rank(), group.size()
+    groups = group_all_reduces(group, options.get("groups", []), hidden, trips)
     rows = mx.zeros((n, 3), dtype=mx.float32)
     for a in range(n if n > 2 else 1):  # two ranks: one pair
         rtt, fastest, rate = measure_pair(me, a, (a + 1) % n, group, trips)
@@ -88,8 +108,8 @@ def main() -> None:
         pairs = [{"from": a, "to": (a + 1) % n, "rtt_ms": float(rows[a, 0]) * 1e3, "rtt_min_ms": float(rows[a, 1]) * 1e3,
                   "mbit_s": float(rows[a, 2]) * 8}
                  for a in range(n if n > 2 else 1)]
-        print(json.dumps({"links": {"pairs": pairs, "all_reduce_ms": reduce_s * 1e3, "hidden": hidden,
-                                    "ranks": n}}), flush=True)
+        print(json.dumps({"links": {"pairs": pairs, "all_reduce_ms": reduce_s * 1e3, "groups": groups,
+                                    "hidden": hidden, "ranks": n}}), flush=True)
 
 
 if __name__ == "__main__":

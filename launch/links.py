@@ -5,7 +5,8 @@ by `trinity-launch plan` and `run` in place of launch/tensor_plan.py's assumed L
 A hop between stages costs half the measured round trip of a hidden state between those two
 ranks (a pair that was not measured, not being consecutive, the slowest measured hop); one
 step of a group's ring all-reduce costs the measured all_sum over every rank / (2 (N - 1))
-when the group is every rank, else the slowest hop inside the group (one step is one hop).
+when the group is every rank, or that group's own all_sum / (2 (T - 1)) where it was measured
+(MPI: groups of consecutive ranks), else the slowest hop inside the group (one step is one hop).
 
 The cache: $XDG_CACHE_HOME/trinity-pipeline/links/<key>.json (else ~/.cache/...), the key a
 hash of the hosts (ssh names and IPs, in rank order) and the backend, so an edited hostfile
@@ -51,6 +52,9 @@ class MeasuredLinks:
     def step_s(self, ranks: List[int]) -> float:
         if len(ranks) == self.ranks and self.ranks > 1:
             return self.measured["all_reduce_ms"] / 1e3 / (2 * (self.ranks - 1))
+        group = next((g for g in self.measured.get("groups", []) if sorted(g["ranks"]) == sorted(ranks)), None)
+        if group is not None:
+            return group["all_reduce_ms"] / 1e3 / (2 * (len(ranks) - 1))
         return max((self.hop_s(a, b) for a in ranks for b in ranks if a != b), default=0.0)
 
     def name(self, ranks: List[int]) -> str:

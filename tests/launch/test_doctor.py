@@ -89,6 +89,17 @@ def test_a_healthy_ring_passes_every_check(healthy, hosts):
     assert report["links"]["ranks"] == 2 and report["links"]["all_reduce_ms"] > 0
 
 
+def test_plan_measures_the_links_on_the_spot_and_says_so(hosts, tmp_path):
+    a, b, _ = hosts.names
+    path = hostfile(hosts, [a, b], tmp_path / "hosts.json", memory_gb=64)
+    cache = tmp_path / "cache"  # nothing kept yet: without --measure-links, the assumed links
+    args = ["plan", "--preset", "trinity-mini", "--hostfile", str(path), "--ssh", str(hosts.ssh), "--json"]
+    assumed, measured = (json.loads(launch(cache, *args, *extra).stdout)["advice"] for extra in ([], ["--measure-links"]))
+    assert assumed["links"].startswith("assumed (launch/tensor_plan.py's LINKS"), assumed
+    assert measured["links"].startswith("measured now (--measure-links, "), measured
+    assert_nothing_left(hosts)
+
+
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 def test_on_localhost_too(cache, hf_checkpoint, backend, monkeypatch):
     """Two local ranks; with MPI the links come from a ring that mlx.launch starts with mpirun."""

@@ -74,16 +74,6 @@ class Hosts:
     def cut(self, name: str) -> None:
         ip("-n", name, "link", "set", f"trpp{self.tag}{name[-1]}", "down")
 
-    def shape(self, name: str, *netem: str) -> None:
-        """tc netem on the host's side of its link (what it sends), e.g. shape(A, "delay", "5ms");
-        none given: the shaping removed."""
-        dev = f"trpp{self.tag}{name[-1]}"
-        if netem:
-            ip_tc = ["tc", "-n", name, "qdisc", "replace", "dev", dev, "root", "netem", *netem]
-        else:
-            ip_tc = ["tc", "-n", name, "qdisc", "del", "dev", dev, "root"]
-        subprocess.run(ip_tc, capture_output=True, text=True, check=bool(netem))
-
     def hostfile(self, path: Path, memory_gb=None) -> Path:
         hosts = []
         for n in self.names:

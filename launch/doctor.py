@@ -27,7 +27,7 @@ from . import links as link_cache
 from .checks import FAIL, PASS, SKIP, WARN, Check, backend_check, disk_check, firewall_check, memory_check, model_check, \
     port_check, version_checks
 from .hostfile import Hostfile, Host
-from .probes import Probe
+from .probes import ANSWER_S, Probe
 from .processes import free_ports, signal_group
 
 FAST = {"reachable", "python", "mlx", "mlx_backend", "mlx_lm", "package", "macos", "memory", "port"}
@@ -95,9 +95,10 @@ def start_probes(hf: Hostfile, options: Options, addresses: List[tuple], env=Non
 
 
 def gather(probes: List[Probe]) -> tuple:
-    """(facts, bound) per host; None where the host gave none."""
-    facts = [p.next() for p in probes]
-    bound = [p.next() if f is not None else None for p, f in zip(probes, facts)]
+    """(facts, bound) per host; None where the host gave none (all of them within ANSWER_S)."""
+    deadline = time.monotonic() + ANSWER_S
+    facts = [p.next(max(0.1, deadline - time.monotonic())) for p in probes]
+    bound = [p.next(max(0.1, deadline - time.monotonic())) if f is not None else None for p, f in zip(probes, facts)]
     return [f and f["facts"] for f in facts], bound
 
 
@@ -150,7 +151,7 @@ def plan_shares(hf: Hostfile, facts: list, options: Options):
     if options.plan is None or any(f is None for f in facts):
         return None
     plan = options.plan(with_measured_memory(hf, facts))
-    return sorted(plan.hosts, key=lambda p: [h.ssh for h in hf.hosts].index(p.host)) if plan else None
+    return sorted(plan.hosts, key=lambda p: p.rank) if plan else None
 
 
 def probe_hosts(hf: Hostfile, options: Options, connect: bool, env=None) -> Report:

@@ -282,3 +282,16 @@ def test_shaped_links_are_measured_as_set_and_turn_the_advice(hosts, cache, line
         choices.append(got["choice"])
     assert choices == [2, 1], (costs, bandwidth)
     assert_nothing_left(hosts)
+
+
+def test_a_host_that_does_not_answer_fails_with_its_ssh_error(hosts, cache, tmp_path):
+    a = hosts.names[0]
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([{"ssh": a, "ips": [hosts.ips[a]]}, {"ssh": "trpnosuchhost", "ips": ["10.79.255.9"]}]))
+    status, checks, report = doctor(cache, "--hostfile", str(path), "--ssh", str(hosts.ssh))
+    assert status == 1
+    gone = checks["trpnosuchhost"]
+    assert list(gone) == ["reachable", "link"] and gone["reachable"]["status"] == "fail", gone
+    assert "trpnosuchhost" in gone["reachable"]["detail"] and "ssh trpnosuchhost" in gone["reachable"]["fix"], gone
+    assert checks[a]["reachable"]["status"] == "pass" and report["links"] is None
+    assert_nothing_left(hosts)

@@ -249,13 +249,15 @@ class Batcher:
         self.group_cap = -(-max_batch // len(self.groups))
         self.max_batch = max_batch
         self.depth = ranks  # prompt chunks in the ring at once: enough to keep every rank busy
-        # Prompt chunks ride in decode steps' frames (_send_step) with several ranks, where a frame of its
-        # own would hold the groups' steps back a whole frame at every rank. With one, the device computes
-        # the chunk and the step one after the other either way, and the chunk alone first gives the earlier
-        # first tokens (bench_load --arrival-gap: TTFT p50 +13% to +52% mixed on an H200, +6% to +36% on a CPU).
-        self.mix = ranks > 1
         self.prefix = prefix or PrefixHooks()
         self.budget = step_budget or StepBudget()
+        # Prompt chunks ride in decode steps' frames (_send_step) with several ranks, where a frame of its
+        # own would hold the groups' steps back a whole frame at every rank, and with one under a step
+        # budget: a bounded chunk then costs about its tokens, where alone it costs a pass over every
+        # expert's weights too (one H100, Mini's shape, 8 streams: 83 tok/s against 290 unbounded). With
+        # one rank and whole chunks, the chunk alone first gives the earlier first tokens (bench_load
+        # --arrival-gap: TTFT p50 +13% to +52% mixed on an H200, +6% to +36% on a CPU).
+        self.mix = ranks > 1 or self.budget.bounded
         self.admission = Admission(pipeline, self._new_slot, prefill_step_size, prefill_batch_tokens, memory,
                                    chunk_budget)
         self.ready: deque = deque()  # PrefillBatch: prefilled rows waiting to join a group

@@ -304,8 +304,8 @@ class Pipeline:
         """Start a decode step, tokens (rows, 1) of `slot`, and a prefill chunk, (rows,
         columns) of `chunk_slot`, through all stages as one frame (Stage.mixed: the
         chunk's tokens share the step's pass over the expert weights). The reply is the
-        step's (Reply.LAST); the chunk's outputs are only kept in its caches. Several
-        ranks only (the batcher mixes nothing with one: Batcher.mix)."""
+        step's (Reply.LAST); the chunk's outputs are only kept in its caches (with one rank,
+        the step's reply depends on every layer's chunk caches: taking it computes them)."""
         if chunk_slot in self.guard.doomed:  # the chunk's rows failed here: the step goes on alone
             return self.send(tokens, Reply.LAST, slot)
         parts = [(tokens.shape[0], 1, slot), (chunk.shape[0], chunk.shape[1], chunk_slot)]
@@ -319,6 +319,9 @@ class Pipeline:
         self._hidden = (h.shape[-1], h.dtype)
         self.stats.forward_frames += 1
         self.stats.mixed_frames += 1
+        if self.transport is None:
+            self._local.append((Header(Op.FORWARD, Reply.LAST, slot), h[:, -1:, :]))
+            return
         payload = flatten([h, c])
         rows, length = chunk.shape
         if not self._sent(Header.for_payload(Op.FORWARD, payload, reply=Reply.LAST, slot=slot, chunk_slot=chunk_slot,

@@ -45,6 +45,11 @@ class StepBudget:
         self._last: Dict[int, Tuple[float, int, int]] = {}  # group slot -> its last reply's time, carried, chunks
 
     @property
+    def bounded(self) -> bool:
+        """Whether chunks beside decoding are bounded (--max-step-tokens or --itl-target-ms)."""
+        return self.fixed is not None or self.adaptive
+
+    @property
     def tokens(self) -> Optional[int]:
         """B now; None: no bound."""
         if self.fixed is not None:

@@ -31,8 +31,8 @@ class Drafter:
 @pytest.mark.parametrize("split", [(8,), (4, 4)])
 def test_chunks_beside_decoding_stay_within_the_budget(hf_checkpoint, split):
     """A 90-token prompt arriving while others decode goes in chunks of at most B tokens (the
-    budget, under the 16-token prefill step), alone first (one rank) or in the steps' frames
-    (two); the same prompt with nothing decoding goes in whole steps; all exact."""
+    budget, under the 16-token prefill step), in the decode steps' frames (one rank under a budget
+    too); the same prompt with nothing decoding goes in whole steps; all exact."""
     budget = 5
     late = []
 

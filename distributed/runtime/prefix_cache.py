@@ -341,8 +341,8 @@ class PrefixCache(PrefixHooks):
         if not self.enabled or not rows:
             return
         fed = self.pipeline.caches.lengths(slot)
-        fed_tokens = [(list(seq.request.prompt_ids) + seq.sampled, row) for seq, row in rows]  # sampled: resumed first
-        self.store([(tokens[:fed[row]], row) for tokens, row in fed_tokens if fed[row] <= len(tokens)], slot, to_disk)
+        drawn = [(list(seq.request.prompt_ids) + seq.sampled, row) for seq, row in rows]  # sampled: resumed first
+        self.store([(tokens[:fed[row]], row) for tokens, row in drawn if fed[row] <= len(tokens)], slot, to_disk)
 
     prefilled = store_rows  # the batcher's two store points
 

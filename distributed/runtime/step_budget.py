@@ -9,12 +9,13 @@ tokens. `--max-step-tokens N` fixes B. `--itl-target-ms T` lets B follow what st
 decode group's time from one reply to the next is measured, with the prompt tokens that entered the
 ring meanwhile: B follows the ratio of the time prompt tokens may take of an interval to what
 they took (an interval may hold several chunks: B scales their mean). The time a step alone takes
-(a) is that of the intervals that carried no prompt tokens, or, before any came, the intercept of a line fitted to the intervals, a + b x tokens
-(least squares, recent intervals weighted most; the chunks alternate a little in size until a
-is measured, so that the fit can tell a from b). Prompt tokens may take T - a, and where a step alone already takes
-T or more (64 streams on one GPU) a step's time, a: the streams' time between tokens at most
-doubles while prompts are admitted, and the prompts are not starved. B falls at once where an interval
-ran over, and grows by a quarter at most a reply.
+(a) is that of the intervals that carried no prompt tokens, or, before any came, the intercept of
+a line fitted to the intervals, a + b x tokens (least squares, recent intervals weighted most; the
+chunks alternate a little in size until a is measured, so that the fit can tell a from b). Prompt
+tokens may take T - a, and where a step alone already takes T or more (64 streams on one GPU) a
+step's time, a: the streams' time between tokens at most doubles while prompts are admitted, and
+the prompts are not starved. B falls at once where an interval ran over, and grows by a quarter at
+most a reply.
 Either way a prompt with nothing decoding beside it is not bounded (it goes at full speed), and B
 never falls below MIN_TOKENS, so a prompt always gets on.
 """

@@ -256,6 +256,10 @@ def run(hf: Hostfile, options: Options) -> Report:
 MARKS = {"pass": "ok", "warn": "WARN", "fail": "FAIL", "skip": "-"}
 
 
+def all_reduce_ms(measured: dict) -> str:
+    return f"{measured['all_reduce_ms']:.3f} ms (fastest {link_cache.fastest_all_reduce_ms(measured):.3f})"
+
+
 def describe(report: Report) -> str:
     """One row per host (every check's verdict), then each warning and failure with its fix."""
     lines = [f"trinity-launch doctor: {len(report.hosts)} host(s), {report.backend} backend, {link_cache.now()}"]
@@ -267,8 +271,8 @@ def describe(report: Report) -> str:
                 lines.append(f"  {MARKS[c.status]:4} {c.name}: {c.detail}" + (f"  -> fix: {c.fix}" if c.fix else ""))
     if report.links:
         lines.append(f"all-reduce of a hidden state ({report.links['hidden']} float32) over {report.links['ranks']} "
-                     f"ranks: {report.links['all_reduce_ms']:.3f} ms" + "".join(
-                         f"; ranks {g['ranks']}: {g['all_reduce_ms']:.3f} ms" for g in report.links.get("groups", [])))
+                     f"ranks: {all_reduce_ms(report.links)}" + "".join(
+                         f"; ranks {g['ranks']}: {all_reduce_ms(g)}" for g in report.links.get("groups", [])))
     lines.append(f"links: {report.links_note}")
     failed = [f"{h.host.ssh}: {c.name}" for h in report.hosts for c in h.failed]
     lines.append(f"{len(failed)} check(s) failed: {', '.join(failed)}" if failed else

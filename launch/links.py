@@ -2,11 +2,15 @@
 between consecutive ranks and over the whole ring, kept per hostfile with its date, and read
 by `trinity-launch plan` and `run` in place of launch/tensor_plan.py's assumed LINKS.
 
-A hop between stages costs half the measured round trip of a hidden state between those two
-ranks (a pair that was not measured, not being consecutive, the slowest measured hop); one
-step of a group's ring all-reduce costs the measured all_sum over every rank / (2 (N - 1))
-when the group is every rank, or that group's own all_sum / (2 (T - 1)) where it was measured
-(MPI: groups of consecutive ranks), else the slowest hop inside the group (one step is one hop).
+A hop between stages costs half the fastest measured round trip of a hidden state between
+those two ranks (a pair that was not measured, not being consecutive, the slowest measured hop);
+one step of a group's ring all-reduce costs the fastest measured all_sum over every rank /
+(2 (N - 1)) when the group is every rank, or that group's own all_sum / (2 (T - 1)) where it was
+measured (MPI: groups of consecutive ranks), else the slowest hop inside the group (one step is
+one hop). The fastest trip is the link's own cost: the median adds whatever else loaded the hosts
+while the doctor measured (a busy machine's scheduling: in CI the median all-reduce over a bridge
+grew tenfold and exceeded a 10 ms line's), which the run does not inherit. Records from before
+the fastest figures were kept fall back to the medians.
 
 The cache: $XDG_CACHE_HOME/trinity-pipeline/links/<key>.json (else ~/.cache/...), the key a
 hash of the hosts (ssh names and IPs, in rank order) and the backend, so an edited hostfile
@@ -34,6 +38,10 @@ def cache_key(hf: Hostfile) -> str:
     return hashlib.sha256(json.dumps([hf.backend, hosts]).encode()).hexdigest()[:16]
 
 
+def fastest_all_reduce_ms(measured: dict) -> float:
+    return measured.get("all_reduce_min_ms", measured["all_reduce_ms"])
+
+
 class MeasuredLinks:
     """tensor_plan's links interface (hop_s, step_s, name, source) from one measurement."""
 
@@ -41,7 +49,7 @@ class MeasuredLinks:
         self.measured, self.source = measured, source
         self.hops = {}
         for pair in measured["pairs"]:
-            hop = pair["rtt_ms"] / 2e3
+            hop = pair.get("rtt_min_ms", pair["rtt_ms"]) / 2e3
             self.hops[(pair["from"], pair["to"])] = self.hops[(pair["to"], pair["from"])] = hop
         self.slowest = max(self.hops.values(), default=0.0)
         self.ranks = measured["ranks"]
@@ -51,10 +59,10 @@ class MeasuredLinks:
 
     def step_s(self, ranks: List[int]) -> float:
         if len(ranks) == self.ranks and self.ranks > 1:
-            return self.measured["all_reduce_ms"] / 1e3 / (2 * (self.ranks - 1))
+            return fastest_all_reduce_ms(self.measured) / 1e3 / (2 * (self.ranks - 1))
         group = next((g for g in self.measured.get("groups", []) if sorted(g["ranks"]) == sorted(ranks)), None)
         if group is not None:
-            return group["all_reduce_ms"] / 1e3 / (2 * (len(ranks) - 1))
+            return fastest_all_reduce_ms(group) / 1e3 / (2 * (len(ranks) - 1))
         return max((self.hop_s(a, b) for a in ranks for b in ranks if a != b), default=0.0)
 
     def name(self, ranks: List[int]) -> str:

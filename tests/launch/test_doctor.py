@@ -86,7 +86,7 @@ def test_a_healthy_ring_passes_every_check(healthy, hosts):
             == {}, by_name
     assert {"reachable", "python", "mlx", "mlx_backend", "mlx_lm", "package", "memory", "disk", "model", "prerequisites",
             "port", "firewall", "link"} <= set(by_name)
-    assert report["links"]["ranks"] == 2 and report["links"]["all_reduce_ms"] > 0
+    assert report["links"]["ranks"] == 2 and 0 < report["links"]["all_reduce_min_ms"] <= report["links"]["all_reduce_ms"]
 
 
 def test_plan_measures_the_links_on_the_spot_and_says_so(hosts, tmp_path):
@@ -268,12 +268,11 @@ def test_shaped_links_are_measured_as_set_and_turn_the_advice(hosts, cache, line
     assert pair["rtt_min_ms"] > 0.8 * (10.0 + frame_ms) and within(pair["mbit_s"], 100.0), links
     # A memory bus on which halving each host's reads saves the geometric mean of what the two
     # links cost tensor 2 beyond the pipeline: the speed model then advises tensor 2 over the
-    # bridge and the pipeline over the shaped line. Any margin between the costs separates them;
-    # under load the bridge's median round trip grows by what the ring's scheduling adds (a fresh
-    # clone's CI: 1.48 against 2.48), so the margin asked is small.
+    # bridge and the pipeline over the shaped line. The planner reads the fastest trips (a fresh
+    # clone's CI once measured the bridge's median all-reduce at 23 ms, above the line's 15).
     config = quantize_config(json.loads(resolve("preset", "trinity-mini").read_text())["config"], 4)
     costs = [links_cost(config, measured[path]["links"]) for path in (fast, slow)]
-    assert costs[1] > 1.2 * costs[0], costs
+    assert costs[1] > 2 * costs[0], costs
     bandwidth = active_bytes(config)["layers"] / (2 * EFFICIENCY * (costs[0] * costs[1]) ** 0.5) / 1e9
     choices = []
     for path in (fast, slow):

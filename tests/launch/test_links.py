@@ -3,19 +3,31 @@
 
 from launch import hostfile, links
 
-MEASURED = {"ranks": 4, "hidden": 2048, "all_reduce_ms": 6.0,
-            "pairs": [{"from": a, "to": (a + 1) % 4, "rtt_ms": 2.0 * (a + 1), "rtt_min_ms": 1.0, "mbit_s": 1e3}
-                      for a in range(4)],
-            "groups": [{"ranks": [0, 1], "all_reduce_ms": 0.4}, {"ranks": [2, 3], "all_reduce_ms": 8.0}]}
+# Medians twice the fastest figures: what the hosts' load added while the doctor measured.
+MEASURED = {"ranks": 4, "hidden": 2048, "all_reduce_ms": 12.0, "all_reduce_min_ms": 6.0,
+            "pairs": [{"from": a, "to": (a + 1) % 4, "rtt_ms": 4.0 * (a + 1), "rtt_min_ms": 2.0 * (a + 1),
+                       "mbit_s": 1e3} for a in range(4)],
+            "groups": [{"ranks": [0, 1], "all_reduce_ms": 0.8, "all_reduce_min_ms": 0.4},
+                       {"ranks": [2, 3], "all_reduce_ms": 16.0, "all_reduce_min_ms": 8.0}]}
 
 
-def test_hops_and_all_reduce_steps_come_from_what_was_measured():
+def test_hops_and_all_reduce_steps_come_from_the_fastest_trips_measured():
     m = links.MeasuredLinks(MEASURED, "test")
-    assert m.hop_s(1, 2) == m.hop_s(2, 1) == 2e-3  # half of 4 ms
+    assert m.hop_s(1, 2) == m.hop_s(2, 1) == 2e-3  # half of the fastest 4 ms
     assert m.hop_s(0, 2) == 4e-3  # not consecutive: the slowest hop measured
     assert m.step_s([0, 1, 2, 3]) == 6e-3 / 6  # every rank: 2 (N - 1) steps
     assert m.step_s([1, 0]) == 0.4e-3 / 2 and m.step_s([2, 3]) == 8e-3 / 2  # a group measured (MPI)
     assert m.step_s([1, 2]) == 2e-3  # no group measured: its slowest hop
+
+
+def test_a_record_without_the_fastest_figures_uses_its_medians():
+    def medians_only(d):
+        return {k: v for k, v in d.items() if not k.endswith("min_ms")}
+
+    old = dict(medians_only(MEASURED), pairs=[medians_only(p) for p in MEASURED["pairs"]],
+               groups=[medians_only(g) for g in MEASURED["groups"]])
+    m = links.MeasuredLinks(old, "test")
+    assert m.hop_s(1, 2) == 4e-3 and m.step_s([0, 1, 2, 3]) == 12e-3 / 6 and m.step_s([2, 3]) == 16e-3 / 2
 
 
 def test_kept_per_hostfile(tmp_path, monkeypatch):

@@ -103,3 +103,19 @@ def test_the_readme_links_to_pages_and_headings_that_exist():
         if anchor:
             headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
             assert anchor in {slug(h) for h in headings}, link
+
+
+def test_the_module_map_names_each_folder_once():
+    page = (DOCS / "architecture.md").read_text()
+    folders = re.findall(r"^\*\*`([\w/]+)`\*\*$", page[page.index("## Module map"):], re.M)
+    assert folders and len(folders) == len(set(folders)), f"a folder's heading repeated: {folders}"
+
+
+def test_a_requests_life_names_modules_that_exist_once_each():
+    """docs/request-life.md's picture: every module it names is in distributed/, and named once."""
+    page = (DOCS / "request-life.md").read_text()
+    picture = re.search(r"^```\n(.*?)^```", page, re.S | re.M).group(1)
+    named = re.findall(r"\b((?:serving|runtime|shard|transport|startup)/\w+\.py)\b", picture)
+    assert len(named) >= 10
+    assert [m for m in named if not (ROOT / "distributed" / m).exists()] == [], "the picture names a module not in the tree"
+    assert len(named) == len(set(named)), f"a module named twice: {named}"

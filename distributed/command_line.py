@@ -96,6 +96,7 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="memory each rank plans with and MLX holds it to (set_memory_limit, and the buffer cache "
                    "bounded to the planning margin); auto: its share of its host's memory (ranks of one host divide "
                    "it); default: that share, MLX unbounded")
+    kv_arguments(p)
     faults = p.add_argument_group("faults (several ranks)")
     faults.add_argument("--peer-timeout", type=float, default=5.0, metavar="SECONDS",
                         help="a rank silent this long on the control channel counts as failed: every rank exits")
@@ -132,6 +133,15 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
     prefill_arguments(p)
     speculation_arguments(p)
     return p
+
+
+def kv_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV cache (shard/kv_quant.py)")
+    g.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
+                   help="keep the full-attention layers' KV caches quantized to this many bits on every rank "
+                   "(longer contexts in the same memory; sliding windows stay whole); default: the model's dtype")
+    g.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                   help="values per quantization group of --kv-bits (must divide the head size)")
 
 
 def prefill_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ from typing import List, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import load_model
 
 from distributed.shard.config import model_args, read_config
@@ -28,11 +29,16 @@ def mlx_lm_logprobs(path: Path, prompt: List[int]) -> mx.array:
 
 
 def mlx_lm_greedy(path: Path, prompt: List[int], max_tokens: int, prefill_step_size: int,
-                  logits_processors=None) -> Tuple[List[int], List[float]]:
+                  logits_processors=None, kv_bits=None, kv_group_size=64) -> Tuple[List[int], List[float]]:
     """Greedy tokens and their logprobs from mlx-lm's generate_step, stopping at EOS
-    (with `logits_processors`, the logprobs are the processed ones)."""
+    (with `logits_processors`, the logprobs are the processed ones). `kv_bits`: the
+    full-attention layers' caches quantized from the first token (KVCache.to_quantized),
+    the sliding ones whole."""
+    model = mlx_lm_model(path)
+    cache = [c.to_quantized(kv_group_size, kv_bits) if kv_bits and type(c) is KVCache else c
+             for c in model.make_cache()]
     tokens, logprobs = [], []
-    for token, lp in generate_step(mx.array(prompt), mlx_lm_model(path), max_tokens=max_tokens,
+    for token, lp in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache,
                                    prefill_step_size=prefill_step_size, logits_processors=logits_processors):
         if token in EOS:
             break

@@ -5,10 +5,10 @@ from distributed.shard.loader import load_stage
 from distributed.shard.plan import layer_ranges
 
 
-def in_process_pipeline(path, split):
-    """(pipeline, stages) for `split` layers per stage."""
+def in_process_pipeline(path, split, config=None):
+    """(pipeline, stages) for `split` layers per stage (`config`: in place of the checkpoint's)."""
     ranges = layer_ranges(sum(split), len(split), list(split))
-    stages = [load_stage(path, s, e, i == 0) for i, (s, e) in enumerate(ranges)]
+    stages = [load_stage(path, s, e, i == 0, config) for i, (s, e) in enumerate(ranges)]
     return pipeline_of(stages), stages
 
 

@@ -32,8 +32,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
+from ..shard.kv_quant import BatchQuantizedKVCache, QuantizedKVCache
 from ..shard.stage import Stage
 from ..transport import Op
 from .disk_cache import BLOCK, Corrupt, DiskCache, EntryFile, chain_hashes
@@ -83,7 +85,8 @@ class Stored:
 
     @property
     def nbytes(self) -> int:
-        arrays = [a for c in self.caches for a in (c.keys, c.values)] + [a for kv in self.log if kv for a in kv]
+        arrays = tree_flatten([(c.keys, c.values) for c in self.caches] + [kv for kv in self.log if kv])
+        arrays = [a for _, a in arrays]
         return sum({id(a): a.nbytes for a in arrays}.values())  # from_file's windows are its logs too
 
     def cut(self, tokens: int) -> List:
@@ -473,6 +476,8 @@ def extract_row(cache, row: int):
     one token each: nothing to prefill, merged into a batch of empty caches) has no keys for
     mlx-lm's extract to slice: its rows are fresh caches."""
     if cache.empty():
+        if isinstance(cache, BatchQuantizedKVCache):
+            return QuantizedKVCache(cache.group_size, cache.bits)
         return RotatingKVCache(cache.max_size) if isinstance(cache, BatchRotatingKVCache) else KVCache()
     return cache.extract(row)
 
@@ -493,7 +498,7 @@ def trim_newest(cache, n: int) -> None:
         cache.offset -= n
         cache._idx -= n
     else:
-        assert isinstance(cache, KVCache) and cache.offset >= n, type(cache).__name__
+        assert isinstance(cache, (KVCache, QuantizedKVCache)) and cache.offset >= n, type(cache).__name__
         cache.trim(n)
 
 
@@ -519,8 +524,14 @@ def hold(caches) -> List[dict]:
     StageWorker.build_ahead). The cache updates assign in place (`keys[..., i, :] = k` changes the array
     object itself), so each array is held as a new reference to its value now: lazy, nothing
     is copied."""
-    return [{name: mx.array(v) if isinstance(v, mx.array) else copy.copy(v) for name, v in vars(c).items()}
-            for c in caches]
+    return [{name: held(v) for name, v in vars(c).items()} for c in caches]
+
+
+def held(v):
+    """A new reference to an array (or a quantized cache's triple of them); a copy of anything else."""
+    if isinstance(v, tuple) and v and isinstance(v[0], mx.array):
+        return tree_map(mx.array, v)
+    return mx.array(v) if isinstance(v, mx.array) else copy.copy(v)
 
 
 def put_back(caches, held: List[dict]) -> None:
@@ -539,9 +550,10 @@ def compact(cache):
         out = RotatingKVCache(cache.max_size)
         out._idx = held
     else:
-        keys, values = (v[..., : cache.offset, :] for v in (cache.keys, cache.values))
-        out = KVCache()
-    out.keys, out.values, out.offset = mx.array(keys), mx.array(values), cache.offset
+        keys, values = tree_map(lambda v: v[..., : cache.offset, :], (cache.keys, cache.values))
+        out = QuantizedKVCache(cache.group_size, cache.bits) if isinstance(cache, QuantizedKVCache) else KVCache()
+    out.keys, out.values = tree_map(mx.array, (keys, values))
+    out.offset = cache.offset
     return out
 
 
@@ -579,9 +591,10 @@ def cut(entry, tokens: int):
     drop = entry.offset - tokens
     if drop and not entry.is_trimmable():
         raise ValueError(f"a wrapped sliding-window cache cannot be cut from {entry.offset} to {tokens} tokens")
-    held = entry.keys.shape[2] - drop
+    held = tree_flatten(entry.keys)[0][1].shape[2] - drop
     out = copy.copy(entry)
-    out.keys, out.values, out.offset = entry.keys[..., :held, :], entry.values[..., :held, :], tokens
+    out.keys, out.values = tree_map(lambda a: a[..., :held, :], (entry.keys, entry.values))
+    out.offset = tokens
     if isinstance(out, RotatingKVCache):
         out._idx = held
     return out

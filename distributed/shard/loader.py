@@ -21,6 +21,7 @@ from mlx_lm.utils import infer_quant_config
 from .. import TrinityError
 from .config import model_args, read_config
 from .hub import snapshot, where
+from .sizes import kv_quantization
 from .stage import Stage
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -170,7 +171,7 @@ def load_stage(model_path: Path, start: int, end: int, first: bool, config: Opti
     tensors = afmoe.Model.sanitize(SimpleNamespace(args=args), tensors)
     weights = {to_stage_key(k, start, end, first): v for k, v in tensors.items()}
 
-    stage = Stage(args, start, end, first)
+    stage = Stage(args, start, end, first, kv_quantization(config))
     if config.get("quantization"):
         _quantize(stage, config["quantization"], weights)
     expected = {k for k, _ in tree_flatten(stage.parameters())}

@@ -12,6 +12,8 @@ biases of (out, in / g) in the model dtype.
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from .. import TrinityError
+
 CATEGORIES = ("attention", "dense_mlp", "experts", "norms", "embed_head")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # How mlx-lm's converter quantizes AFMoE: the router stays at 8 bits.
@@ -143,6 +145,7 @@ class ModelSizes:
     window: int
     kv_bytes_per_token: int  # one layer: K and V, all KV heads
     source: str  # "config" or "tensors"
+    full_kv_bytes_per_token: Optional[int] = None  # a full-attention layer's, where it differs (--kv-bits)
 
     @property
     def num_layers(self) -> int:
@@ -153,8 +156,9 @@ class ModelSizes:
 
     def layer_cache_bytes(self, layer: int, context: int) -> int:
         # A sliding layer's RotatingKVCache keeps at most `window` tokens; a full one keeps all.
-        tokens = min(context, self.window) if self.sliding[layer] else context
-        return tokens * self.kv_bytes_per_token
+        if self.sliding[layer]:
+            return min(context, self.window) * self.kv_bytes_per_token
+        return context * (self.full_kv_bytes_per_token or self.kv_bytes_per_token)
 
     def breakdown(self, start: int, end: int, first: bool) -> Dict[str, int]:
         out = dict.fromkeys(CATEGORIES, 0)
@@ -186,8 +190,9 @@ def model_sizes(config: dict, tensor_bytes: Optional[Dict[str, int]] = None) -> 
         embed_head=embed_head,
         sliding=[t == "sliding_attention" for t in a.layer_types],
         window=a.sliding_window,
-        kv_bytes_per_token=2 * a.num_key_value_heads * a.head_dim * dtype_bytes(config),
+        kv_bytes_per_token=kv_bytes_per_token(a, dtype_bytes(config)),
         source=source,
+        full_kv_bytes_per_token=kv_bytes_per_token(a, dtype_bytes(config), kv_quantization(config)),
     )
 
 
@@ -198,3 +203,45 @@ def quantize_config(config: dict, bits: int, group_size: int = 64) -> dict:
     for layer in range(a.num_dense_layers, a.num_hidden_layers):
         q[f"model.layers.{layer}.mlp.router.gate"] = dict(ROUTER_QUANTIZATION)
     return {**config, "quantization": q}
+
+
+KEY = "kv_quantization"  # the config dict's key
+BITS = (4, 8)
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """--kv-bits and --kv-group-size: the full-attention layers' caches quantized (kv_quant.py)."""
+
+    bits: int
+    group_size: int = 64
+
+    def check(self, head_dim: int) -> None:
+        if self.bits not in BITS:
+            raise TrinityError(f"--kv-bits must be one of {BITS}, got {self.bits}")
+        if self.group_size not in (32, 64, 128) or head_dim % self.group_size:
+            raise TrinityError(f"--kv-group-size {self.group_size} must be 32, 64 or 128 and divide "
+                               f"the head size {head_dim}")
+
+    def bytes_per_value(self, itemsize: int) -> float:
+        """Bytes per cached value: the packed bits, and a scale and a bias (model dtype) per group."""
+        return self.bits / 8 + 2 * itemsize / self.group_size
+
+
+def kv_bytes_per_token(args, itemsize: int, q: Optional[KVQuantization] = None) -> int:
+    """One layer's cache bytes per token (K and V, every KV head), quantized with `q` or not."""
+    values = 2 * args.num_key_value_heads * args.head_dim
+    return int(values * q.bytes_per_value(itemsize)) if q else values * itemsize
+
+
+def with_kv_quantization(config: dict, bits: Optional[int], group_size: int = 64) -> dict:
+    """`config` with the KV cache quantized at `bits` (None: as it is), checked against its head size."""
+    if bits is None:
+        return config
+    KVQuantization(bits, group_size).check(model_args(config).head_dim)
+    return {**config, KEY: {"bits": bits, "group_size": group_size}}
+
+
+def kv_quantization(config: dict) -> Optional[KVQuantization]:
+    q = config.get(KEY)
+    return KVQuantization(q["bits"], q["group_size"]) if q else None

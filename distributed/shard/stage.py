@@ -14,11 +14,16 @@ from mlx_lm.models import afmoe
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from .kv_quant import QuantizedKVCache
+from .sizes import KVQuantization
+
 
 class Stage(nn.Module):
-    def __init__(self, args: afmoe.ModelArgs, start: int, end: int, first: bool):
+    def __init__(self, args: afmoe.ModelArgs, start: int, end: int, first: bool,
+                 kv_quantization: Optional[KVQuantization] = None):
         super().__init__()
         self.args = args
+        self.kv_quantization = kv_quantization  # --kv-bits: the full-attention caches' (kv_quant.py)
         self.start, self.end, self.first = start, end, first
         if first:
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -45,9 +50,11 @@ class Stage(nn.Module):
         return self.lm_head(h)
 
     def make_cache(self) -> list:
+        q = self.kv_quantization
         return [
             RotatingKVCache(max_size=self.args.sliding_window)
             if layer.use_sliding
+            else QuantizedKVCache(q.group_size, q.bits) if q
             else KVCache()
             for layer in self.layers
         ]

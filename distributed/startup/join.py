@@ -22,6 +22,7 @@ from ..shard.config import model_args
 from ..shard.loader import fetch_stage_files, load_stage
 from ..shard.memory import AUTO, apply_memory_limit, share_by_host, usable_memory_bytes
 from ..shard.plan import layer_ranges, parse_split
+from ..shard.sizes import with_kv_quantization
 from ..transport.collective import MxCollective
 from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
@@ -148,6 +149,7 @@ def build_pipeline(settings: Settings, group, watchdog: Optional[Watchdog] = Non
     if world > 1 and ring.stages > 1:
         raise TrinityError("--stages runs several stages in one process; do not combine it with a multi-rank launch")
     model, config_dir, config = load_config(settings.model.checkpoint)  # None: the embedded tiny model
+    config = with_kv_quantization(config, sizing.kv_bits, sizing.kv_group_size)
     num_layers = model_args(config).num_hidden_layers
     if ring.split == "auto":
         try:

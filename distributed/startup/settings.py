@@ -62,6 +62,8 @@ class SizingSettings:
     prefix_cache_bytes: Optional[int] = None  # None: a share of the memory
     prefix_cache_dir: Optional[str] = None  # None: the user's cache folder; "none": no disk tier
     prefix_cache_disk_bytes: Optional[int] = None  # None: a share of the disk (disk_cache.default_disk_bytes)
+    kv_bits: Optional[int] = None  # the full-attention caches quantized (shard/kv_quant.py); None: whole
+    kv_group_size: int = 64
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from ..shard.config import model_args
 from ..shard.loader import fetch_stage_files, load_stage
 from ..shard.memory import apply_memory_limit
 from ..shard.plan import layer_ranges
+from ..shard.sizes import with_kv_quantization
 from ..shard.tensor import check_tensor_size, release_group
 from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
@@ -54,6 +55,7 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
     """build_pipeline (join.py) for T = group.size() > 1; `startup_check` and `loaded` (its Loaded) are join.py's."""
 
     model, config_dir, config = load_config(settings.model.checkpoint)
+    config = with_kv_quantization(config, settings.sizing.kv_bits, settings.sizing.kv_group_size)
     try:
         check_tensor_args(settings.ring, group.size(), config)
     except TrinityError as e:  # every rank finds the same, and exits naming it

@@ -1,0 +1,144 @@
+"""--kv-bits: the full-attention caches kept quantized, on every path a cache takes (one sequence,
+stages, batches merged, filtered and left-padded, prefill chunks beside decode steps, speculation's
+trims, prefix-cache restores), held to mlx-lm's own parts: its model run by generate_step with
+KVCache.to_quantized caches on the full-attention layers from the first token."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from distributed.runtime.memory_guard import MemoryAdmission
+from distributed.runtime.request import GenerationRequest, TokenEvent
+from distributed.runtime.scheduler import Scheduler
+from distributed.runtime.speculation import SpeculationOptions
+from distributed.shard.config import read_config
+from distributed.shard.kv_quant import BatchQuantizedKVCache, QuantizedKVCache
+from distributed.shard.sizes import kv_bytes_per_token, kv_quantization, model_sizes, with_kv_quantization
+from distributed.shard.tiny_checkpoint import make_checkpoint
+from reference import EOS, PROMPT, mlx_lm_greedy
+from runtime.test_speculation import Oracle
+from stages import in_process_pipeline
+
+GROUP = 32  # the test checkpoint's head size: the group divides it
+PROMPTS = [[(k * i + 5 * k) % 250 + 1 for i in range(n)] for k, n in [(3, 5), (7, 17), (11, 40), (13, 70)]]
+MAX_TOKENS = [30, 12, 40, 25]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny HF checkpoint (S S S F twice, window 16) with 32-value heads."""
+    return make_checkpoint(tmp_path_factory.mktemp("kv_quant"), layout="hf", seed=0, head_dim=GROUP)
+
+
+def quantized_config(path, bits):
+    return with_kv_quantization(read_config(path), bits, GROUP)
+
+
+def scheduler(path, split, bits, **kwargs):
+    pipeline, _ = in_process_pipeline(path, split, quantized_config(path, bits))
+    return Scheduler(pipeline, load_tokenizer(path), prefill_step_size=8, **kwargs)
+
+
+def run(scheduler, requests):
+    handles = [scheduler.submit(r) for r in requests]
+    scheduler.run_pending()
+    assert scheduler.failure is None, scheduler.failure
+    return [list(h.events()) for h in handles]
+
+
+def assert_reference(path, prompt, max_tokens, bits, events, bound=1e-4):
+    """Greedy tokens as the reference's (which ends at any of reference.EOS), logprobs within `bound`.
+    A row of a batch may differ from the row alone by a float rounding in its keys (~1e-7), which
+    quantization turns into a step of the group's scale now and then: there the bound is 1e-3."""
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    ref_tokens, ref_logprobs = mlx_lm_greedy(path, prompt, max_tokens, 8, kv_bits=bits, kv_group_size=GROUP)
+    ids = [e.token_id for e in tokens]
+    assert ids[:len(ref_tokens)] == ref_tokens
+    assert len(ids) == len(ref_tokens) or ids[len(ref_tokens)] in EOS
+    assert max(abs(e.logprob - lp) for e, lp in zip(tokens, ref_logprobs)) < bound
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("split", [(8,), (3, 5)])
+def test_one_sequence_equals_the_reference(checkpoint, bits, split):
+    (events,) = run(scheduler(checkpoint, split, bits), [GenerationRequest(PROMPT, max_tokens=30)])
+    assert_reference(checkpoint, PROMPT, 30, bits, events)
+
+
+def test_the_quantized_reference_differs_from_the_whole_one(checkpoint):
+    """So the tests above tell the paths apart."""
+    whole = mlx_lm_greedy(checkpoint, PROMPT, 30, 8)[0]
+    assert mlx_lm_greedy(checkpoint, PROMPT, 30, 8, kv_bits=4, kv_group_size=GROUP)[0] != whole
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_batched_rows_equal_the_reference_alone(checkpoint, bits):
+    """Rows of different lengths merged (left padding), prefilled in chunks beside decode
+    steps, joined into and filtered out of a decode group, back to one row."""
+    requests = [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, MAX_TOKENS)]
+    results = run(scheduler(checkpoint, (3, 5), bits, max_batch=4), requests)
+    for prompt, max_tokens, events in zip(PROMPTS, MAX_TOKENS, results):
+        assert_reference(checkpoint, prompt, max_tokens, bits, events, bound=1e-3)
+
+
+def test_speculation_trims_the_quantized_caches(checkpoint):
+    """Drafts wrong at every offset in turn (test_speculation's Oracle): each rejection trims them."""
+    reference = mlx_lm_greedy(checkpoint, PROMPT, 30, 8, kv_bits=8, kv_group_size=GROUP)[0]
+    s = scheduler(checkpoint, (3, 5), 8, speculation=SpeculationOptions(num_draft_tokens=3, measured=False))
+    s.batcher.verifier.drafter = Oracle(reference, 3)
+    (events,) = run(s, [GenerationRequest(PROMPT, max_tokens=30)])
+    assert_reference(checkpoint, PROMPT, 30, 8, events)
+    stats = s.batcher.verifier.stats
+    assert stats.drafted > stats.accepted > 0
+
+
+def test_a_prompt_restored_from_the_prefix_cache_equals_the_reference(checkpoint):
+    warm = scheduler(checkpoint, (3, 5), 8, prefix_cache_bytes=1 << 30)
+    first = PROMPT
+    (events,) = run(warm, [GenerationRequest(first, max_tokens=10)])
+    second = first + [e.token_id for e in events if isinstance(e, TokenEvent)] + PROMPTS[1]
+    (events,) = run(warm, [GenerationRequest(second, max_tokens=20)])
+    assert events[-1].cached_tokens >= len(first)
+    assert_reference(checkpoint, second, 20, 8, events, bound=1e-3)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bytes_per_token_are_what_the_caches_hold(checkpoint, bits):
+    config = quantized_config(checkpoint, bits)
+    q = kv_quantization(config)
+    cache = QuantizedKVCache(q.group_size, q.bits)
+    cache.update_and_fetch(*(mx.zeros((1, 2, 256, GROUP)),) * 2)
+    args = model_sizes(config)
+    assert cache.nbytes == 256 * args.full_kv_bytes_per_token
+    assert args.full_kv_bytes_per_token < args.kv_bytes_per_token  # the sliding layers' stay whole
+    assert kv_bytes_per_token(SimpleArgs(), 2, q) == int(2 * 4 * 128 * (bits / 8 + 4 / GROUP))
+
+
+class SimpleArgs:
+    num_key_value_heads, head_dim = 4, 128
+
+
+def test_a_memory_limit_that_refuses_a_prompt_at_16_bits_serves_it_at_8(checkpoint):
+    ranks = [{"layers": [0, 8], "parameter_bytes": 0}]
+    request = GenerationRequest(list(range(1, 200)), max_tokens=3000)
+    whole = MemoryAdmission(read_config(checkpoint), ranks, [5_000_000], chunk=8, max_context=4096)
+    quantized = MemoryAdmission(quantized_config(checkpoint, 8), ranks, [5_000_000], chunk=8, max_context=4096)
+    assert "out of memory" in whole.refusal(request).lower()
+    assert quantized.refusal(request) is None
+
+
+def test_a_batch_of_quantized_caches_keeps_each_row(checkpoint):
+    """merge, extend, filter and extract move whole positions: each row comes back as it went in."""
+    rows = []
+    for n in (5, 9, 3):
+        c = QuantizedKVCache(GROUP, 8)
+        c.update_and_fetch(mx.random.normal((1, 2, n, GROUP)), mx.random.normal((1, 2, n, GROUP)))
+        rows.append(c)
+    batch = BatchQuantizedKVCache.merge(rows[:2])
+    batch.extend(BatchQuantizedKVCache.merge(rows[2:]))
+    batch.filter(mx.array([2, 0]))
+    for i, row in zip((0, 1), (rows[2], rows[0])):
+        got = batch.extract(i)
+        assert got.offset == row.offset
+        for a, b in zip(got.keys + got.values, row.keys + row.values):
+            assert mx.array_equal(a, b[..., :row.offset, :])

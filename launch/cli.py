@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import List, Optional
 
 from distributed import TrinityError, logs
-from distributed.command_line import HelpFormatter, read_command
+from distributed.command_line import HelpFormatter, kv_arguments, read_command
 from distributed.shard.memory import DEFAULT_MARGIN, usable_memory_bytes
-from distributed.shard.sizes import quantize_config
+from distributed.shard.sizes import quantize_config, with_kv_quantization
 
 from . import bundled, hostfile, mlx_launch_ring, runner
 from .host_set import HostSet
@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "--tensor-parallel-size T: each host 1/T of its group's layers, groups placed by the links; "
                       "without it the plan also says which size the speed model advises for one chat")
     plan.add_argument("--json", action="store_true", help='print {"fits", "hosts": [...]} as JSON')
+    kv_arguments(plan)  # run-trinity's --kv-bits: planned with the bytes its caches then take
     _links_args(plan)
     _remote_args(plan)
     run = sub.add_parser("run", help="plan, then start the ranks (ring backend: ourselves, locally or over "
@@ -216,6 +217,7 @@ def model_config(args, preset: dict):
         label, sizes = model, checkpoint.tensor_sizes(model, path)
     if getattr(args, "quantize", None):
         config, sizes = quantize_config(config, args.quantize), None
+    config = with_kv_quantization(config, getattr(args, "kv_bits", None), getattr(args, "kv_group_size", 64))
     return label, config, sizes
 
 
@@ -236,7 +238,7 @@ def cmd_plan(args) -> int:
     longest = longest_contexts(config, plan) if plan.fits and args.tensor_parallel_size == 1 else {}
     if args.json:
         print(json.dumps({**plan.to_json(), "longest_context": longest, "tensor_parallel_size": args.tensor_parallel_size,
-                          "advice": advice.to_json(hf)}))
+                          "kv_bits": args.kv_bits, "advice": advice.to_json(hf)}))
     else:
         layers = model_sizes(config).num_layers
         print(f"{label}: {layers} layers over {len(plan.hosts)} hosts" + (
@@ -245,7 +247,8 @@ def cmd_plan(args) -> int:
         if len(hf.hosts) > 1:
             print(advice.describe(hf))
         if longest:
-            print("longest context these hosts hold (run_trinity --max-context auto): "
+            kv = f" with --kv-bits {args.kv_bits}" if args.kv_bits else ""
+            print(f"longest context these hosts hold (run_trinity --max-context auto{kv}): "
                   + ", ".join(f"{c} tokens for {b} sequence{'s' if b > 1 else ''}" for b, c in longest.items()))
     if not plan.fits:
         print(f"launch: the model does not fit:\n{plan.shortfall()}", file=sys.stderr)
@@ -348,6 +351,7 @@ def make_planner(args, preset: dict, hf: hostfile.Hostfile, cmd: List[str]) -> P
     from distributed.shard import checkpoint  # imports mlx_lm (slow): only when planning
 
     model, path, config = checkpoint.load_config(settings.model.checkpoint)
+    config = with_kv_quantization(config, settings.sizing.kv_bits, settings.sizing.kv_group_size)
     max_context = settings.sizing.max_context
     auto = max_context == "auto"  # sized by rank 0 after loading; the plan takes the usual target
     context = choose_context(args.context, None if auto else max_context, preset.get("context"), config=config)

@@ -5,11 +5,12 @@ from distributed.shard.loader import load_stage
 from distributed.shard.plan import layer_ranges
 
 
-def in_process_pipeline(path, split, config=None):
-    """(pipeline, stages) for `split` layers per stage (`config`: in place of the checkpoint's)."""
+def in_process_pipeline(path, split, config=None, memory_limit=None):
+    """(pipeline, stages) for `split` layers per stage (`config`: in place of the checkpoint's;
+    `memory_limit`: what every stage's memory guard checks its frames against)."""
     ranges = layer_ranges(sum(split), len(split), list(split))
     stages = [load_stage(path, s, e, i == 0, config) for i, (s, e) in enumerate(ranges)]
-    return pipeline_of(stages), stages
+    return pipeline_of(stages, memory_limit), stages
 
 
 def generate(pipeline, path, prompt, max_tokens, prefill_step_size=512, **sampling):

@@ -50,9 +50,10 @@ limit, 32-token chunks for Trinity-Mini's 131,072-token context, and a 2,048-tok
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from ..shard.memory import CACHE_STEP, DEFAULT_MARGIN
-from ..shard.sizes import dtype_bytes, model_args, model_sizes
+from ..shard.sizes import dtype_bytes, kv_bytes_per_token, model_args, model_sizes
 from ..shard.stage import Stage
 from ..transport import Header, Op
 from .caches import SlotCaches
@@ -92,16 +93,17 @@ def frame_bytes(stage: Stage, caches: List, rows: int, length: int, itemsize: in
     most: the largest layer's activations and every layer's KV cache growth (a grown
     cache is copied whole, beside the new positions' zeros)."""
     a = stage.args
-    kv_token = 2 * a.num_key_value_heads * a.head_dim * itemsize
+    kv_token = kv_bytes_per_token(a, itemsize)
+    full_token = kv_bytes_per_token(a, itemsize, stage.kv_quantization)  # --kv-bits
     activations, kv = 0, 0
     for layer, cache in zip(stage.layers, caches):
         past = cache.size() if cache.keys is not None else 0
         if layer.use_sliding:
             past = min(past, a.sliding_window)
             kv += (past + length) * kv_token if length > 1 else 0
-        elif cache.keys is None or past + length > cache.keys.shape[2]:
+        elif cache.keys is None or past + length > tree_flatten(cache.keys)[0][1].shape[2]:
             grown = -(-length // CACHE_STEP) * CACHE_STEP  # mlx-lm's new zeros, then the whole cache concatenated
-            kv += (past + 2 * grown) * kv_token
+            kv += (past + 2 * grown) * full_token
         activations = max(activations, activation_bytes(a, length, past + length, itemsize))
     return rows * (activations + kv)
 

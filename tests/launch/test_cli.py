@@ -229,6 +229,17 @@ def test_plan_reports_the_longest_context_each_batch_gets(capsys):
     assert f"{expected['8']} tokens for 8 sequences" in out
 
 
+def test_plan_with_kv_bits_fits_longer_contexts(capsys):
+    """--kv-bits: the full-attention caches at 8 and 4 bits hold more tokens in the same memory."""
+    longest = {}
+    for bits in ([], ["--kv-bits", "8"], ["--kv-bits", "4"]):
+        code, out, _ = cli(capsys, "plan", "--preset", "trinity-large", "--memory-gb", "96,96,96", "--quantize", "4",
+                           "--json", *bits)
+        assert code == 0
+        longest[tuple(bits)] = json.loads(out)["longest_context"]["32"]
+    assert longest[()] < longest[("--kv-bits", "8")] < longest[("--kv-bits", "4")]
+
+
 def test_plan_counts_the_draft_model_on_rank_0(capsys, tmp_path):
     """Trinity-Large over four 128 GB Macs with Trinity-Nano (4-bit) as its draft: rank 0
     holds the draft's weights and one speculating sequence's caches per rank at the plan's

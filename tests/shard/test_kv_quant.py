@@ -34,8 +34,8 @@ def quantized_config(path, bits):
     return with_kv_quantization(read_config(path), bits, GROUP)
 
 
-def scheduler(path, split, bits, **kwargs):
-    pipeline, _ = in_process_pipeline(path, split, quantized_config(path, bits))
+def scheduler(path, split, bits, memory_limit=None, **kwargs):
+    pipeline, _ = in_process_pipeline(path, split, quantized_config(path, bits), memory_limit)
     return Scheduler(pipeline, load_tokenizer(path), prefill_step_size=8, **kwargs)
 
 
@@ -74,9 +74,10 @@ def test_the_quantized_reference_differs_from_the_whole_one(checkpoint):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_batched_rows_equal_the_reference_alone(checkpoint, bits):
     """Rows of different lengths merged (left padding), prefilled in chunks beside decode
-    steps, joined into and filtered out of a decode group, back to one row."""
+    steps, joined into and filtered out of a decode group, back to one row; each frame checked
+    against a --memory-limit (memory_guard.frame_bytes over quantized caches)."""
     requests = [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, MAX_TOKENS)]
-    results = run(scheduler(checkpoint, (3, 5), bits, max_batch=4), requests)
+    results = run(scheduler(checkpoint, (3, 5), bits, memory_limit=1 << 34, max_batch=4), requests)
     for prompt, max_tokens, events in zip(PROMPTS, MAX_TOKENS, results):
         assert_reference(checkpoint, prompt, max_tokens, bits, events, bound=1e-3)
 

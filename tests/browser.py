@@ -15,23 +15,32 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
-from conftest import session_members
+from conftest import needs, session_members
 
 SCREENSHOTS_ENV = "TRINITY_SCREENSHOTS"  # a folder for the pages' screenshots (the docs' pictures: docs/)
 WAIT_S = 60
 
 
+def installed() -> tuple:
+    """chromium and its driver, or the test is skipped naming them (under CI=true: fails)."""
+    browser = shutil.which("chromium") or "/usr/bin/chromium"
+    driver = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+    if not (Path(browser).exists() and Path(driver).exists()):
+        needs("chromium and chromedriver (Debian: apt-get install chromium chromium-driver)")
+    return browser, driver
+
+
 class Browser:
     def __init__(self, width=1100, height=800):
+        browser, driver = installed()
         options = webdriver.ChromeOptions()
-        options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+        options.binary_location = browser
         for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                     "--no-first-run", "--disable-background-networking", "--disable-component-update",
                     "--disable-sync", "--disable-default-apps", f"--window-size={width},{height}"):
             options.add_argument(arg)  # --no-sandbox: tests run as root here
         options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-        self.service = Service(shutil.which("chromedriver") or "/usr/bin/chromedriver",
-                               popen_kw={"start_new_session": True})
+        self.service = Service(driver, popen_kw={"start_new_session": True})
         self.driver = webdriver.Chrome(options=options, service=self.service)
         self.session = self.service.process.pid
 

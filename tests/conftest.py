@@ -40,6 +40,39 @@ def pytest_configure(config):
     atexit.register(shutil.rmtree, cache, True)
 
 
+def in_ci() -> bool:
+    """CI=true (`.ci/run` sets it; so do most CI services)."""
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def needs(what: str) -> None:
+    """This machine lacks what the test needs (a tool, root, a Linux facility): outside CI the test
+    is skipped with the reason "needs <what>"; under CI=true it fails, since CI installs everything
+    the suite uses (scripts/setup-dev.sh). A skipif marker's reason phrased "needs …" counts the same
+    (pytest_runtest_makereport below)."""
+    if in_ci():
+        pytest.fail(f"CI=true, and this test needs {what}", pytrace=False)
+    pytest.skip(f"needs {what}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Two rules for skips. Where /proc is missing (macOS), a test that reads it is skipped as
+    needing it, as needs() would. Under CI=true, a skip for something missing ("needs …", however
+    it was raised) is a failure: CI must run every test."""
+    outcome = yield
+    report = outcome.get_result()
+    error = call.excinfo.value if call.excinfo else None
+    if (report.failed and isinstance(error, FileNotFoundError) and str(error.filename or "").startswith("/proc")
+            and not os.path.isdir("/proc/self") and not in_ci()):
+        report.outcome, report.longrepr = "skipped", (str(item.path), item.location[1] or 0,
+                                                      f"Skipped: needs /proc (Linux): reads {error.filename}")
+    if report.skipped and in_ci() and not hasattr(report, "wasxfail") and isinstance(report.longrepr, tuple):
+        reason = report.longrepr[2]
+        if reason.startswith("Skipped: needs "):
+            report.outcome, report.longrepr = "failed", f"CI=true, and this test was skipped: {reason[9:]}"
+
+
 def pytest_collection_modifyitems(config, items):
     """Slow modules first: under xdist a module runs on one worker (--dist loadscope), so a long
     one handed out last would end the run alone while the other workers sit idle."""
@@ -161,7 +194,31 @@ def kill_group(proc):
     proc.wait()
 
 
+def process_parents() -> dict:
+    """Every process's parent, {pid: ppid}: from /proc on Linux, from `ps` where there is none (macOS)."""
+    if not os.path.isdir("/proc/self"):
+        out = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+        return {int(pid): int(ppid) for pid, ppid in (line.split() for line in out.splitlines() if line.strip())}
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        except OSError:
+            continue
+    return parents
+
+
 def session_members(sid: int):
+    """Process ids in session `sid`: from /proc on Linux, from `ps` where there is none (macOS)."""
+    if not os.path.isdir("/proc/self"):
+        members = []
+        for pid in process_parents():
+            try:
+                if os.getsid(pid) == sid:
+                    members.append(pid)
+            except OSError:
+                continue
+        return members
     members = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from bench.harness import start_ranks
-from conftest import ROOT, RUN, free_port_range, mlx_launch, trinity_launch
+from conftest import ROOT, RUN, free_port_range, mlx_launch, process_parents, trinity_launch
 from distributed.serving.proto import generation_pb2 as pb
 from distributed.serving.proto import generation_pb2_grpc as pb_grpc
 from reference import PROMPT
@@ -47,16 +47,8 @@ def env(extra=None):
 
 
 def children(pid: int):
-    """Process ids whose parent is pid (from /proc)."""
-    out = []
-    for child in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{child}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rpartition(")")[2].split()[1]) == pid:
-            out.append(int(child))
-    return out
+    """Process ids whose parent is pid."""
+    return [child for child, parent in process_parents().items() if parent == pid]
 
 
 class Server:

@@ -17,9 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import pytest
-
-from conftest import ROOT, free_port_range
+from conftest import ROOT, free_port_range, needs
 
 OLAH_PYTHON = Path(os.environ.get("TRINITY_OLAH_PYTHON", ROOT / ".olah-venv" / "bin" / "python"))
 START_TIMEOUT_S = 60
@@ -33,8 +31,9 @@ class LocalHub:
 
     def __init__(self, folder: Path, repos: dict):
         if not OLAH_PYTHON.exists():
-            pytest.fail(f"olah is not installed: {OLAH_PYTHON} is missing (README's test set-up makes it: "
-                        "python3 -m venv .olah-venv && .olah-venv/bin/pip install 'olah==0.5.4')")
+            needs(f"olah in {OLAH_PYTHON} (scripts/setup-dev.sh makes it: .olah-venv)")
+        if shutil.which("git") is None:
+            needs("git (the hub serves local git repositories)")
         self.folder = Path(folder)
         self.port = free_port_range(1)
         self.endpoint = f"http://127.0.0.1:{self.port}"

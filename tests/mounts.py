@@ -7,19 +7,19 @@ import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
+from conftest import needs
 
 
 @contextmanager
 def tmpfs(path: Path, size: str):
     """A small tmpfs at `path`, unmounted on the way out whatever happens."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
+        needs("root, to mount a tmpfs")
     path.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
                           capture_output=True, text=True)
     if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        needs(f"a tmpfs mount (mount: {done.stderr.strip()})")
     try:
         yield path
     finally:

@@ -24,9 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-
-from conftest import ROOT
+from conftest import ROOT, needs
 from distributed.shard import checkpoint
 from launch import hostfile
 from launch.replan import make_plan
@@ -91,9 +89,9 @@ def namespace_hosts(tmp_path, letters: str = "abc"):
     whatever still runs in them killed first, even when the test failed (skips the test
     where namespaces cannot be made)."""
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
+        needs("root, for network namespaces")
     if shutil.which("ip") is None:
-        pytest.skip("`ip` (iproute2) is not installed")
+        needs("`ip` (iproute2)")
     tag = uuid.uuid4().hex[:6]
     subnet = next(s for s in (f"10.79.{random.randrange(256)}" for _ in range(50))
                   if not ip("route", "show", f"{s}.0/24", check=False).stdout.strip())
@@ -101,7 +99,7 @@ def namespace_hosts(tmp_path, letters: str = "abc"):
     bridge = f"trpbr{tag}"
     made = ip("netns", "add", names[0], check=False)
     if made.returncode != 0:
-        pytest.skip(f"cannot create a network namespace here: {made.stderr.strip()}")
+        needs(f"network namespaces (ip netns add: {made.stderr.strip()})")
     hosts = Hosts(tag, subnet, names, tmp_path)
     try:
         ip("link", "add", bridge, "type", "bridge")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port_range
+from conftest import ROOT, free_port_range, needs
 from delay_line import delay_line
 from netns_hosts import SSH_HOST, assert_nothing_left, namespace_hosts
 
@@ -125,7 +125,7 @@ def other_mlx() -> Path:
                              capture_output=True, text=True)
         if pip.returncode:
             shutil.rmtree(folder, ignore_errors=True)
-            pytest.skip(f"cannot install mlx {OTHER_MLX} into a second venv: {pip.stderr.strip()[-300:]}")
+            needs(f"a second venv with mlx {OTHER_MLX} from PyPI (pip: {pip.stderr.strip()[-300:]})")
         (folder / "ready").write_text("")
     return folder
 

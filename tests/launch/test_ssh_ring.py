@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RUN, free_port_range
+from conftest import RUN, free_port_range, needs
 
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "TRINITY_TEST_MARK"
@@ -63,8 +63,7 @@ def sshd(tmp_path_factory):
     sshd_bin = shutil.which("sshd") or "/usr/sbin/sshd"
     missing = [p for p in (sshd_bin, shutil.which("ssh"), shutil.which("ssh-keygen")) if not p or not Path(p).exists()]
     if missing:
-        pytest.fail("these tests need OpenSSH's sshd, ssh and ssh-keygen: "
-                    "apt-get install openssh-server openssh-client")
+        needs("OpenSSH's sshd, ssh and ssh-keygen (Debian: apt-get install openssh-server openssh-client)")
     d = tmp_path_factory.mktemp("sshd")
     for key in ("host_key", "client_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)

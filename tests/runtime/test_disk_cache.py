@@ -20,6 +20,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from distributed.runtime import disk_cache
 from distributed.runtime.disk_cache import DiskCache, chain_hashes, default_disk_bytes, default_folder, fingerprint
+from conftest import needs
 from mounts import remount, tmpfs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -444,7 +445,7 @@ def test_the_folder_is_private(tmp_path, caplog):
 
 def test_a_folder_of_another_user_is_refused(tmp_path, caplog):
     if os.geteuid() != 0:
-        pytest.skip("chown to another user needs root")
+        needs("root, to chown a folder to another user")
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o700)
     os.chown(theirs, 65534, 65534)  # nobody

@@ -112,7 +112,7 @@ def jit_libraries() -> int:
                     and "site-packages" not in line})
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts mapped libraries in /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux): counts mapped libraries")
 def test_new_sampling_settings_load_no_new_kernel_library(hf_checkpoint):
     """The CPU backend builds fused kernels as shared libraries and loads them for good: before the
     fix each new top_p and min_p loaded two (~60 KiB of rank 0's memory per request, seconds of g++)."""

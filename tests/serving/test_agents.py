@@ -31,7 +31,7 @@ import openai
 import pytest
 
 from bench.agents import codex_config
-from conftest import ROOT
+from conftest import ROOT, needs
 from grpc_server import Server
 from tool_checkpoint import make_short_answer_checkpoint
 
@@ -50,7 +50,7 @@ KEEPALIVE_S = "0.05"  # the ring's keep-alive interval (TRINITY_KEEPALIVE_S), sh
 def installed():
     node = shutil.which("node")
     if node is None or not CODEX.exists() or not CLAUDE_WRAPPER.exists():
-        pytest.fail("the coding agents are not installed: run README's set-up (npm install --prefix .agents ...)")
+        needs("node and the coding agents in .agents/ (scripts/setup-dev.sh installs them with npm)")
     return node
 
 

@@ -21,7 +21,7 @@ import uuid
 import pytest
 from grpc_server import SERVER_ARGS, env
 
-from conftest import ROOT, RUN
+from conftest import ROOT, RUN, needs
 from distributed.startup.watchdog import EXIT_PEER_FAILED
 from reference import PROMPT
 
@@ -71,19 +71,19 @@ def ip(*args, check=True):
 def two_hosts():
     """Namespaces A and B joined by veth (A: 10.77.0.1, B: 10.77.0.2); removed afterwards."""
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
+        needs("root, for network namespaces")
     if shutil.which("ip") is None:
-        pytest.skip("`ip` (iproute2) is not installed")
+        needs("`ip` (iproute2)")
     tag = uuid.uuid4().hex[:6]  # other test runs on this machine make their own
     a, b, va, vb = f"trinA{tag}", f"trinB{tag}", f"tva{tag}", f"tvb{tag}"
     made = ip("netns", "add", a, check=False)
     if made.returncode != 0:
-        pytest.skip(f"cannot create a network namespace here: {made.stderr.strip()}")
+        needs(f"network namespaces (ip netns add: {made.stderr.strip()})")
     try:
         ip("netns", "add", b)
         probe = ip("netns", "exec", a, "true", check=False)
         if probe.returncode != 0:
-            pytest.skip(f"cannot enter a network namespace here: {probe.stderr.strip()}")
+            needs(f"network namespaces (ip netns exec: {probe.stderr.strip()})")
         ip("link", "add", va, "type", "veth", "peer", "name", vb)
         for ns, dev, addr in ((a, va, "10.77.0.1/24"), (b, vb, "10.77.0.2/24")):
             ip("link", "set", dev, "netns", ns)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, RUN, free_port_range, kill_group, mlx_launch, one_error_line, run_trinity, system_mpirun
+from conftest import ROOT, RUN, free_port_range, kill_group, mlx_launch, needs, one_error_line, run_trinity, system_mpirun
 from distributed import TrinityError
 from distributed.startup.preflight import (MPI_LIB_ENV, check_launch, linked_library, mpi_launch, point_mlx_at_libmpi,
                                           read_ring_hostfile)
@@ -45,7 +45,7 @@ def test_mpirun_when_mlx_cannot_load_libmpi(hf_checkpoint):
     one and, unchecked, each of mpirun's processes runs the whole model alone and exits 0."""
     mpirun = system_mpirun()
     if shutil.which(mpirun, path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}") is None:
-        pytest.fail("no mpirun: apt-get install openmpi-bin libopenmpi-dev (the README's set-up)")
+        needs("mpirun (Open MPI; Debian: apt-get install openmpi-bin libopenmpi-dev)")
     prefix = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2"]
     env = {"MLX_MPI_LIBNAME": "/nonexistent/libmpi.so", "OMPI_ALLOW_RUN_AS_ROOT": "1",
            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}

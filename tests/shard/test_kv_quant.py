@@ -7,6 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from conftest import run_json
 from distributed.runtime.memory_guard import MemoryAdmission
 from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
@@ -63,6 +64,19 @@ def assert_reference(path, prompt, max_tokens, bits, events, bound=1e-4):
 def test_one_sequence_equals_the_reference(checkpoint, bits, split):
     (events,) = run(scheduler(checkpoint, split, bits), [GenerationRequest(PROMPT, max_tokens=30)])
     assert_reference(checkpoint, PROMPT, 30, bits, events)
+
+
+@pytest.mark.parametrize("bits, ranks, extra", [(8, 2, []), (4, 2, []), (4, 1, ["--stages", "2"]),
+                                                (8, 2, ["--tensor-parallel-size", "2"]),
+                                                (4, 2, ["--tensor-parallel-size", "2"])])
+def test_run_trinity_equals_the_reference(checkpoint, bits, ranks, extra):
+    """A ring of two, --stages 2 and a tensor group of two: each rank quantizes its own layers'
+    caches, or its share of their heads."""
+    out = run_json(["--model", str(checkpoint), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "30",
+                    "--kv-bits", str(bits), "--kv-group-size", str(GROUP), *extra], ranks)
+    assert out["kv_bits"] == bits
+    events = [TokenEvent(t, lp, "") for t, lp in zip(out["token_ids"], out["logprobs"])]
+    assert_reference(checkpoint, PROMPT, 30, bits, events, bound=1e-3)
 
 
 def test_the_quantized_reference_differs_from_the_whole_one(checkpoint):

@@ -116,24 +116,34 @@ def checkpoint(sizes: dict) -> Path:
     return path
 
 
-def make_mini(path: Path, shape: dict = MINI) -> Path:
-    """Trinity-Mini's shape, random weights in bf16 quantized as mlx-community does (4-bit, group 64,
-    router 8-bit), with a padded tiny tokenizer; made at `path` unless already there."""
+def random_model(shape: dict = MINI, dtype="bfloat16", bits: int = 4):
+    """(model, config): mlx-lm's AFMoE in `shape`, random weights in `dtype` quantized as
+    mlx-community does (`bits`, group 64, router 8-bit), evaluated."""
     import mlx.core as mx
     from mlx.utils import tree_map_with_path
     from mlx_lm.models import afmoe
-    from mlx_lm.utils import quantize_model, save_config, save_model
+    from mlx_lm.utils import quantize_model
+
+    model = afmoe.Model(afmoe.ModelArgs.from_dict(shape))
+    keep_fp32 = model.cast_predicate  # expert_bias stays float32, as in mlx-lm's converter
+    cast = getattr(mx, dtype)
+    model.update(tree_map_with_path(lambda k, x: x.astype(cast) if keep_fp32(k) else x, model.parameters()))
+    model, config = quantize_model(model, dict(shape), group_size=64, bits=bits, quant_predicate=model.quant_predicate)
+    for layer in [model.model.embed_tokens, model.model.norm, model.lm_head, *model.layers]:
+        mx.eval(layer.parameters())  # layer by layer: never all the bf16 weights at once
+    return model, config
+
+
+def make_mini(path: Path, shape: dict = MINI) -> Path:
+    """Trinity-Mini's shape, random weights in bf16 quantized as mlx-community does (4-bit, group 64,
+    router 8-bit), with a padded tiny tokenizer; made at `path` unless already there."""
+    from mlx_lm.utils import save_config, save_model
 
     from distributed.shard.tiny_checkpoint import write_tokenizer
 
     if (path / "config.json").exists():
         return path
-    model = afmoe.Model(afmoe.ModelArgs.from_dict(shape))
-    keep_fp32 = model.cast_predicate  # expert_bias stays float32, as in mlx-lm's converter
-    model.update(tree_map_with_path(lambda k, x: x.astype(mx.bfloat16) if keep_fp32(k) else x, model.parameters()))
-    model, config = quantize_model(model, dict(shape), group_size=64, bits=4, quant_predicate=model.quant_predicate)
-    for layer in [model.model.embed_tokens, model.model.norm, model.lm_head, *model.layers]:
-        mx.eval(layer.parameters())  # layer by layer: never all the bf16 weights at once
+    model, config = random_model(shape)
     save_model(path, model)
     save_config(config, path / "config.json")
     write_tokenizer(path, shape["vocab_size"])

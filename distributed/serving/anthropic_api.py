@@ -42,23 +42,28 @@ thinking_delta; its `signature` is empty: nothing here signs or checks one).
 """
 
 import json
+from typing import Any, Optional
 
 from ..runtime.request import RequestError
 from .chat_format import chat_ids, place_system
-from .constraints import forced_tools
-from .openai_api import Adapter, ApiError, ChatBody, check_fields, sse
-from .tools import chat_messages, request_tools
+from .openai_api import Adapter, Number, adapted, chat_prompt
+from .protocol import ApiError, FieldPolicy, Typed, check_fields, parse, sse
+from .tools import chat_messages
 
 PROMPT = ("model", "messages", "system", "tools", "tool_choice", "output_config", "thinking", "context_management")
 GENERATE = ("max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream")
-# Accepted with no effect (named in the access log): identifiers, caching hints, where and how fast it runs.
-HINTS = ("metadata", "cache_control", "inference_geo", "service_tier", "speed", "diagnostics")
-NEUTRAL = {}
+# Accepted with no effect (named in the access log): identifiers, caching hints, where and how fast it
+# runs -> the JSON types each takes.
+HINTS = {"metadata": (dict,), "cache_control": (dict,), "inference_geo": (str,), "service_tier": (),
+         "speed": (), "diagnostics": ()}
 REFUSED = {
     "container": "code execution containers are not supported",
     "mcp_servers": "MCP servers are not supported (give their tools as client tools)",
 }
 ONLY_GENERATE = ("metadata", "service_tier", "container", "inference_geo", "diagnostics", "speed")
+POLICY = FieldPolicy(PROMPT + GENERATE, hints=HINTS, refused=REFUSED)
+COUNT_POLICY = FieldPolicy(PROMPT, hints={k: v for k, v in HINTS.items() if k not in ONLY_GENERATE},
+                           refused={k: v for k, v in REFUSED.items() if k not in ONLY_GENERATE})
 BLOCK_KEYS = {"text": ("text", "citations"), "tool_use": ("id", "name", "input", "caller"),
               "thinking": ("thinking", "signature"), "redacted_thinking": ("data",),
               "tool_result": ("tool_use_id", "content", "is_error")}
@@ -74,35 +79,32 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "overloaded_error", 529: "overloaded_error"}
 
 
-def bad(field: str, message: str) -> ApiError:
-    return ApiError(400, f"{field}: {message}", param=field)
+class MessagesRequest(Typed):
+    """A /v1/messages (or count_tokens) body, typed."""
+
+    model: Any = None  # required
+    messages: Any = None  # turns (_turn)
+    system: Any = None  # a string or text blocks
+    tools: Any = None  # _tools
+    tool_choice: Any = None
+    output_config: Any = None
+    thinking: Any = None
+    context_management: Any = None
+    max_tokens: Optional[int] = None  # required by /v1/messages
+    stop_sequences: Any = None
+    temperature: Number = None
+    top_p: Number = None
+    top_k: Optional[int] = None
+    stream: bool = False
 
 
-def _check_fields(body: dict, generate: bool) -> list:
-    """Unknown and refused fields are errors naming them; returns the hints given (ignored)."""
-    ignored = []
-    for name, value in body.items():
-        known = name in PROMPT or name in HINTS or name in NEUTRAL or name in REFUSED or (generate and name in GENERATE)
-        if not known or (not generate and name in ONLY_GENERATE):
-            raise bad(name, "unknown field")
-        if value is None:
-            continue  # null: the default
-        if name in REFUSED:
-            raise bad(name, REFUSED[name])
-        if name in NEUTRAL and value not in NEUTRAL[name][0]:
-            raise bad(name, f"{json.dumps(value)[:60]} is not supported: {NEUTRAL[name][1]}")
-        if name in HINTS:
-            ignored.append(name)
-    if not isinstance(body.get("metadata") or {}, dict):
-        raise bad("metadata", "expected an object")
-    if not isinstance(body.get("cache_control") or {}, dict):
-        raise bad("cache_control", "expected an object")
-    if not isinstance(body.get("inference_geo") or "", str):
-        raise bad("inference_geo", "expected a string")
+def _parse(body: dict, generate: bool) -> tuple:
+    """(the typed request, the hints it carries); unknown and refused fields are errors naming them."""
+    ignored = check_fields(body, POLICY if generate else COUNT_POLICY)
     for name in ("model",) + (("max_tokens",) if generate else ()):
         if body.get(name) is None:
-            raise bad(name, "required")
-    return ignored
+            raise RequestError(name, "required")
+    return parse(MessagesRequest, body), ignored
 
 
 def _blocks(content, where: str) -> list:
@@ -110,16 +112,16 @@ def _blocks(content, where: str) -> list:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
-        raise bad(where, "expected a string or a list of content blocks")
+        raise RequestError(where, "expected a string or a list of content blocks")
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if not isinstance(kind, str) or kind not in BLOCK_KEYS:  # a list or object is no type (nor hashable)
-            raise bad(f"{where}[{j}].type", f"{json.dumps(kind)[:40]} blocks are not supported "
+            raise RequestError(f"{where}[{j}].type", f"{json.dumps(kind)[:40]} blocks are not supported "
                                             "(text, thinking, tool_use and tool_result only)")
         extra = next((k for k, v in block.items() if k not in ("type", "cache_control", *BLOCK_KEYS[kind])
                       and v is not None), None)  # null: absent (a reply's blocks sent back carry some)
         if extra is not None or block.get("citations"):
-            raise bad(f"{where}[{j}].{extra or 'citations'}", "not supported in a block")
+            raise RequestError(f"{where}[{j}].{extra or 'citations'}", "not supported in a block")
     return content
 
 
@@ -128,7 +130,7 @@ def _texts(content, where: str) -> list:
     parts = []
     for j, block in enumerate(_blocks(content, where)):
         if block["type"] != "text" or not isinstance(block.get("text"), str):
-            raise bad(f"{where}[{j}]", "expected a text block")
+            raise RequestError(f"{where}[{j}]", "expected a text block")
         parts.append(block["text"])
     return parts
 
@@ -168,43 +170,43 @@ def _turn(m, i: int, last: bool, thinking: bool, ignored: list) -> list:
     messages, in their order; a system entry (as Claude Code sends reminders) a system message."""
     where = f"messages[{i}]"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
-        raise bad(f"{where}.role", "expected \"user\", \"assistant\" or \"system\"")
+        raise RequestError(f"{where}.role", "expected \"user\", \"assistant\" or \"system\"")
     if m["role"] == "system":
         extra = next((k for k in m if k not in ("role", "content")), None)
         if extra is not None:
-            raise bad(f"{where}.{extra}", "not supported in a message")
+            raise RequestError(f"{where}.{extra}", "not supported in a message")
         text = _unbilled(_texts(m.get("content"), f"{where}.content"), "messages.system", ignored)
         return [{"role": "system", "content": text}] if text is not None else []
     extra = next((k for k in m if k not in ("role", "content")), None)
     if extra is not None:
-        raise bad(f"{where}.{extra}", "not supported in a message")
+        raise RequestError(f"{where}.{extra}", "not supported in a message")
     if m["role"] == "assistant" and last:
-        raise bad(where, "a last assistant turn (prefill) is not supported")
+        raise RequestError(where, "a last assistant turn (prefill) is not supported")
     out, text, calls, reasoning = [], [], [], []
     for j, block in enumerate(_blocks(m.get("content"), f"{where}.content")):
         at = f"{where}.content[{j}]"
         if block["type"] == "text":
             if not isinstance(block.get("text"), str):
-                raise bad(f"{at}.text", "expected a string")
+                raise RequestError(f"{at}.text", "expected a string")
             text.append(block["text"])
         elif m["role"] == "assistant" and block["type"] == "tool_use":
             if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
                     and isinstance(block.get("input"), dict)):
-                raise bad(at, "a tool_use block needs a string id and name and an input object")
+                raise RequestError(at, "a tool_use block needs a string id and name and an input object")
             calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"], "arguments": block["input"]}})
         elif m["role"] == "assistant" and block["type"] == "redacted_thinking":
             ignored.append("messages.redacted_thinking")  # another model's, unreadable: left out
         elif m["role"] == "assistant" and block["type"] == "thinking":
             if not isinstance(block.get("thinking"), str):
-                raise bad(f"{at}.thinking", "expected a string")
+                raise RequestError(f"{at}.thinking", "expected a string")
             if not thinking:
                 ignored.append("messages.thinking")  # the template has no place for it
                 continue
             reasoning.append(block["thinking"])  # its signature is not checked: nothing here signs
         elif m["role"] == "user" and block["type"] == "tool_result":
             if not isinstance(block.get("tool_use_id"), str) or not isinstance(block.get("is_error", False), bool):
-                raise bad(at, "a tool_result block needs a string tool_use_id (and is_error a boolean)")
+                raise RequestError(at, "a tool_result block needs a string tool_use_id (and is_error a boolean)")
             if text:  # text before a result stays before it
                 out.append({"role": "user", "content": "".join(text)})
                 text = []
@@ -213,7 +215,7 @@ def _turn(m, i: int, last: bool, thinking: bool, ignored: list) -> list:
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                         "content": f"Error: {result}" if block.get("is_error") else result})
         else:
-            raise bad(f"{at}.type", f"{block['type']} blocks belong in "
+            raise RequestError(f"{at}.type", f"{block['type']} blocks belong in "
                                     f"{'user' if block['type'] == 'tool_result' else 'assistant'} turns")
     if m["role"] == "assistant":
         out.append({"role": "assistant", **({"content": "".join(text)} if text or not calls else {}),
@@ -228,22 +230,22 @@ def _tools(tools, ignored: list) -> list:
     """Client tools as function tools; server tools (web_search, bash, …: none runs here) are left
     out of the prompt and named in the access log."""
     if not isinstance(tools, list):
-        raise bad("tools", "expected a list of tools")
+        raise RequestError("tools", "expected a list of tools")
     out = []
     for k, tool in enumerate(tools):
         if not isinstance(tool, dict):
-            raise bad(f"tools[{k}]", "expected a tool object")
+            raise RequestError(f"tools[{k}]", "expected a tool object")
         kind = tool.get("type")
         if isinstance(kind, str) and kind != "custom":
             ignored.append(f"tools.{kind}")
             continue
         if kind not in (None, "custom"):
-            raise bad(f"tools[{k}].type", "expected a string")
+            raise RequestError(f"tools[{k}].type", "expected a string")
         extra = next((key for key, v in tool.items() if key not in TOOL_KEYS and v is not None), None)
         if extra is not None:
-            raise bad(f"tools[{k}].{extra}", "not supported in a tool")
+            raise RequestError(f"tools[{k}].{extra}", "not supported in a tool")
         if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
-            raise bad(f"tools[{k}]", "a tool needs a string name and an input_schema object")
+            raise RequestError(f"tools[{k}]", "a tool needs a string name and an input_schema object")
         function = {"name": tool["name"], "parameters": tool["input_schema"]}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
@@ -256,12 +258,12 @@ def _tools(tools, ignored: list) -> list:
 def _tool_choice(choice, chat: dict) -> None:
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind not in ("auto", "any", "tool", "none"):
-        raise bad("tool_choice", "expected {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}")
+        raise RequestError("tool_choice", "expected {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}")
     extra = next((k for k in choice if k not in ("type", "name", "disable_parallel_tool_use")), None)
     if extra is not None or (kind != "tool" and "name" in choice):
-        raise bad(f"tool_choice.{extra or 'name'}", f"not supported with type {kind!r}")
+        raise RequestError(f"tool_choice.{extra or 'name'}", f"not supported with type {kind!r}")
     if kind == "tool" and not isinstance(choice.get("name"), str):
-        raise bad("tool_choice.name", "the tool to use, a string")
+        raise RequestError("tool_choice.name", "the tool to use, a string")
     named = {"type": "function", "function": {"name": choice.get("name")}}
     chat["tool_choice"] = named if kind == "tool" else CHOICES[kind]
     if choice.get("disable_parallel_tool_use"):
@@ -270,16 +272,16 @@ def _tool_choice(choice, chat: dict) -> None:
 
 def _output_config(config, chat: dict, ignored: list) -> None:
     if not isinstance(config, dict) or any(k not in ("format", "effort") for k in config):
-        raise bad("output_config", "expected {\"format\": …, \"effort\": …}")
+        raise RequestError("output_config", "expected {\"format\": …, \"effort\": …}")
     if config.get("effort") is not None:
         if not isinstance(config["effort"], str):
-            raise bad("output_config.effort", "expected a string")
+            raise RequestError("output_config.effort", "expected a string")
         ignored.append("output_config.effort")  # the chat template has no effort knob
     form = config.get("format")
     if form is not None:
         if not isinstance(form, dict) or form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict) \
                 or len(form) != 2:
-            raise bad("output_config.format", "expected {\"type\": \"json_schema\", \"schema\": {…}}")
+            raise RequestError("output_config.format", "expected {\"type\": \"json_schema\", \"schema\": {…}}")
         chat["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "output", "schema": form["schema"], "strict": True}}
 
@@ -290,15 +292,15 @@ def _thinking(config, thinking: bool, chat: dict, ignored: list, max_tokens=None
     nothing (the model does not think: no thinking blocks come back) and is named in the log."""
     kind = config.get("type") if isinstance(config, dict) else None
     if kind not in ("enabled", "adaptive", "disabled"):
-        raise bad("thinking", "expected {\"type\": \"enabled\" | \"adaptive\" | \"disabled\"}")
+        raise RequestError("thinking", "expected {\"type\": \"enabled\" | \"adaptive\" | \"disabled\"}")
     extra = next((k for k in config if k not in ("type", "budget_tokens") or (k == "budget_tokens" and kind != "enabled")), None)
     if extra is not None:
-        raise bad(f"thinking.{extra}", f"not supported with type {kind!r}")
+        raise RequestError(f"thinking.{extra}", f"not supported with type {kind!r}")
     if kind == "enabled":
         budget = config.get("budget_tokens")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024 \
                 or (max_tokens is not None and budget >= max_tokens):
-            raise bad("thinking.budget_tokens", "expected an integer of at least 1024, below max_tokens")
+            raise RequestError("thinking.budget_tokens", "expected an integer of at least 1024, below max_tokens")
     if not thinking:
         if kind != "disabled":
             ignored.append("thinking")
@@ -315,7 +317,7 @@ def _keep(edit: dict, where: str, unit: str, default):
     if isinstance(keep, dict) and keep.get("type") == unit and isinstance(keep.get("value"), int) \
             and not isinstance(keep["value"], bool) and keep["value"] >= 0:
         return keep["value"]
-    raise bad(f"{where}.keep", f"expected {{\"type\": \"{unit}\", \"value\": N}} or \"all\"")
+    raise RequestError(f"{where}.keep", f"expected {{\"type\": \"{unit}\", \"value\": N}} or \"all\"")
 
 
 def _context_edits(config, messages: list, count, ignored: list) -> None:
@@ -326,7 +328,7 @@ def _context_edits(config, messages: list, count, ignored: list) -> None:
     all but the last `keep` tool uses (default 3) with a placeholder, tools in exclude_tools kept.
     `count(messages)`: the prompt's tokens."""
     if not isinstance(config, dict) or any(k != "edits" for k in config) or not isinstance(config.get("edits", []), list):
-        raise bad("context_management", "expected {\"edits\": [...]}")
+        raise RequestError("context_management", "expected {\"edits\": [...]}")
     for k, edit in enumerate(config.get("edits", [])):
         where = f"context_management.edits[{k}]"
         kind = edit.get("type") if isinstance(edit, dict) else None
@@ -340,7 +342,7 @@ def _context_edits(config, messages: list, count, ignored: list) -> None:
             trigger = edit.get("trigger") or {"type": "input_tokens", "value": DEFAULT_TRIGGER}
             if not isinstance(trigger, dict) or trigger.get("type") not in ("input_tokens", "tool_uses") \
                     or not isinstance(trigger.get("value"), int):
-                raise bad(f"{where}.trigger", "expected {\"type\": \"input_tokens\" | \"tool_uses\", \"value\": N}")
+                raise RequestError(f"{where}.trigger", "expected {\"type\": \"input_tokens\" | \"tool_uses\", \"value\": N}")
             excluded = set(edit.get("exclude_tools") or [])
             calls = [(m, c) for m in messages if m["role"] == "assistant" for c in m.get("tool_calls", [])]
             size = len(calls) if trigger["type"] == "tool_uses" else count(messages)
@@ -358,56 +360,57 @@ def _context_edits(config, messages: list, count, ignored: list) -> None:
             ignored.append(f"context_management.{kind}")  # an edit this server does not know: none applied
 
 
-def _prompt(body: dict, tokenizer, max_tokens=None, ignored=None) -> dict:
-    """The fields that make the prompt (and its constraint), as a chat-completions body."""
+def _prompt(request: MessagesRequest, tokenizer, max_tokens=None, ignored=None) -> dict:
+    """The fields that make the prompt (and its constraint), as chat completions names them."""
     thinking = tokenizer.has_thinking
     ignored = [] if ignored is None else ignored
-    messages = body.get("messages")
+    messages = request.messages
     if not isinstance(messages, list) or not messages:
-        raise bad("messages", "expected a non-empty list of turns")
+        raise RequestError("messages", "expected a non-empty list of turns")
     out = []
-    if body.get("system") is not None:
-        text = _unbilled(_texts(body["system"], "system"), "system", ignored)
+    if request.system is not None:
+        text = _unbilled(_texts(request.system, "system"), "system", ignored)
         if text is not None:
             out.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
         out += _turn(m, i, i == len(messages) - 1, thinking, ignored)
-    chat = {"model": body["model"], "messages": out}
-    if body.get("thinking") is not None:
-        _thinking(body["thinking"], thinking, chat, ignored, max_tokens)
-    if body.get("tools") is not None:
-        tools = _tools(body["tools"], ignored)
+    chat = {"model": request.model, "messages": out}
+    if request.thinking is not None:
+        _thinking(request.thinking, thinking, chat, ignored, max_tokens)
+    if request.tools is not None:
+        tools = _tools(request.tools, ignored)
         if tools:
             chat["tools"] = tools
-    choice = body.get("tool_choice")
+    choice = request.tool_choice
     if choice is not None and (chat.get("tools") or not isinstance(choice, dict) or choice.get("type") != "auto"):
         _tool_choice(choice, chat)  # "auto" with only server tools left: nothing to choose; "any": a 400 (no tools)
-    if body.get("output_config") is not None:
-        _output_config(body["output_config"], chat, ignored)
-    if body.get("context_management") is not None:
+    if request.output_config is not None:
+        _output_config(request.output_config, chat, ignored)
+    if request.context_management is not None:
         def count(messages):
             try:
                 return len(chat_ids(tokenizer, chat_messages(messages, thinking), chat.get("tools")))
             except RequestError:
                 return 0
-        _context_edits(body["context_management"], out, count, ignored)
+        _context_edits(request.context_management, out, count, ignored)
     chat["messages"] = place_system(out, tokenizer)
     return chat
 
 
-def to_chat(body: dict, info, tokenizer) -> dict:
-    ignored = _check_fields(body, generate=True)
-    chat = _prompt(body, tokenizer, body["max_tokens"], ignored)
-    chat.update({"max_tokens": body["max_tokens"], "stream": body.get("stream", False)})
+def parse_request(body: dict, info, tokenizer) -> tuple:
+    """(the typed request, the ChatRequest it becomes); RequestError names the Messages field."""
+    request, ignored = _parse(body, generate=True)
+    chat = _prompt(request, tokenizer, request.max_tokens, ignored)
+    chat.update({"max_tokens": request.max_tokens, "stream": request.stream})
     for name in ("temperature", "top_p", "top_k"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
-    stops = body.get("stop_sequences")
+        if getattr(request, name) is not None:
+            chat[name] = getattr(request, name)
+    stops = request.stop_sequences
     if stops:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise bad("stop_sequences", "expected a list of non-empty strings")
+            raise RequestError("stop_sequences", "expected a list of non-empty strings")
         chat["stop"] = stops
-    return ChatBody(chat, ignored=ignored)
+    return request, adapted(chat, info, ignored, param)
 
 
 def param(name: str) -> str:
@@ -426,14 +429,10 @@ def param(name: str) -> str:
 def count_tokens(body: dict, scheduler, tokenizer, info):
     """{"input_tokens": N}: the chat template's tokens for system, messages and tools, as
     /v1/messages prompts them."""
-    _check_fields(body, generate=False)
-    chat = _prompt(body, tokenizer)
+    request, ignored = _parse(body, generate=False)
+    chat = adapted(_prompt(request, tokenizer, ignored=ignored), info, ignored, param)  # another model: 404
     try:
-        check_fields(chat, "chat", info)  # a model we do not serve is 404
-        messages, tools = chat_messages(chat["messages"], tokenizer.has_thinking), request_tools(chat, tokenizer)
-        if tools:
-            forced_tools(tools, chat.get("tool_choice"))  # a tool_choice naming no tool is an error here too
-        ids = chat_ids(tokenizer, messages, tools, chat.get("chat_template_kwargs"))
+        ids = chat_prompt(chat, tokenizer)[0]
     except RequestError as e:
         name = param(e.field)
         raise ApiError(400, e.as_named(name), param=name) from None
@@ -461,7 +460,7 @@ class MessageReply:
 
     content_type = "text/event-stream"
 
-    def __init__(self, reply, body: dict):
+    def __init__(self, reply, request: MessagesRequest):
         self.reply = reply
         self.id = "msg_" + reply.id.split("-", 1)[1]
         self.blocks = 0  # blocks started
@@ -549,6 +548,6 @@ def error_body(e: ApiError) -> dict:
     return {"type": "error", "error": {"type": kind, "message": str(e)}}
 
 
-ADAPTERS = {("POST", "/v1/messages"): Adapter(to_chat, MessageReply, param)}
+ADAPTERS = {("POST", "/v1/messages"): Adapter(parse_request, MessageReply, param)}
 ROUTES = {("POST", "/v1/messages/count_tokens"): count_tokens}
 ERROR_BODIES = {"/v1/messages": error_body, "/v1/messages/count_tokens": error_body}

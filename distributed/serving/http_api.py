@@ -41,8 +41,9 @@ from ..runtime.scheduler import QueueFull, RingUnavailable
 from ..shard.memory import MAX_BATCH
 from . import anthropic_api, ollama_api, openapi, pages, responses_api
 from .http_server import BODY_TIMEOUT_S, ClientGone, Exchange, Workers, serve_http
-from .openai_api import ApiError, Completion, param_of, plan
+from .openai_api import Completion, param_of, parse_body, plan, prompt_count
 from .options import ALLOWED_HOSTS_ENV, ServeOptions, split_address
+from .protocol import ApiError
 from .request_log import RequestLog
 from .sealed import Sealer
 from .status import status_document
@@ -120,7 +121,7 @@ class _Handler:
         for key, adapter in front.adapters.items():
             routes[key] = lambda body, *state, adapter=adapter: self._adapted(adapter, body, *state)
         for key, answer in ROUTES.items():
-            routes[key] = lambda body, *state, answer=answer: self._send_json(*answer(body, *state))
+            routes[key] = lambda body, *state, answer=answer: self._plain(answer, body, *state)
         generation = front.api and self.command == "POST" and (path in GENERATION_ROUTES or ("POST", path) in ADAPTED_ROUTES)
         self._trace = front.requests.begin("http", path, self.x.client) if generation else None
         try:
@@ -232,22 +233,32 @@ class _Handler:
         self.x.start(status, [("Content-Type", content_type), ("Content-Length", str(len(data))),
                               *((name, headers[name]) for name in headers)], whole=data)
 
+    def _plain(self, answer, body, *state):
+        """A plain route (ROUTES): its JSON, or a 400 naming the field its RequestError names."""
+        try:
+            status, obj = answer(body, *state)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.field) from None
+        self._send_json(status, obj)
+
     def _models(self, body, scheduler, tokenizer, info):
         model = {"id": info.model_id, "object": "model", "created": self.front.created,
                  "owned_by": "trinity-pipeline", "max_model_len": info.max_context}
         self._send_json(200, {"object": "list", "data": [model]})
 
     def _generate(self, body: dict, chat: bool, scheduler, tokenizer, info):
-        _check_rows(body, chat, info)
+        request = None
         try:
-            run = plan(body, chat, tokenizer, info)
+            request = parse_body(body, chat, info)
+            _check_rows(request, info)
+            run = plan(request, tokenizer, info)
         except RequestError as e:
-            param = param_of(e, body, chat)
+            param = param_of(e, request)
             raise ApiError(400, e.as_named(param), param=param) from None
         handles = []
         try:
-            for request in run.requests:  # one per choice
-                handles.append(submit(scheduler, request, run))
+            for generation in run.requests:  # one per choice
+                handles.append(submit(scheduler, generation, run))
             reply = self._trace.reply = Completion(run, info.model_id, tokenizer)  # its usage: the access log's
             self._stream(handles, reply) if run.stream else self._whole(handles, reply)
         except QueueFull as e:
@@ -259,19 +270,23 @@ class _Handler:
                 handle.cancel()
 
     def _adapted(self, adapter, body: dict, scheduler, tokenizer, info):
-        """An API served over chat completions (ADAPTED_ROUTES): its body as a chat body, its
-        reply made from the OpenAI one, event by event."""
+        """An API served over chat completions (ADAPTED_ROUTES): its body parsed into its typed
+        request and the chat (or completions) request that becomes, its reply made from the
+        OpenAI one, event by event."""
         try:
-            chat_body = adapter.to_chat(body, info, tokenizer)  # or a completions body: "prompt", no "messages"
-            run = plan(chat_body, "messages" in chat_body or "prompt" not in chat_body, tokenizer, info)
+            request, chat = adapter.parse(body, info, tokenizer)  # its errors name the API's fields
         except RequestError as e:
-            param = adapter.param(param_of(e, {}, True))
+            raise ApiError(400, str(e), param=e.field) from None
+        try:
+            run = plan(chat, tokenizer, info)
+        except RequestError as e:
+            param = adapter.param(param_of(e, chat))
             raise ApiError(400, e.as_named(param), param=param) from None
         handle = None
         try:
             handle = submit(scheduler, run.requests[0], run, adapter.param)
             reply = self._trace.reply = Completion(run, info.model_id, tokenizer)
-            out, choice = adapter.reply(reply, body), reply.choices[0]
+            out, choice = adapter.reply(reply, request), reply.choices[0]
             if not run.stream:
                 choice.opening()
                 for event in self._trace.events(handle):
@@ -400,12 +415,9 @@ def _check_size(body: dict, info) -> None:
                             f"{TEXT_SLACK // 1024} KiB): it cannot fit the context", code="context_length_exceeded")
 
 
-def _check_rows(body: dict, chat: bool, info) -> None:
+def _check_rows(request, info) -> None:
     """A request's rows (its prompts times n) fit one batch, or it is refused before tokenizing."""
-    n, prompt = body.get("n"), body.get("prompt")
-    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
-    prompts = len(prompt) if not chat and isinstance(prompt, list) and prompt \
-        and all(isinstance(p, (str, list)) for p in prompt) else 1
+    n, prompts = max(1, request.n), prompt_count(request)
     if info.max_batch and n * prompts > info.max_batch:
         what = f"{prompts} prompts × n {n} = {n * prompts} choices" if prompts > 1 else f"n {n}"
         raise ApiError(400, f"n: {what}: over this server's batch of {info.max_batch} sequences (--max-batch)",

@@ -31,9 +31,11 @@ import time
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
+from typing import Any, Optional
 
 from ..runtime.request import RequestError
-from .openai_api import Adapter, ApiError, ChatBody, ndjson
+from .openai_api import Adapter, adapted
+from .protocol import ApiError, FieldPolicy, Typed, check_fields, ndjson, parse
 
 # Ollama option -> the chat-completions field(s) it becomes (repeat_last_n: llama.cpp's one window for all penalties).
 OPTIONS = {"temperature": ("temperature",), "top_p": ("top_p",), "top_k": ("top_k",), "min_p": ("min_p",),
@@ -57,17 +59,42 @@ REFUSED = {"images": "images are not supported (a text-only model)",
            "template": "the checkpoint's chat template is the only one",
            "width": "image generation is not supported", "height": "image generation is not supported",
            "steps": "image generation is not supported"}
+POLICIES = {chat: FieldPolicy(CHAT_FIELDS if chat else GENERATE_FIELDS, refused=REFUSED, absent=(None, "", [], False))
+            for chat in (True, False)}
+SHOW_POLICY = FieldPolicy(("model", "name"), refused={"verbose": "not supported (the tokenizer's vocabulary is not listed)"},
+                          absent=(None, False))
 MANAGEMENT = ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/embed", "/api/embeddings")
 NEVER = "9999-12-31T23:59:59Z"  # ps's expires_at: the model is never unloaded
+
+
+class OllamaRequest(Typed):
+    """What /api/chat and /api/generate bodies share, typed."""
+
+    model: Any = None  # the served id (_model)
+    stream: bool = True
+    format: Any = None  # "json" or a JSON schema (_format)
+    options: Any = None  # _options
+    keep_alive: Any = None
+    think: Any = None  # true, false or an effort level
+
+
+class OllamaChat(OllamaRequest):
+    messages: Any = None  # _messages
+    tools: Any = None  # given as they are (Ollama's are OpenAI's)
+
+
+class OllamaGenerate(OllamaRequest):
+    prompt: Any = None
+    system: Optional[str] = None
+    raw: bool = False
 
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-def _model(body: dict, info, key: str = "model") -> str:
-    """The model the body names: the server's id, or it with Ollama's default tag; else 404."""
-    name = body.get(key)
+def _model(name, info, key: str = "model") -> str:
+    """The model a body names (its `key`): the server's id, or it with Ollama's default tag; else 404."""
     if not isinstance(name, str) or not name:
         raise ApiError(400, f"{key}: required (this server serves '{info.model_id}')")
     if name not in (info.model_id, f"{info.model_id}:latest"):
@@ -121,12 +148,9 @@ def _ps(body, scheduler, tokenizer, info):
 
 
 def _show(body, scheduler, tokenizer, info):
-    extra = next((k for k in body if k not in ("model", "name", "verbose")), None)
-    if extra is not None:
-        raise ApiError(400, f"{extra}: unknown field")
-    if body.get("verbose"):
-        raise ApiError(400, "verbose: not supported (the tokenizer's vocabulary is not listed)")
-    _model(body, info, "name" if "name" in body and "model" not in body else "model")  # "name": Ollama's older spelling
+    check_fields(body, SHOW_POLICY)
+    key = "name" if "name" in body and "model" not in body else "model"  # "name": Ollama's older spelling
+    _model(body.get(key), info, key)
     facts = _facts(tokenizer, info)
     config, arch = facts["config"], facts["details"]["family"]
     keys = {"embedding_length": "hidden_size", "block_count": "num_hidden_layers",
@@ -179,7 +203,7 @@ def _options(options, info, ignored: list) -> dict:
     if out.get("max_tokens") in (-1, -2):  # Ollama's "unlimited" and "fill the context": the server's default
         del out["max_tokens"]
     if isinstance(out.get("repetition_context_size"), int) and out["repetition_context_size"] < 1:
-        raise RequestError("repetition_context_size", "must be at least 1 here")
+        raise RequestError("options.repeat_last_n", "must be at least 1 here")
     return out
 
 
@@ -194,25 +218,27 @@ def _format(value):
     raise RequestError("format", f"expected \"json\" or a JSON schema object, got {json.dumps(value)[:60]}")
 
 
-def _check(body: dict, names: tuple, thinking: bool, ignored: list) -> dict:
-    """Refused and unknown fields are errors naming them; returns the chat body's template variables."""
-    for name, value in body.items():
-        if name in REFUSED and value not in (None, "", [], False):
-            raise RequestError(name, REFUSED[name])
-        if name not in names and name not in REFUSED:
-            raise RequestError(name, "unknown field")
-    think = body.get("think")
+def _parse(body: dict, chat: bool, info, thinking: bool, ignored: list):
+    """The typed request; refused and unknown fields are errors naming them, another model 404."""
+    ignored += check_fields(body, POLICIES[chat])
+    request = parse(OllamaChat if chat else OllamaGenerate, body)
+    think = request.think
     if think is not None and not isinstance(think, bool) and think not in ("low", "medium", "high"):
         raise RequestError("think", "expected true, false, \"low\", \"medium\" or \"high\"")
     if isinstance(think, str) or (think and not thinking):
         ignored.append("think")  # effort levels: the template has no knob; where the model does not think: none
-    if body.get("keep_alive") is not None:
+    if request.keep_alive is not None:
+        if not isinstance(request.keep_alive, (int, float, str)):
+            raise RequestError("keep_alive", "expected a duration (a number of seconds or a string such as \"5m\")")
         ignored.append("keep_alive")  # never unloaded
-    if not isinstance(body.get("keep_alive", 0), (int, float, str)):
-        raise RequestError("keep_alive", "expected a duration (a number of seconds or a string such as \"5m\")")
-    if not isinstance(body.get("stream", True), bool):
-        raise RequestError("stream", "expected a boolean")
-    return {"chat_template_kwargs": {"enable_thinking": False}} if thinking and think is False else {}
+    _model(request.model, info)
+    return request
+
+
+def _common(request: OllamaRequest, info, thinking: bool, ignored: list) -> dict:
+    """The chat fields every Ollama request gives: stream, options, the template's variables."""
+    return {"stream": request.stream, **_options(request.options, info, ignored),
+            **({"chat_template_kwargs": {"enable_thinking": False}} if thinking and request.think is False else {})}
 
 
 def _messages(messages, thinking: bool, ignored: list) -> list:
@@ -258,46 +284,39 @@ def _messages(messages, thinking: bool, ignored: list) -> list:
     return out
 
 
-def _sampling(body: dict, info, ignored: list) -> dict:
-    _model(body, info)
-    return {"stream": body.get("stream", True), **_options(body.get("options"), info, ignored)}
+def parse_chat(body: dict, info, tokenizer) -> tuple:
+    """(the typed request, the ChatRequest it becomes); RequestError names the Ollama field."""
+    ignored, thinking = [], tokenizer.has_thinking
+    request = _parse(body, True, info, thinking, ignored)
+    out = {"messages": _messages(request.messages, thinking, ignored), **_common(request, info, thinking, ignored)}
+    if request.tools:
+        out["tools"] = request.tools
+    if _format(request.format):
+        out["response_format"] = _format(request.format)
+    return request, adapted(out, info, ignored, _param(False))
 
 
-def chat_to_chat(body: dict, info, tokenizer) -> dict:
-    ignored = []
-    template = _check(body, CHAT_FIELDS, tokenizer.has_thinking, ignored)
-    out = {"messages": _messages(body.get("messages"), tokenizer.has_thinking, ignored), **_sampling(body, info, ignored),
-           **template}
-    if body.get("tools"):
-        out["tools"] = body["tools"]
-    if _format(body.get("format")):
-        out["response_format"] = _format(body["format"])
-    return ChatBody(out, ignored=ignored)
-
-
-def generate_to_chat(body: dict, info, tokenizer) -> dict:
-    """A user message (after `system`), or with `raw` the prompt as is (a completions body)."""
-    ignored = []
-    template = _check(body, GENERATE_FIELDS, tokenizer.has_thinking, ignored)
-    prompt, system = body.get("prompt"), body.get("system")
+def parse_generate(body: dict, info, tokenizer) -> tuple:
+    """A user message (after `system`), or with `raw` the prompt as is (a completions request)."""
+    ignored, thinking = [], tokenizer.has_thinking
+    request = _parse(body, False, info, thinking, ignored)
+    prompt, system = request.prompt, request.system
     if not isinstance(prompt, str) or not prompt:
         raise RequestError("prompt", "expected a non-empty string (the model is always loaded: no need to load it)")
-    if not isinstance(system, (str, type(None))):
-        raise RequestError("system", "expected a string")
-    if not isinstance(body.get("raw", False), bool):
-        raise RequestError("raw", "expected a boolean")
-    out = _sampling(body, info, ignored)
-    if body.get("raw"):
+    out = _common(request, info, thinking, ignored)
+    if request.raw:
         for name in ("system", "format"):
-            if body.get(name):
+            if getattr(request, name):
                 raise RequestError(name, "not taken with raw (the prompt goes as is, without the template)")
-        n = len(tokenizer.encode(prompt))  # completions' default is 16 tokens; Ollama's, the context's rest
-        return ChatBody({"prompt": prompt, "max_tokens": max(1, min(info.max_tokens_cap, info.max_context - n)), **out},
-                        ignored=ignored)
+        out.pop("chat_template_kwargs", None)
+        ids = list(tokenizer.encode(prompt))  # tokenized once: the prompt goes on as its ids
+        # completions' default is 16 tokens; Ollama's, the context's rest
+        out = {"prompt": ids, "max_tokens": max(1, min(info.max_tokens_cap, info.max_context - len(ids))), **out}
+        return request, adapted(out, info, ignored, _param(True), chat=False)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    response_format = _format(body.get("format"))
-    return ChatBody({"messages": messages, **out, **template, **({"response_format": response_format} if response_format else {})},
-                    ignored=ignored)
+    response_format = _format(request.format)
+    out = {"messages": messages, **out, **({"response_format": response_format} if response_format else {})}
+    return request, adapted(out, info, ignored, _param(True))
 
 
 def _param(generate: bool):
@@ -318,8 +337,8 @@ class OllamaReply:
 
     content_type = "application/x-ndjson"
 
-    def __init__(self, reply, body: dict, chat: bool):
-        self.reply, self.model, self.chat = reply, body["model"], chat
+    def __init__(self, reply, request: OllamaRequest, chat: bool):
+        self.reply, self.model, self.chat = reply, request.model, chat
         self.start = time.perf_counter_ns()
 
     def _line(self, text: str, calls=(), thinking: str = "", **done) -> dict:
@@ -385,8 +404,9 @@ def _error(e: ApiError) -> dict:
 
 
 ADAPTERS = {
-    ("POST", "/api/chat"): Adapter(chat_to_chat, lambda reply, body: OllamaReply(reply, body, True), _param(False)),
-    ("POST", "/api/generate"): Adapter(generate_to_chat, lambda reply, body: OllamaReply(reply, body, False), _param(True)),
+    ("POST", "/api/chat"): Adapter(parse_chat, lambda reply, request: OllamaReply(reply, request, True), _param(False)),
+    ("POST", "/api/generate"): Adapter(parse_generate, lambda reply, request: OllamaReply(reply, request, False),
+                                       _param(True)),
 }
 ROUTES = {("GET", "/api/version"): _version, ("GET", "/api/tags"): _tags, ("POST", "/api/show"): _show,
           ("GET", "/api/ps"): _ps, **{("POST", path): _not_here(path) for path in MANAGEMENT}}

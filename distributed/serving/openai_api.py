@@ -1,18 +1,17 @@
-"""OpenAI's completions and chat completions: which request fields the HTTP API takes, turning a
-request body into the generation requests of its choices (a CompletionPlan), and the JSON an
-OpenAI client gets back (a Completion).
+"""OpenAI's completions and chat completions: which request fields the HTTP API takes (one
+FieldPolicy per endpoint, protocol.py), a body parsed into its typed request (CompletionRequest,
+ChatRequest) and planned into the generation requests of its choices (a CompletionPlan), and the
+JSON an OpenAI client gets back (a Completion).
 
 Every field is implemented, accepted only with the value that changes nothing
 here (NEUTRAL), refused by name (REFUSED), or accepted as a hint with no effect
-(HINTS); any other name is refused as unknown. docs/serving.md's field table lists the
-same sets (a test compares them).
+(HINT_TYPES); any other name is refused as unknown. docs/serving.md's field table lists the
+same sets (a test compares them). The compatibility rule is protocol.py's; a limit (max_tokens
+beyond the context or the cap) is clamped (`clamped=…`), the finish reason telling when the
+clamp ended the reply.
 
-The compatibility rule (docs/serving.md, "OpenAI fields"): what a real client sends by default
-works. A field whose value changes nothing for this server and model is accepted and
-named in the access log (`ignored=…`, and the metric trinity_ignored_fields); a limit
-(max_tokens beyond the context or the cap) is clamped (`clamped=…`), the finish reason
-telling when the clamp ended the reply; only a field whose loss would change the reply's
-meaning and that cannot be honoured is refused by name.
+The other APIs (Responses, Messages, Ollama: Adapter) parse their own bodies into a ChatRequest
+(or a CompletionRequest), planned here like any other.
 
 The reply, whole or as stream chunks, is built from the scheduler's events, one Choice per
 generation.
@@ -32,22 +31,13 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional, Union
 
 from ..runtime.request import MAX_TOP_LOGPROBS, GenerationRequest, PromptEvent, RequestError, TokenEvent
 from .chat_format import ModelInfo, ReplySplitter, build_request, chat_ids, prompt_ids, reply_prompt
 from .constraints import allowed_tools, forced_tools, response_grammar, strict_calls_grammar, tool_call_grammar
+from .protocol import ApiError, FieldPolicy, Typed, check_fields, parse
 from .tools import chat_messages, custom_input, custom_names, request_tools
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-
 
 # Extensions beyond OpenAI's fields (mlx-lm's server takes the same names).
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_context_size",
@@ -59,11 +49,6 @@ TEMPLATE_CALL = ("messages", "conversation", "tools", "documents", "add_generati
                  "padding", "truncation", "max_length", "return_tensors")
 SHARED = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs") + EXTENSIONS
-IMPLEMENTED = {
-    "completions": SHARED + ("prompt", "echo"),
-    "chat": SHARED + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                      "parallel_tool_calls", "response_format") + CHAT_EXTENSIONS,
-}
 # Accepted with no effect on the output (named in the access log): identifiers and caching hints
 # for OpenAI's own service, storage, service tiers, and knobs this server and model have not
 # (reasoning effort and verbosity: the chat template decides; a hosted web search: none runs
@@ -71,53 +56,90 @@ IMPLEMENTED = {
 HINT_TYPES = {"user": (str,), "safety_identifier": (str,), "prompt_cache_key": (str,), "store": (bool,),
               "metadata": (dict,), "service_tier": (str,), "reasoning_effort": (str,), "verbosity": (str,),
               "web_search_options": (dict,), "prediction": (dict,)}
-HINTS = {"completions": ("user",), "chat": tuple(HINT_TYPES)}
 # Accepted only with these values (the ones that change nothing here), else refused.
 NEUTRAL = {
     "best_of": ((1,), "only 1 (use n for several completions)"),
     "suffix": (("",), "text after the completion (insertion) is not supported"),
     "modalities": ((["text"],), "only text output"),
 }
-NEUTRAL_IN = {"completions": ("best_of", "suffix"), "chat": ("modalities",)}
 REFUSED = {
     "audio": "audio output is not supported",
     "functions": "deprecated by OpenAI: use tools",
     "function_call": "deprecated by OpenAI: use tool_choice",
 }
-REFUSED_IN = {"completions": (), "chat": tuple(REFUSED)}
+POLICIES = {
+    "completions": FieldPolicy(SHARED + ("prompt", "echo"), hints={"user": HINT_TYPES["user"]},
+                               neutral={k: NEUTRAL[k] for k in ("best_of", "suffix")}),
+    "chat": FieldPolicy(SHARED + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                  "parallel_tool_calls", "response_format") + CHAT_EXTENSIONS,
+                        hints=HINT_TYPES, neutral={"modalities": NEUTRAL["modalities"]}, refused=REFUSED),
+}
 
 
 def fields(endpoint: str) -> dict:
     """Every field name `endpoint` knows -> "implemented", "extension", "hint", "neutral only" or "refused"."""
-    out = {name: "extension" if name in EXTENSIONS + CHAT_EXTENSIONS else "implemented" for name in IMPLEMENTED[endpoint]}
-    out.update({name: "hint" for name in HINTS[endpoint]})
-    out.update({name: "neutral only" for name in NEUTRAL_IN[endpoint]})
-    out.update({name: "refused" for name in REFUSED_IN[endpoint]})
+    policy = POLICIES[endpoint]
+    out = {name: "extension" if name in EXTENSIONS + CHAT_EXTENSIONS else "implemented" for name in policy.accepted}
+    out.update({name: "hint" for name in policy.hints})
+    out.update({name: "neutral only" for name in policy.neutral})
+    out.update({name: "refused" for name in policy.refused})
     return out
 
 
-def get(body: dict, name: str, kinds: tuple, default=None):
-    """body[name] if it is one of `kinds` (a bool is no number here); `default` if absent or null."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        names = " or ".join("number" if k is float else k.__name__ for k in kinds)
-        raise RequestError(name, f"expected {names}, got {json.dumps(value)[:40]}")
-    return value
+Number = Optional[Union[int, float]]
 
 
-def _same(value, allowed) -> bool:
-    return any(type(value) is type(a) and value == a for a in allowed)
+class CompletionRequest(Typed):
+    """A /v1/completions body, typed (or what an API served over completions made of its own)."""
+
+    model: Any = None  # the served id (another: 404)
+    prompt: Any = None  # a string, token ids, or a list of either (_completion_prompts)
+    echo: bool = False
+    max_tokens: Optional[int] = None
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: int = 0
+    min_p: Number = 0.0
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[dict] = None
+    stop: Union[str, list] = []
+    seed: Optional[int] = None
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    repetition_penalty: Number = 1.0
+    presence_context_size: int = 20
+    frequency_context_size: int = 20
+    repetition_context_size: int = 20
+    logit_bias: dict = {}
+    logprobs: Optional[int] = None  # top alternatives per token
+    speculative: bool = True  # false: no drafts verified for it
+    ignored: List[str] = []  # set by the server: client fields accepted with no effect
 
 
-class ChatBody(dict):
-    """A chat-completions body an adapter (Adapter, below) made of its API's request, with the
-    names of the client's fields it accepted and ignored (named in the access log)."""
+class ChatRequest(CompletionRequest):
+    """A /v1/chat/completions body, typed (or what an API served over chat made of its own)."""
 
-    def __init__(self, *args, ignored=(), **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ignored = list(ignored)
+    messages: Any = None  # tools.chat_messages reads them
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Any = None  # tools.request_tools
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    response_format: Any = None  # constraints.response_grammar
+    chat_template_kwargs: dict = {}
+
+
+def parse_body(body: dict, chat: bool, info: ModelInfo, ignored=()) -> CompletionRequest:
+    """A completions (or chat) body as its typed request: RequestError names a bad field; a model
+    we do not serve is 404. `ignored`: what the client sent that an adapter left out."""
+    hints = check_fields(body, POLICIES["chat" if chat else "completions"])
+    model = body.get("model")
+    if model is not None and model != info.model_id:
+        raise ApiError(404, f"The model `{str(model)[:200]}` does not exist (this server serves `{info.model_id}`)",
+                       param="model", code="model_not_found")
+    return parse(ChatRequest if chat else CompletionRequest, body, ignored=[*ignored, *hints])
 
 
 def clamp_max_tokens(requested: int, prompt_len: int, info: ModelInfo) -> int:
@@ -125,30 +147,6 @@ def clamp_max_tokens(requested: int, prompt_len: int, info: ModelInfo) -> int:
     llama.cpp clamp so); a prompt that leaves no room keeps its value (validation refuses it)."""
     room = min(info.max_tokens_cap, info.max_context - prompt_len)
     return room if requested > room >= 1 else requested
-
-
-def check_fields(body: dict, endpoint: str, info: ModelInfo) -> List[str]:
-    """Unknown, refused and non-neutral fields are errors naming them; a model we do not serve is
-    404. Returns the hints the body carries (accepted, ignored)."""
-    known = fields(endpoint)
-    ignored = []
-    for name, value in body.items():
-        if name not in known:
-            raise RequestError(name, "unknown field")
-        if value is None:
-            continue  # null: OpenAI's default
-        if known[name] == "refused":
-            raise RequestError(name, REFUSED[name])
-        if known[name] == "neutral only" and not _same(value, NEUTRAL[name][0]):
-            raise RequestError(name, f"{json.dumps(value)[:60]} is not supported: {NEUTRAL[name][1]}")
-        if known[name] == "hint":
-            get(body, name, HINT_TYPES[name])
-            ignored.append(name)
-    model = body.get("model")
-    if model is not None and model != info.model_id:
-        raise ApiError(404, f"The model `{str(model)[:200]}` does not exist (this server serves `{info.model_id}`)",
-                       param="model", code="model_not_found")
-    return ignored
 
 
 @dataclass
@@ -170,12 +168,21 @@ class CompletionPlan:
     clamped: List[str] = field(default_factory=list)  # client limits held to what the server allows
 
 
-def _completion_prompts(body: dict, tokenizer) -> List[tuple]:
-    """(token ids, text) of each prompt: a string, token ids, or a list of either."""
-    prompt = body.get("prompt")
+def _prompt_list(prompt) -> list:
+    """A completions prompt as its prompts: a list of strings or of token-id lists, else one prompt."""
     many = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    return prompt if many else [prompt]
+
+
+def prompt_count(request: CompletionRequest) -> int:
+    """The prompts a request gives (a choice each, times n): a chat has one."""
+    return 1 if isinstance(request, ChatRequest) else len(_prompt_list(request.prompt))
+
+
+def _completion_prompts(request: CompletionRequest, tokenizer) -> List[tuple]:
+    """(token ids, text) of each prompt: a string, token ids, or a list of either."""
     out = []
-    for p in prompt if many else [prompt]:
+    for p in _prompt_list(request.prompt):
         if isinstance(p, str):
             out.append((prompt_ids(tokenizer, prompt=p) if p else [], p))  # raw text: no chat template
         elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
@@ -185,17 +192,17 @@ def _completion_prompts(body: dict, tokenizer) -> List[tuple]:
     return out
 
 
-def _logprobs(body: dict, chat: bool) -> Optional[int]:
+def _logprobs(request: CompletionRequest) -> Optional[int]:
     """None if no logprobs are asked for, else how many alternatives per token."""
-    if chat:
-        top = get(body, "top_logprobs", (int,), None)
-        if not get(body, "logprobs", (bool,), False):
+    if isinstance(request, ChatRequest):
+        top = request.top_logprobs
+        if not request.logprobs:
             if top is not None:
                 raise RequestError("top_logprobs", "needs logprobs: true")
             return None
         name, top = "top_logprobs", top or 0
     else:
-        name, top = "logprobs", get(body, "logprobs", (int,), None)
+        name, top = "logprobs", request.logprobs
         if top is None:
             return None
     if not 0 <= top <= MAX_TOP_LOGPROBS:
@@ -203,46 +210,47 @@ def _logprobs(body: dict, chat: bool) -> Optional[int]:
     return top
 
 
-def _logit_bias(body: dict) -> dict:
-    bias = get(body, "logit_bias", (dict,), {})
+def _logit_bias(bias: dict) -> dict:
     try:
         return {int(k): float(v) for k, v in bias.items() if not isinstance(v, bool)} if bias else {}
     except (TypeError, ValueError):
         raise RequestError("logit_bias", "expected an object mapping token ids to numbers") from None
 
 
-def _sampling(body: dict, chat: bool, max_name: str, prompt_len: int, info: ModelInfo) -> dict:
-    stop = get(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
+def _max_name(request: CompletionRequest) -> str:
+    """The field that bounds the reply: chat's max_completion_tokens where given."""
+    chat_max = isinstance(request, ChatRequest) and request.max_completion_tokens is not None
+    return "max_completion_tokens" if chat_max else "max_tokens"
+
+
+def _sampling(request: CompletionRequest, prompt_len: int, info: ModelInfo) -> dict:
+    r = request
+    stop = [r.stop] if isinstance(r.stop, str) else r.stop
     if not all(isinstance(s, str) for s in stop):
         raise RequestError("stop", "expected a string or a list of strings")
+    chat = isinstance(r, ChatRequest)
     default_max = max(1, min(info.max_tokens_cap, info.max_context - prompt_len)) if chat else 16
-
-    def number(name, default):
-        return float(get(body, name, (int, float), default))
-
+    asked = getattr(r, _max_name(r))
     return dict(
-        max_tokens=clamp_max_tokens(get(body, max_name, (int,), default_max), prompt_len, info),
-        temperature=number("temperature", 1.0), top_p=number("top_p", 1.0), top_k=get(body, "top_k", (int,), 0),
-        min_p=number("min_p", 0.0), seed=get(body, "seed", (int,), None), stop=stop,
-        presence_penalty=number("presence_penalty", 0.0), frequency_penalty=number("frequency_penalty", 0.0),
-        repetition_penalty=number("repetition_penalty", 1.0), logit_bias=_logit_bias(body),
-        speculative=get(body, "speculative", (bool,), True),  # false: no drafts verified for it
-        **{name: get(body, name, (int,), 20) for name in
-           ("presence_context_size", "frequency_context_size", "repetition_context_size")},
-    )
+        max_tokens=clamp_max_tokens(default_max if asked is None else asked, prompt_len, info),
+        temperature=float(r.temperature), top_p=float(r.top_p), top_k=r.top_k, min_p=float(r.min_p), seed=r.seed,
+        stop=stop, presence_penalty=float(r.presence_penalty), frequency_penalty=float(r.frequency_penalty),
+        repetition_penalty=float(r.repetition_penalty), logit_bias=_logit_bias(r.logit_bias),
+        speculative=r.speculative, presence_context_size=r.presence_context_size,
+        frequency_context_size=r.frequency_context_size, repetition_context_size=r.repetition_context_size)
 
 
-def _constraint(body: dict, tokenizer, tools) -> tuple:
+def _constraint(request: ChatRequest, tokenizer, tools) -> tuple:
     """(grammar, the field it comes from) of a chat request: response_format's, or a forced tool call's."""
-    grammar = response_grammar(body.get("response_format"))
-    parallel = get(body, "parallel_tool_calls", (bool,), True)
-    forced = forced_tools(tools, body.get("tool_choice")) if tools else None
+    if request.response_format is None and not tools:
+        return None, None  # nothing constrains it
+    grammar = response_grammar(request.response_format)
+    choice = request.tool_choice
+    forced = forced_tools(tools, choice) if tools else None
     if forced and grammar:
         raise RequestError("response_format", "cannot constrain the reply while tool_choice forces a tool call")
     if forced:
-        return tool_call_grammar(tokenizer, forced, parallel), "tool_choice"
-    choice = body.get("tool_choice")
+        return tool_call_grammar(tokenizer, forced, request.parallel_tool_calls), "tool_choice"
     allowed = allowed_tools(tools, choice) if tools else None
     if grammar is None and tools and (choice in (None, "auto") or allowed is not None):
         lazy = strict_calls_grammar(tokenizer, tools, allowed)  # a call keeps to its schema (and the allowed) once opened
@@ -251,46 +259,59 @@ def _constraint(body: dict, tokenizer, tools) -> tuple:
     return grammar, "response_format" if grammar else None
 
 
-def template_kwargs(body: dict) -> dict:
+def template_kwargs(request: ChatRequest) -> dict:
     """chat_template_kwargs: variables for the chat template (e.g. enable_thinking)."""
-    kwargs = get(body, "chat_template_kwargs", (dict,), {})
+    kwargs = request.chat_template_kwargs
     taken = next((k for k in kwargs if k in TEMPLATE_CALL), None)
     if taken is not None:
         raise RequestError(f"chat_template_kwargs.{taken}", "not a template variable (the request sets it)")
     return kwargs
 
 
-def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> CompletionPlan:
-    """The choices to run for `body`; RequestError names a bad field (HTTP 400)."""
-    ignored = list(getattr(body, "ignored", ())) + check_fields(body, "chat" if chat else "completions", info)
-    n = get(body, "n", (int,), 1)
-    if not 1 <= n <= 128:
-        raise RequestError("n", f"must be in [1, 128], got {n}")
-    stream = get(body, "stream", (bool,), False)
-    options = get(body, "stream_options", (dict,), None)
-    if options is not None and not stream:
+def _stream_options(request: CompletionRequest) -> bool:
+    """Whether the stream ends with a usage chunk (stream_options.include_usage)."""
+    options = request.stream_options
+    if options is not None and not request.stream:
         raise RequestError("stream_options", "only allowed with stream: true")
     unknown = next((k for k in options or {} if k not in ("include_usage", "include_obfuscation")), None)
     if unknown is not None or (options or {}).get("include_obfuscation"):
         raise RequestError("stream_options", f"only include_usage is supported, got {json.dumps(options)[:60]}")
-    logprobs = _logprobs(body, chat)
+    return bool((options or {}).get("include_usage"))
+
+
+def chat_prompt(request: ChatRequest, tokenizer) -> tuple:
+    """(token ids, tools) of a chat request's prompt: its messages, tools and template variables
+    through the chat template; a tool_choice naming no tool is an error here too."""
+    messages = chat_messages(request.messages, tokenizer.has_thinking)
+    tools = request_tools(request.tools, request.tool_choice, tokenizer)
+    if tools:
+        forced_tools(tools, request.tool_choice)
+    return chat_ids(tokenizer, messages, tools, template_kwargs(request)), tools
+
+
+def plan(request: CompletionRequest, tokenizer, info: ModelInfo) -> CompletionPlan:
+    """The choices to run for `request`; RequestError names a bad field (HTTP 400)."""
+    chat = isinstance(request, ChatRequest)
+    n = request.n
+    if not 1 <= n <= 128:
+        raise RequestError("n", f"must be in [1, 128], got {n}")
+    include_usage, logprobs = _stream_options(request), _logprobs(request)
     tools = grammar = constrained_by = None
     if chat:
-        messages = chat_messages(body.get("messages"), tokenizer.has_thinking)
-        tools = request_tools(body, tokenizer)
-        grammar, constrained_by = _constraint(body, tokenizer, tools)
-        prompts = [(chat_ids(tokenizer, messages, tools, template_kwargs(body)), None)]
-        max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        echo = False
+        ids, tools = chat_prompt(request, tokenizer)
+        grammar, constrained_by = _constraint(request, tokenizer, tools)
+        prompts, echo = [(ids, None)], False
     else:
-        prompts = _completion_prompts(body, tokenizer)
-        max_name, echo = "max_tokens", get(body, "echo", (bool,), False)
-    out = CompletionPlan(chat, [], [], stream=stream, include_usage=bool((options or {}).get("include_usage")),
-               logprobs=logprobs, tools=tools, constrained_by=constrained_by, ignored=ignored,
-               lazy=constrained_by == "tools", custom=custom_names(body) if tools else frozenset())
+        prompts = _completion_prompts(request, tokenizer)
+        echo = request.echo
+    max_name = _max_name(request)
+    out = CompletionPlan(chat, [], [], stream=request.stream, include_usage=include_usage,
+                         logprobs=logprobs, tools=tools, constrained_by=constrained_by, ignored=list(request.ignored),
+                         lazy=constrained_by == "tools", custom=custom_names(request.tools) if tools else frozenset())
     for k, (ids, text) in enumerate(prompts):
-        sampling = _sampling(body, chat, max_name, len(ids), info)
-        if sampling["max_tokens"] != get(body, max_name, (int,), sampling["max_tokens"]) and max_name not in out.clamped:
+        sampling = _sampling(request, len(ids), info)
+        asked = getattr(request, max_name)
+        if asked is not None and sampling["max_tokens"] != asked and max_name not in out.clamped:
             out.clamped.append(max_name)
         # echo with logprobs scores the prompt; echo alone with max_tokens 0 too (nothing else to run)
         scored = echo and (logprobs is not None or sampling["max_tokens"] == 0)
@@ -304,9 +325,10 @@ def plan(body: dict, chat: bool, tokenizer, info: ModelInfo) -> CompletionPlan:
     return out
 
 
-def param_of(error: RequestError, body: dict, chat: bool) -> str:
+def param_of(error: RequestError, request: Optional[CompletionRequest]) -> str:
     """The request field a RequestError from shared validation is about, as the client named it."""
-    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    chat = isinstance(request, ChatRequest)
+    max_name = _max_name(request) if request is not None else "max_tokens"
     renamed = {"max_tokens": max_name, "token_ids": "messages" if chat else "prompt", "prompt": "messages" if chat else "prompt",
                "top_logprobs": "top_logprobs" if chat else "logprobs"}
     return renamed.get(error.field, error.field)
@@ -489,6 +511,15 @@ class Completion:
                 "text_offset": [e.offset for e in entries]}
 
 
+def adapted(fields: dict, info: ModelInfo, ignored, param: Callable, chat: bool = True) -> CompletionRequest:
+    """The chat (or completions) request an adapter made of its API's body (`fields`, as chat
+    completions names them), typed; RequestError names the API's own field (`param`)."""
+    try:
+        return parse_body(fields, chat, info, ignored)
+    except RequestError as e:
+        raise RequestError(param(e.field), e.detail) from None
+
+
 @dataclass(frozen=True)
 class Adapter:
     """What an API served over chat completions' request path provides (HttpFrontEnd.adapters in
@@ -498,10 +529,10 @@ class Adapter:
     gives the same text through every API.
 
     An Adapter is
-    - `to_chat(body, info, tokenizer) -> dict`: the API's body as an OpenAI chat-completions
-      body (or a completions one: a body with "prompt" and no "messages"), including
-      "stream"; RequestError / ApiError name the API's own fields;
-    - `reply(openai_reply, body) -> AdaptedReply`: what the client gets, made from the
+    - `parse(body, info, tokenizer) -> (request, chat)`: the API's body parsed once into its typed
+      request, and the ChatRequest (or CompletionRequest) it becomes (adapted()); RequestError and
+      ApiError name the API's own fields;
+    - `reply(openai_reply, request) -> AdaptedReply`: what the client gets, made from the
       OpenAI reply (Completion) of its one choice;
     - `param(name) -> str`: the API's name for a chat-completions field an error names.
 
@@ -515,18 +546,9 @@ class Adapter:
     - `failure(error_body) -> bytes`: the frame that ends a stream whose generation failed;
     - `whole(openai_whole) -> dict`: the non-streamed answer, from Completion.whole().
 
-    Frames are whole: an SSE event (sse()) or an NDJSON line (ndjson()).
+    Frames are whole: an SSE event (protocol.sse) or an NDJSON line (protocol.ndjson).
     """
 
-    to_chat: Callable
+    parse: Callable
     reply: Callable
     param: Callable = lambda name: name
-
-
-def sse(event: str, data: dict) -> bytes:
-    """One server-sent event with a name (as the Responses and Messages APIs send them)."""
-    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
-
-
-def ndjson(obj: dict) -> bytes:
-    return json.dumps(obj).encode() + b"\n"

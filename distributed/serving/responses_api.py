@@ -30,26 +30,52 @@ import json
 import time
 import uuid
 from functools import partial
+from typing import Any, Optional
 
 from ..runtime.request import RequestError
 from .chat_format import place_system
-from .openai_api import Adapter, ChatBody, sse
+from .openai_api import Adapter, Number, adapted
+from .protocol import FieldPolicy, Typed, check_fields, parse, sse
 from .sealed import Sealer
 from .tools import CUSTOM_INPUT, custom_function, custom_input
 
 HINTS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "client_metadata", "prompt_cache_retention")
 FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
           "parallel_tool_calls", "text", "stream", "store", "truncation", "service_tier", "stream_options",
-          "reasoning", "include") + HINTS
+          "reasoning", "include")
 REFUSED = {"previous_response_id": "responses are not stored (send the whole conversation as input)",
            "conversation": "conversations are not stored (send the whole conversation as input)",
            "background": "background responses are not supported",
            "prompt": "stored prompt templates are not supported",
            "top_logprobs": "not supported here (/v1/chat/completions has logprobs)",
            "max_tool_calls": "not supported"}
+POLICY = FieldPolicy(FIELDS, hints={name: () for name in HINTS}, refused=REFUSED, absent=(None, [], False))
 NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input", "stop": "input"}
 ENCRYPTED = "reasoning.encrypted_content"
 NAMESPACE_SEP = "__"  # a namespace tool's function name: NAMESPACE__NAME (as MCP tools are named)
+
+
+class ResponsesRequest(Typed):
+    """A /v1/responses body, typed; the reply repeats some of it (ResponsesReply)."""
+
+    model: Any = None
+    input: Any = None  # a string or items (_input)
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    tools: Any = None  # _tools
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    text: Any = None  # {"format", "verbosity"}: _format
+    stream: bool = False
+    store: Any = None
+    truncation: Any = None
+    service_tier: Any = None
+    stream_options: Any = None
+    reasoning: Any = None  # {"effort", "summary"}
+    include: Any = None
+    metadata: Any = None
 
 
 def _content(content, where: str) -> str:
@@ -241,11 +267,10 @@ def _format(text, ignored: list):
     return {"type": "json_schema", "json_schema": spec}
 
 
-def _reasoning_options(body: dict, tokenizer, ignored: list, out: dict) -> None:
+def _reasoning_options(reasoning, tokenizer, ignored: list, out: dict) -> None:
     """`reasoning` {effort, summary}: where the checkpoint thinks, effort "none" tells the chat
     template enable_thinking false; every other value changes nothing here (the template has no
     effort knob, and the reasoning comes whole, not summarised)."""
-    reasoning = body.get("reasoning")
     if reasoning is None:
         return
     if not isinstance(reasoning, dict):
@@ -274,60 +299,57 @@ def _include(include, ignored: list) -> set:
     return set(include)
 
 
-def to_chat(body: dict, info, tokenizer, sealer: Sealer) -> dict:
-    ignored = []
-    for name, value in body.items():
-        if name in REFUSED and value not in (None, [], False):
-            raise RequestError(name, REFUSED[name])
-        if name not in FIELDS and name not in REFUSED:
-            raise RequestError(name, "unknown field")
-        if name in HINTS and value is not None:
-            ignored.append(name)
-    if body.get("store"):
+def _hints(request: ResponsesRequest, ignored: list) -> None:
+    """store, truncation "auto", service_tier and stream_options' obfuscation change nothing here."""
+    if request.store:
         ignored.append("store")  # nothing is stored: previous_response_id stays refused
-    if body.get("truncation") not in (None, "disabled"):
-        if body["truncation"] != "auto":
+    if request.truncation not in (None, "disabled"):
+        if request.truncation != "auto":
             raise RequestError("truncation", "expected \"auto\" or \"disabled\"")
         ignored.append("truncation")  # a request that does not fit is refused rather than cut
-    if body.get("service_tier") is not None:
+    if request.service_tier is not None:
         ignored.append("service_tier")
-    options = body.get("stream_options")
+    options = request.stream_options
     if options is not None:
         if not isinstance(options, dict) or any(k != "include_obfuscation" for k in options):
             raise RequestError("stream_options", "only include_obfuscation")
         if options.get("include_obfuscation"):
             ignored.append("stream_options.include_obfuscation")
-    instructions = body.get("instructions")
-    if not isinstance(instructions, (str, type(None))):
-        raise RequestError("instructions", "expected a string")
-    tools, names = _tools(body["tools"], False, ignored) if body.get("tools") else ([], {})
-    choice = _tool_choice(body.get("tool_choice"), names)
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) \
-        + _input(body.get("input"), tokenizer.has_thinking, ignored, sealer)
+
+
+def parse_request(body: dict, info, tokenizer, sealer: Sealer) -> tuple:
+    """(the typed request, the ChatRequest it becomes); RequestError names the Responses field."""
+    ignored = check_fields(body, POLICY)
+    request = parse(ResponsesRequest, body)
+    _hints(request, ignored)
+    tools, names = _tools(request.tools, False, ignored) if request.tools else ([], {})
+    choice = _tool_choice(request.tool_choice, names)
+    messages = ([{"role": "system", "content": request.instructions}] if request.instructions else []) \
+        + _input(request.input, tokenizer.has_thinking, ignored, sealer)
     messages = place_system(messages, tokenizer)  # developer messages after the first turn stay there
-    out = {"messages": messages, "stream": body.get("stream", False)}
-    _reasoning_options(body, tokenizer, ignored, out)
-    _include(body.get("include"), ignored)
+    out = {"messages": messages, "stream": request.stream}
+    _reasoning_options(request.reasoning, tokenizer, ignored, out)
+    _include(request.include, ignored)
     for name, chat in (("model", "model"), ("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                        ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls")):
-        if body.get(name) is not None:
-            out[chat] = body[name]
+        if getattr(request, name) is not None:
+            out[chat] = getattr(request, name)
     if tools:
         out["tools"] = tools
         if choice is not None:
             out["tool_choice"] = choice
     elif choice not in (None, "auto", "none"):
         out["tool_choice"] = choice  # chat refuses it: no tools
-    response_format = _format(body.get("text"), ignored)
+    response_format = _format(request.text, ignored)
     if response_format:
         out["response_format"] = response_format
-    return ChatBody(out, ignored=ignored)
+    return request, adapted(out, info, ignored, param)
 
 
-def tool_names(body: dict) -> dict:
+def tool_names(tools) -> dict:
     """How the calls of a request's flattened tools map back (function name -> (kind, namespace, name))."""
     try:
-        return _tools(body["tools"], False, [])[1] if isinstance(body.get("tools"), list) else {}
+        return _tools(tools, False, [])[1] if isinstance(tools, list) else {}
     except RequestError:
         return {}
 
@@ -342,27 +364,27 @@ class ResponsesReply:
 
     content_type = "text/event-stream"
 
-    def __init__(self, reply, body: dict, sealer: Sealer):
-        self.reply, self.body, self.sealer = reply, body, sealer
+    def __init__(self, reply, request: ResponsesRequest, sealer: Sealer):
+        self.reply, self.request, self.sealer = reply, request, sealer
         self.id, self.created = "resp_" + uuid.uuid4().hex, int(time.time())
         self.sequence = 0
         self.output = []  # items so far
         self.text = None  # the open message item's text, or None
         self.reasoning = None  # the open reasoning item's text, or None
-        self.names = tool_names(body)  # flattened tools' calls -> their own kind, namespace and name
-        include = body.get("include")
+        self.names = tool_names(request.tools)  # flattened tools' calls -> their own kind, namespace and name
+        include = request.include
         self.encrypt = isinstance(include, list) and ENCRYPTED in include  # reasoning items carry it sealed
 
     def _response(self, status: str, usage=None) -> dict:
-        b = self.body
+        r = self.request
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": b.get("model") or self.reply.model, "output": self.output, "error": None,
-                "incomplete_details": incomplete, "instructions": b.get("instructions"),
-                "max_output_tokens": b.get("max_output_tokens"), "temperature": b.get("temperature", 1.0),
-                "top_p": b.get("top_p", 1.0), "tools": b.get("tools") or [], "tool_choice": b.get("tool_choice", "auto"),
-                "parallel_tool_calls": b.get("parallel_tool_calls", True), "text": b.get("text") or {"format": {"type": "text"}},
-                "truncation": "disabled", "store": False, "metadata": b.get("metadata") or {}, "usage": usage}
+                "model": r.model or self.reply.model, "output": self.output, "error": None,
+                "incomplete_details": incomplete, "instructions": r.instructions,
+                "max_output_tokens": r.max_output_tokens, "temperature": r.temperature,
+                "top_p": r.top_p, "tools": r.tools or [], "tool_choice": r.tool_choice,
+                "parallel_tool_calls": r.parallel_tool_calls, "text": r.text or {"format": {"type": "text"}},
+                "truncation": "disabled", "store": False, "metadata": r.metadata or {}, "usage": usage}
 
     @staticmethod
     def _usage(usage: dict) -> dict:
@@ -520,5 +542,5 @@ ROUTE = ("POST", "/v1/responses")
 
 def adapters(sealer: Sealer) -> dict:
     """The Responses route's Adapter, sealing reasoning with the front end's `sealer`."""
-    return {ROUTE: Adapter(partial(to_chat, sealer=sealer), partial(ResponsesReply, sealer=sealer), param)}
+    return {ROUTE: Adapter(partial(parse_request, sealer=sealer), partial(ResponsesReply, sealer=sealer), param)}
 ROUTES, ERROR_BODIES = {}, {}

@@ -156,16 +156,15 @@ def _custom_tool(tool: dict, where: str) -> dict:
                            f"{where}.custom.format.grammar.definition")
 
 
-def custom_names(body: dict) -> frozenset:
+def custom_names(tools) -> frozenset:
     """The names of a (valid) request's custom tools, whose calls come back as custom calls."""
-    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    tools = tools if isinstance(tools, list) else []
     return frozenset(t["custom"]["name"] for t in tools if isinstance(t, dict) and t.get("type") == "custom")
 
 
-def request_tools(body: dict, tokenizer) -> Optional[List[dict]]:
-    """The tools to give the chat template, custom ones as their functions (None: none, or
-    tool_choice "none")."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
+def request_tools(tools, choice, tokenizer) -> Optional[List[dict]]:
+    """A request's `tools` to give the chat template, custom ones as their functions (None: none,
+    or `choice`, its tool_choice, "none")."""
     if not (choice is None or choice in ("none", "auto", "required") or isinstance(choice, dict)):
         raise RequestError("tool_choice", f"expected \"none\", \"auto\", \"required\" or a function, "
                                           f"got {json.dumps(choice)[:60]}")

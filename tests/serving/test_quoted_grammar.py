@@ -17,7 +17,7 @@ from mlx_lm.utils import load_tokenizer
 from distributed.runtime.request import RequestError
 from distributed.serving.constraints import strict_calls_grammar, tool_call_grammar
 from distributed.serving.quoted_grammar import GrammarError, quoted_lark
-from distributed.serving.responses_api import to_chat
+from distributed.serving.responses_api import parse_request
 from distributed.serving.sealed import Sealer
 from tool_checkpoint import make_tool_checkpoint
 
@@ -104,7 +104,7 @@ def test_what_cannot_be_used_is_refused_naming_the_tool(tokenizer, lark, says):
         quoted_lark(lark)
     tool = {"type": "custom", "name": "edit", "format": {"type": "grammar", "syntax": "lark", "definition": lark}}
     with pytest.raises(RequestError) as e:
-        to_chat({"input": "hi", "tools": [tool]}, None, tokenizer, Sealer())
+        parse_request({"input": "hi", "tools": [tool]}, None, tokenizer, Sealer())
     assert e.value.field == "tools[0].format.definition" and "'edit'" in str(e.value) and says in str(e.value)
 
 
@@ -117,7 +117,7 @@ def test_a_call_to_a_custom_tool_keeps_to_its_grammar_forced_and_under_auto(toke
         "additionalProperties": False}}
     patch = {"type": "custom", "name": "apply_patch", "description": "Edit files",
              "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH}}
-    tools = to_chat({"input": "hi", "tools": [patch, weather]}, None, tokenizer, Sealer())["tools"]
+    tools = parse_request({"input": "hi", "tools": [patch, weather]}, None, tokenizer, Sealer())[1].tools
     forced, lazy = tool_call_grammar(tokenizer, tools), strict_calls_grammar(tokenizer, tools)
 
     def call(name, arguments):

@@ -22,12 +22,11 @@ from mlx_lm.utils import load_tokenizer
 
 from distributed.runtime.scheduler import Scheduler
 from distributed.serving import anthropic_api, responses_api
-from distributed.serving.chat_format import ModelInfo, chat_ids, later_system_mode, place_system
+from distributed.serving.chat_format import ModelInfo, later_system_mode, place_system
 from distributed.serving.http_api import start_http_server
-from distributed.serving.openai_api import template_kwargs
+from distributed.serving.openai_api import chat_prompt
 from distributed.serving.options import ServeOptions
 from distributed.serving.sealed import Sealer
-from distributed.serving.tools import chat_messages, request_tools
 from distributed.shard.config import read_config
 from distributed.shard.tiny_checkpoint import DEFAULT_MODEL
 from stages import in_process_pipeline
@@ -134,12 +133,10 @@ def codex_request(text: str, history=(), session: str = "01a24f02") -> dict:
 def render(body: dict, tokenizer) -> tuple:
     """(prompt ids, the chat body) of a Messages or Responses request, as the server renders it."""
     if "input" in body:
-        chat = responses_api.to_chat(body, INFO, tokenizer, Sealer())
+        _, chat = responses_api.parse_request(body, INFO, tokenizer, Sealer())
     else:
-        chat = anthropic_api.to_chat(body, INFO, tokenizer)
-    ids = chat_ids(tokenizer, chat_messages(chat["messages"], tokenizer.has_thinking), request_tools(chat, tokenizer),
-                   template_kwargs(chat))
-    return ids, chat
+        _, chat = anthropic_api.parse_request(body, INFO, tokenizer)
+    return chat_prompt(chat, tokenizer)[0], chat
 
 
 def shared(a: list, b: list) -> int:
@@ -152,7 +149,7 @@ def test_the_billing_block_is_dropped_and_named(tokenizers):
     unbilled = {**body, "system": body["system"][1:]}
     _, chat = render(body, tokenizer)
     _, reference = render(unbilled, tokenizer)
-    assert chat["messages"] == reference["messages"] and chat["messages"][0] == {"role": "system",
+    assert chat.messages == reference.messages and chat.messages[0] == {"role": "system",
                                                                                 "content": "".join(SYSTEM)}
     assert chat.ignored.count(BILLED) == 1 and BILLED not in reference.ignored
     assert [n for n in chat.ignored if n != BILLED] == reference.ignored  # the other names as before
@@ -160,7 +157,7 @@ def test_the_billing_block_is_dropped_and_named(tokenizers):
                for b in (body, unbilled)]
     assert counted[0] == counted[1] == (200, {"input_tokens": len(render(unbilled, tokenizer)[0])})
     alone = {**body, "system": body["system"][:1]}  # nothing but the header: no system prompt at all
-    assert render(alone, tokenizer)[1]["messages"][0]["role"] == "user"
+    assert render(alone, tokenizer)[1].messages[0]["role"] == "user"
 
 
 @pytest.mark.parametrize("system, kept", [
@@ -172,7 +169,7 @@ def test_the_billing_block_is_dropped_and_named(tokenizers):
 ])
 def test_the_billing_line_of_a_string_system_is_dropped(tokenizers, system, kept):
     ignored = []
-    chat = anthropic_api._prompt({"model": "m", "system": system, "messages": [{"role": "user", "content": "hi"}]},
+    chat = anthropic_api._prompt(anthropic_api.MessagesRequest.model_validate({"model": "m", "system": system, "messages": [{"role": "user", "content": "hi"}]}),
                                  tokenizers["embedded"], ignored=ignored)
     assert chat["messages"] == ([{"role": "system", "content": kept}] if kept else []) + [{"role": "user", "content": "hi"}]
     assert ignored == [BILLED]
@@ -182,11 +179,11 @@ def test_the_billing_line_is_dropped_only_where_it_begins_a_system_line(tokenize
     """Text that mentions it (a line not beginning with it, a user's turn) is the client's own."""
     ignored = []
     said = "Claude Code sends x-anthropic-billing-header: in its system prompt."
-    chat = anthropic_api._prompt({"model": "m", "system": [{"type": "text", "text": said}, {"type": "text", "text": " x"}],
+    chat = anthropic_api._prompt(anthropic_api.MessagesRequest.model_validate({"model": "m", "system": [{"type": "text", "text": said}, {"type": "text", "text": " x"}],
                                   "messages": [{"role": "user", "content": "x-anthropic-billing-header: hi"},
                                                {"role": "assistant", "content": "ok"},
                                                {"role": "system", "content": "x-anthropic-billing-header: a;\nnote"},
-                                               {"role": "user", "content": "more"}]},
+                                               {"role": "user", "content": "more"}]}),
                                  tokenizers["embedded"], ignored=ignored)
     assert chat["messages"] == [{"role": "system", "content": said + " x"},
                                 {"role": "user", "content": "x-anthropic-billing-header: hi"},

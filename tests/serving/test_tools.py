@@ -172,7 +172,7 @@ def test_allowed_tools(served):
 ])
 def test_bad_custom_tools_name_the_field(served, tools, choice, field):
     with pytest.raises(RequestError) as e:
-        request_tools({"tools": tools, "tool_choice": choice}, served.tokenizer)
+        request_tools(tools, choice, served.tokenizer)
     assert e.value.field == field
 
 

@@ -146,7 +146,7 @@ def test_chat_completions_custom_call_and_its_result_go_back_into_the_prompt(rin
     messages = [*ASK, message.model_dump(exclude_none=False), {"role": "tool", "tool_call_id": "call_1", "content": "Done!"}]
     out = chat(ring, messages=messages, max_tokens=2)
     template = ring.tokenizer_wrapper.apply_chat_template
-    turns, tools = chat_messages(messages), request_tools({"tools": [CHAT_TOOL, READ]}, ring.tokenizer_wrapper)
+    turns, tools = chat_messages(messages), request_tools([CHAT_TOOL, READ], None, ring.tokenizer_wrapper)
     rendered = template(turns, tools=tools, add_generation_prompt=True, tokenize=False)
     assert '"arguments": ' + json.dumps({"input": PATCH}) in rendered and "Done!" in rendered, rendered
     assert out.usage.prompt_tokens == len(template(turns, tools=tools, add_generation_prompt=True))

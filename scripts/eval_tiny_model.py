@@ -1,4 +1,5 @@
-"""Perplexity of the embedded default model on held-out text, in float32 and 4-bit.
+"""Perplexity of the embedded default model on held-out text, in float32 and 4-bit, and with its
+KV caches quantized (run-trinity's --kv-bits).
 
     python scripts/eval_tiny_model.py [--model PATH] [--json]
 
@@ -8,6 +9,12 @@ of the training context, each scored from scratch; perplexity is exp(mean negati
 log-likelihood per scored token), and bits per byte divides the same total by the text's
 UTF-8 bytes. The model is mlx-lm's afmoe (what the runner loads); the 4-bit copy is
 mlx-lm's quantize_model at group size 64 (routers 8-bit, as mlx-lm converts AFMoE).
+
+"kv 8-bit" and "kv 4-bit": float32 weights, the full-attention layers' caches made with
+KVCache.to_quantized (group 32, the head size) from each window's first token, the sliding
+ones whole, as --kv-bits keeps them; each also gives its greedy agreement with float32 caches:
+the share of the first 200 generated tokens equal, position by position, over 20 held-out
+prompts (the first 64 tokens of the first 20 windows), and where each first differs.
 """
 
 import argparse
@@ -53,6 +60,12 @@ def main(argv=None):
     chunks = windows(tokenizer.encode(text), info["arguments"]["context"])
     scored = sum(len(w) - 1 for w in chunks)
     results = {"model": str(path), "heldout_characters": len(text), "scored_tokens": scored}
+    whole = greedy(model, chunks[:PROMPTS], None)
+    for name, bits in (("kv 8-bit", 8), ("kv 4-bit", 4)):
+        total = nll(model, chunks, lambda: kv_caches(model, bits))
+        results[name] = {"perplexity": round(math.exp(total / scored), 3),
+                         "bits_per_byte": round(total / math.log(2) / len(text.encode()), 4),
+                         **agreement(whole, greedy(model, chunks[:PROMPTS], bits))}
     for name, bits in (("float32", None), ("4-bit", 4)):
         if bits:
             with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints a summary
@@ -69,6 +82,35 @@ def main(argv=None):
         r = results[name]
         print(f"  {name:8s} perplexity {r['perplexity']:8.3f}  bits/byte {r['bits_per_byte']:.4f}  "
               f"weights {r['weight_bytes'] / 2**20:.2f} MiB")
+    for name in ("kv 8-bit", "kv 4-bit"):
+        r = results[name]
+        print(f"  {name:8s} perplexity {r['perplexity']:8.3f}  bits/byte {r['bits_per_byte']:.4f}  greedy agreement "
+              f"{r['greedy_agreement']:.3f} (first difference at {r['first_differences']})")
+
+
+PROMPTS, PROMPT_TOKENS, GENERATED = 20, 64, 200
+
+
+def kv_caches(model, bits):
+    """The model's caches, the full-attention ones quantized (bits None: all whole)."""
+    from mlx_lm.models.cache import KVCache
+
+    return [c.to_quantized(32, bits) if bits and type(c) is KVCache else c for c in model.make_cache()]
+
+
+def greedy(model, chunks, bits):
+    """GENERATED greedy tokens after each window's first PROMPT_TOKENS, caches as kv_caches makes them."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    return [[t for t, _ in generate_step(mx.array(w[:PROMPT_TOKENS]), model, max_tokens=GENERATED,
+                                         prompt_cache=kv_caches(model, bits))] for w in chunks]
+
+
+def agreement(whole, quantized) -> dict:
+    same = [sum(a == b for a, b in zip(x, y)) for x, y in zip(whole, quantized)]
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(whole, quantized)]
+    return {"greedy_agreement": round(sum(same) / sum(map(len, whole)), 4), "first_differences": first}
 
 
 if __name__ == "__main__":

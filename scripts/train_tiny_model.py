@@ -143,12 +143,14 @@ def windows(ids: list, context: int) -> list:
     return [ids[i:i + context] for i in range(0, len(ids) - 1, context) if len(ids[i:i + context]) > 1]
 
 
-def nll(model, chunks) -> float:
-    """Total negative log-likelihood (nats) of the windows' scored tokens."""
+def nll(model, chunks, make_cache=None) -> float:
+    """Total negative log-likelihood (nats) of the windows' scored tokens (`make_cache()`: each
+    window's fresh caches, e.g. quantized ones; default none)."""
     total = 0.0
     for w in chunks:
         x = mx.array(w)[None]
-        total += nn.losses.cross_entropy(model(x[:, :-1]), x[:, 1:], reduction="sum").item()
+        logits = model(x[:, :-1], cache=make_cache() if make_cache else None)
+        total += nn.losses.cross_entropy(logits, x[:, 1:], reduction="sum").item()
     return total
 
 

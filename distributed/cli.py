@@ -24,7 +24,8 @@ from .serving.options import ServeOptions, check_options, split_hosts
 from .serving.request_log import RequestLog
 from .serving.chat_format import ModelInfo, prompt_ids
 from .shard.config import model_args
-from .startup.join import Loaded, build_pipeline, join_ranks
+from .startup.join import join_ranks, start_rank
+from .startup.loaded import Loaded
 from .startup.lifecycle import Lifecycle, RankStop, launched_by_launcher, launcher_restarts
 from .startup.preflight import check_launch
 from .startup.settings import GenerationSettings, Settings
@@ -227,7 +228,7 @@ def join_and_load(settings: Settings, front_ends: FrontEnds, stop: RankStop) -> 
     stop.joined(watchdog)
     if group.rank() == 0:
         front_ends.start()
-    return build_pipeline(settings, group, watchdog, on_ready=stop.running)
+    return start_rank(settings, group, watchdog, on_ready=stop.running)
 
 
 def start_scheduler(settings: Settings, built: Loaded, front_ends: FrontEnds,

@@ -1,7 +1,7 @@
 """run_trinity.py's start-up on every rank: join the ranks, then load this rank's stage.
 
 join_ranks() runs mx.distributed.init with a watchdog (watchdog.py)
-over the ranks. build_pipeline() settles the split (--split auto plans it from
+over the ranks. start_rank() settles the split (--split auto plans it from
 every rank's memory), checks that the ranks agree (handshake.py), loads
 the stage, and returns rank 0's Pipeline; other ranks serve as workers until
 rank 0 stops the ring. Ranks that cannot start refuse together.
@@ -9,8 +9,6 @@ rank 0 stops the ring. Ranks that cannot start refuse together.
 
 import faulthandler
 import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, List, Optional
 
 import mlx.core as mx
@@ -27,25 +25,12 @@ from ..transport.collective import MxCollective
 from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
 from .disk_tier import open_disk_tier
-from .handshake import StartupRefused, agree_control_address, exchange_errors, handshake
+from .handshake import StartupRefused, agree_control_address, handshake
+from .loaded import Loaded, check_every_rank_loaded
 from .preflight import allow_mpi_calls_from_any_thread, check_group, point_mlx_at_libmpi
 from .settings import RingSettings, Settings
 from .sizing import checked_context, fixed_context
 from .watchdog import CONTROL_ENV, Control, Watchdog, parse_address
-
-
-def startup_check(group, error: Optional[BaseException], hosts: List[str], watchdog: Optional[Watchdog]) -> None:
-    """Every rank says whether it loaded, with its error text; all fail together
-    instead of one waiting forever for a peer that already exited, and rank 0
-    shows each failed rank's own error (that rank may be on another machine)."""
-    texts = exchange_errors(group, None if error is None else str(error) or type(error).__name__)
-    failed = [f"rank {r} failed to start on host {hosts[r]}: {text}" for r, text in enumerate(texts) if text is not None]
-    if failed and watchdog is not None:
-        watchdog.close()  # every rank knows now, and exits with its own message
-    if error is not None:
-        raise error
-    if failed:
-        raise StartupRefused("; ".join(failed))
 
 
 def planned_split(config: dict, group, max_context: Optional[int], memory_limit=None, draft_model=None) -> List[int]:
@@ -125,27 +110,17 @@ def join_ranks(ring: RingSettings, control: Optional[Control], on_stop=None, on_
     return group, watchdog
 
 
-@dataclass
-class Loaded:
-    """What rank 0 holds once every rank has loaded."""
-
-    pipeline: Pipeline
-    path: Path  # this rank's checkpoint folder (config, tokenizer)
-    config: dict
-    memory_bytes: List[int]  # each stage's usable memory, measured before loading (shared per host)
-
-
-def build_pipeline(settings: Settings, group, watchdog: Optional[Watchdog] = None,
-                   on_ready: Optional[Callable[[], None]] = None) -> Optional[Loaded]:
-    """Load this process's stage(s). Returns what rank 0 holds, or None on other
-    ranks once they have served until STOP. `on_ready()`: on other ranks, called
-    once every rank has loaded, before serving the ring."""
+def start_rank(settings: Settings, group, watchdog: Optional[Watchdog] = None,
+               on_ready: Optional[Callable[[], None]] = None) -> Optional[Loaded]:
+    """This rank's part once joined: load its stage(s); rank 0 returns what it holds, every other
+    rank serves the ring until rank 0 stops it, then returns None. `on_ready()`: on other ranks,
+    called once every rank has loaded, before serving the ring."""
     world, ring, sizing = group.size(), settings.ring, settings.sizing
     if ring.tensor_parallel_size != 1:
-        from .tensor_start import build_tensor_pipeline, check_tensor_args
+        from .tensor_start import check_tensor_args, start_tensor_rank
 
         if check_tensor_args(ring, world) > 1:
-            return build_tensor_pipeline(settings, group, watchdog, on_ready, startup_check, Loaded)
+            return start_tensor_rank(settings, group, watchdog, on_ready)
     if world > 1 and ring.stages > 1:
         raise TrinityError("--stages runs several stages in one process; do not combine it with a multi-rank launch")
     model, config_dir, config = load_config(settings.model.checkpoint)  # None: the embedded tiny model
@@ -191,7 +166,7 @@ def build_pipeline(settings: Settings, group, watchdog: Optional[Watchdog] = Non
         stage = load_stage(path, start, end, rank == 0, config)
     except Exception as e:  # reported to every rank before anyone waits on a peer
         error = e
-    startup_check(group, error, [r["host"] for r in reports], watchdog)
+    check_every_rank_loaded(group, error, [r["host"] for r in reports], watchdog)
     transport = make_transport(group, ring.transport, watchdog)
     if rank != 0:
         if on_ready is not None:

@@ -22,6 +22,7 @@ from ..transport.guarded import GuardedTransport
 from ..transport.mx_p2p import MxPointToPoint
 from .disk_tier import open_disk_tier
 from .handshake import StartupRefused, handshake
+from .loaded import Loaded, check_every_rank_loaded
 from .settings import RingSettings, Settings
 from .sizing import fixed_context
 
@@ -50,9 +51,8 @@ def check_tensor_args(ring: RingSettings, world: int, config: Optional[dict] = N
     return size
 
 
-def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optional[Callable[[], None]], startup_check,
-                          loaded):
-    """build_pipeline (join.py) for T = group.size() > 1; `startup_check` and `loaded` (its Loaded) are join.py's."""
+def start_tensor_rank(settings: Settings, group, watchdog, on_ready: Optional[Callable[[], None]]) -> Optional[Loaded]:
+    """start_rank (join.py) for T = group.size() > 1: rank 0's Loaded; the others serve until STOP."""
 
     model, config_dir, config = load_config(settings.model.checkpoint)
     config = with_kv_quantization(config, settings.sizing.kv_bits, settings.sizing.kv_group_size)
@@ -96,7 +96,7 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
         stage = load_stage(path, start, end, first, config, group=tensor)
     except Exception as e:  # reported to every rank before anyone waits on a peer
         error = e
-    startup_check(group, error, [r["host"] for r in reports], watchdog)
+    check_every_rank_loaded(group, error, [r["host"] for r in reports], watchdog)
     wait_wake = watchdog and watchdog.wait_wake
     if rank % size:
         if on_ready is not None:
@@ -130,7 +130,7 @@ def build_tensor_pipeline(settings: Settings, group, watchdog, on_ready: Optiona
     # from the rank table's layers and this config: one rank's share of the heads, so one rank's caches.
     share = dict(config, num_attention_heads=config["num_attention_heads"] // size,
                  num_key_value_heads=config["num_key_value_heads"] // size)
-    return loaded(pipeline, path, share, [r["memory_bytes"] for r in reports])
+    return Loaded(pipeline, path, share, [r["memory_bytes"] for r in reports])
 
 
 def backend_name() -> str:

@@ -35,7 +35,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
-from ..shard.kv_quant import BatchQuantizedKVCache, QuantizedKVCache
+from ..shard.kv_quant import BatchQuantizedKVCache, QuantizedKVCache, plain
 from ..shard.stage import Stage
 from ..transport import Op
 from .disk_cache import BLOCK, Corrupt, DiskCache, EntryFile, chain_hashes
@@ -107,16 +107,23 @@ class Stored:
 
     def on_disk(self) -> Tuple[List, Dict[str, str]]:
         """Its caches as the disk tier writes them (plain mlx-lm caches): each layer's, then each
-        log as a KVCache; the metadata says which layers have one."""
+        log as a KVCache, then the scales and the biases of each quantized layer (--kv-bits: its
+        own KVCache holds the packed values) as two more; the metadata says which layers have one."""
         logs = [i for i, kv in enumerate(self.log) if kv is not None]
+        quantized = [i for i, c in enumerate(self.caches) if isinstance(c, QuantizedKVCache)]
         extra = []
         for i in logs:
             c = KVCache()
             c.keys, c.values = self.log[i]
             c.offset = self.logged
             extra.append(c)
+        extra += [plain(self.caches[i], j) for i in quantized for j in (1, 2)]
         meta = {"logged": str(self.logged), "logs": ",".join(map(str, logs)), "log_start": str(self.log_start)}
-        return self.caches + extra, meta
+        if quantized:
+            q = self.caches[quantized[0]]
+            meta.update(quantized=",".join(map(str, quantized)), kv_bits=str(q.bits), kv_group_size=str(q.group_size))
+        caches = [plain(c, 0) if i in quantized else c for i, c in enumerate(self.caches)]
+        return caches + extra, meta
 
     @classmethod
     def from_file(cls, f: EntryFile, layers: int, tokens: int) -> Optional["Stored"]:
@@ -126,8 +133,10 @@ class Stored:
         is the entry's whole length). Its logs are those windows (log_start: where they begin),
         so it is cut at `tokens` only. None where the file cannot give `tokens` so."""
         logs = [int(i) for i in f.meta.get("logs", "").split(",") if i]
-        if len(f.classes) != layers + len(logs) or sorted(set(logs)) != logs or any(not 0 <= i < layers for i in logs):
-            raise Corrupt(f"{len(f.classes)} caches for {layers} layers and logs {logs}")
+        quantized = [int(i) for i in f.meta.get("quantized", "").split(",") if i]
+        if (len(f.classes) != layers + len(logs) + 2 * len(quantized) or sorted(set(logs)) != logs
+                or any(not 0 <= i < layers for i in logs + quantized) or any(f.classes[i] != "KVCache" for i in quantized)):
+            raise Corrupt(f"{len(f.classes)} caches for {layers} layers, logs {logs} and quantized {quantized}")
         logged, log_start = int(f.meta.get("logged", 0)), int(f.meta.get("log_start", 0))
         wanted, shapes = [], []  # what to read of which cache; each layer's cache class, window, positions
         for i in range(layers):
@@ -159,6 +168,15 @@ class Stored:
                 if tokens > args[0]:  # wrapped: the window is the log, from tokens - window
                     log[i], start = keys_values, tokens - args[0]
             caches.append(out)
+        if quantized:  # each one's scales and biases, after the logs
+            extra = layers + len(logs)
+            parts = iter(f.read([(extra + k, 0, tokens) for k in range(2 * len(quantized))]))
+            for i in quantized:
+                q = QuantizedKVCache(int(f.meta["kv_group_size"]), int(f.meta["kv_bits"]))
+                (k1, v1), (k2, v2) = next(parts), next(parts)
+                q.keys, q.values = (caches[i].keys, k1, k2), (caches[i].values, v1, v2)
+                q.offset = tokens
+                caches[i] = q
         return cls(caches, log, tokens if start else 0, start)
 
     def seed(self, tokens: int) -> Tuple[List[Optional[KV]], int]:

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from ..runtime.disk_cache import DiskCache, default_disk_bytes, default_folder, fingerprint
-from ..shard.sizes import kv_quantization
 from ..shard.stage import Stage
 from .settings import Settings
 
@@ -18,8 +17,6 @@ def open_disk_tier(settings: Settings, path: Path, config: dict, stage: Stage,
     sizing = settings.sizing
     serving = settings.serving.wanted or settings.generation.chat
     if not serving or sizing.prefix_cache_bytes == 0 or (sizing.prefix_cache_dir or "").lower() == "none":
-        return None
-    if kv_quantization(config):  # its files hold plain caches only: quantized entries stay in RAM
         return None
     folder = Path(sizing.prefix_cache_dir).expanduser() if sizing.prefix_cache_dir else default_folder()
     limit = sizing.prefix_cache_disk_bytes

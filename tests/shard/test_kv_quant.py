@@ -79,6 +79,22 @@ def test_run_trinity_equals_the_reference(checkpoint, bits, ranks, extra):
     assert_reference(checkpoint, PROMPT, 30, bits, events, bound=1e-3)
 
 
+@pytest.mark.slow
+def test_a_restarted_ring_restores_quantized_entries_from_disk(checkpoint, tmp_path):
+    """A ring of two serves a prompt, stops, starts again: the prompt and one sharing its first 300
+    tokens restore from every rank's disk tier, their caches quantized as they were stored."""
+    from startup.test_disk_tier import MAX_TOKENS, PROMPT as LONG, SHARED, served
+
+    extra = ["--kv-bits", "8", "--kv-group-size", str(GROUP)]
+    served(checkpoint, 2, extra, tmp_path, [LONG])
+    outs, log = served(checkpoint, 2, extra, tmp_path, [LONG, SHARED])
+    for (tokens, logprobs, _), prompt in zip(outs, (LONG, SHARED)):
+        events = [TokenEvent(t, lp, "") for t, lp in zip(tokens, logprobs)]
+        assert_reference(checkpoint, prompt, MAX_TOKENS, 8, events, bound=1e-3)
+    assert [cached for _, _, cached in outs] == [len(LONG) - 1, 300], log
+    assert "disk tier: 2 loads" in log
+
+
 def test_the_quantized_reference_differs_from_the_whole_one(checkpoint):
     """So the tests above tell the paths apart."""
     whole = mlx_lm_greedy(checkpoint, PROMPT, 30, 8)[0]

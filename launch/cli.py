@@ -409,14 +409,15 @@ def cmd_run(args, host_set: Optional[HostSet] = None) -> int:
                 hf, layout.command, single_host=args.single_host, backend=args.backend,
                 starting_port=args.starting_port, envs=layout.envs, cwd=args.cwd)))
         return 0
-    starter = runner.Starter(ours, args.starting_port, ssh, args.cwd, args.single_host, args.backend,
-                             router_plan.envs if router_plan is not None else None)
     replan = args.replan if args.replan is not None else args.restart > 0
 
     def run(router) -> int:
-        # Behind the router, re-planning may move rank 0 to another host (the router follows it).
-        replanner = Replanner(hf, planner, starter, args.restart, host_set,
-                              move_rank0=router.move_rank0 if router is not None else None) if replan else None
+        # Behind the router, rank 0 serves it on a fresh port each restart, and re-planning may
+        # move rank 0 to another host: the router follows it.
+        rebind = router.rebind if router is not None else None
+        starter = runner.Starter(ours, args.starting_port, ssh, args.cwd, args.single_host, args.backend,
+                                 router_plan.envs if router_plan is not None else None, rebind)
+        replanner = Replanner(hf, planner, starter, args.restart, host_set, move_rank0=rebind) if replan else None
         return starter.run(hf, layout, args.restart, args.grace, args.restart_delay, replanner, router)
 
     return _supervised(router_plan, layout.command, run)

@@ -34,14 +34,6 @@ def counting(make_ring: Callable[[int], object], attempts=None) -> Callable[[], 
     return lambda: make_ring(next(attempts))
 
 
-def mlx_launch_rings(command_for: Callable[[List[str]], List[str]], env: dict, attempts=None) -> Callable[[], object]:
-    """The supervisor's make_ring through mlx.launch: command_for(extra --env values) is its
-    command line. mlx.launch passes its environment on to the ranks it starts here; remote
-    ones get only --env values, so the restart count goes there too."""
-    return counting(lambda n: MlxLaunchRing(command_for([f"{RESTARTS_ENV}={n}"]), {**env, RESTARTS_ENV: str(n)}),
-                    attempts)
-
-
 def own_ring(command: List[str], hostfile: Hostfile, env: dict, envs: Optional[List[str]] = None,
              starting_port: Optional[int] = None, ssh: Optional[List[str]] = None, cwd: Optional[str] = None):
     """A ring we start ourselves: DirectRing when every host is local, else SshRing."""
@@ -52,14 +44,6 @@ def own_ring(command: List[str], hostfile: Hostfile, env: dict, envs: Optional[L
     return SshRing(command, hostfile.hosts, env, all_envs, starting_port, ssh, cwd)
 
 
-def own_rings(command: List[str], hostfile: Hostfile, env: dict, envs: Optional[List[str]] = None,
-              starting_port: Optional[int] = None, ssh: Optional[List[str]] = None, cwd: Optional[str] = None,
-              attempts=None) -> Callable[[], object]:
-    """The supervisor's make_ring for own_ring."""
-    return counting(lambda n: own_ring(command, hostfile, env, [*(envs or []), f"{RESTARTS_ENV}={n}"],
-                                       starting_port, ssh, cwd), attempts)
-
-
 class Starter:
     """make_ring for a host set and its command: the first ring's, and the Replanner's
     `start` after a host is planned out. Restarts are counted across host sets
@@ -67,10 +51,14 @@ class Starter:
 
     def __init__(self, ours: bool, starting_port: Optional[int] = None, ssh: Optional[List[str]] = None,
                  cwd: Optional[str] = None, single_host: Optional[int] = None, backend: Optional[str] = None,
-                 envs: Optional[List[str]] = None):
+                 envs: Optional[List[str]] = None,
+                 rebind: Optional[Callable[[Hostfile, List[str]], List[str]]] = None):
         self.ours, self.starting_port, self.ssh, self.cwd = ours, starting_port, ssh, cwd
         self.single_host, self.backend = single_host, backend
         self.envs = list(envs or [])  # every host set's ranks get them too (e.g. the router's token)
+        # rebind(hostfile, command) -> the command with rank 0's internal --serve on a fresh port
+        # (the router's): a restart never counts on getting back a port it let go of.
+        self.rebind = rebind
         self.env = launch_env()
         self.attempts = itertools.count()
         self.files: List[str] = []
@@ -78,8 +66,12 @@ class Starter:
     def __call__(self, hostfile: Hostfile, layout) -> Callable[[], object]:
         envs = [*layout.envs, *self.envs]
         if self.ours:
-            return own_rings(layout.command, hostfile, self.env, envs, self.starting_port, self.ssh, self.cwd,
-                             self.attempts)
+            def ring(n: int):
+                command = self.rebind(hostfile, layout.command) if n and self.rebind else layout.command
+                return own_ring(command, hostfile, self.env, [*envs, f"{RESTARTS_ENV}={n}"], self.starting_port,
+                                self.ssh, self.cwd)
+
+            return counting(ring, self.attempts)
         if hostfile.path is None and self.single_host is None:
             fd, path = tempfile.mkstemp(prefix="trinity-hosts-", suffix=".json")
             with os.fdopen(fd, "w") as f:
@@ -87,10 +79,12 @@ class Starter:
             self.files.append(path)
             hostfile.path = Path(path)
         single_host = len(hostfile.hosts) if self.single_host else None
-        return mlx_launch_rings(
-            lambda extra: build_command(hostfile, layout.command, single_host=single_host, backend=self.backend,
-                                        starting_port=self.starting_port, envs=[*envs, *extra], cwd=self.cwd),
-            self.env, self.attempts)
+        def command_for(n: int) -> List[str]:
+            command = self.rebind(hostfile, layout.command) if n and self.rebind else layout.command
+            return build_command(hostfile, command, single_host=single_host, backend=self.backend,
+                                 starting_port=self.starting_port, envs=[*envs, f"{RESTARTS_ENV}={n}"], cwd=self.cwd)
+
+        return counting(lambda n: MlxLaunchRing(command_for(n), {**self.env, RESTARTS_ENV: str(n)}), self.attempts)
 
     def run(self, hostfile: Hostfile, layout, restarts: int = 0, grace: float = 20.0, restart_delay: float = 1.0,
             replan=None, observer=None) -> int:

@@ -2,10 +2,11 @@
 router, and the command the ranks get instead.
 
 The router takes --serve and --http (and the TLS files, which serve those); rank 0
-gets `--serve` on an internal address instead, the same in every attempt of the
-ring: 127.0.0.1 when rank 0 (the first host) is this machine, else that host's IP.
-When re-planning drops rank 0's host, the next host becomes rank 0 and gets a new
-internal address (serve_on_first_host), which the router then calls.
+gets `--serve` on an internal address instead: 127.0.0.1 when rank 0 (the first host)
+is this machine, else that host's IP, on a port free when the attempt starts (a
+restart gets a fresh one: the port let go of may be taken meanwhile). When re-planning
+drops rank 0's host, the next host becomes rank 0 and gets a new internal address
+(serve_on_first_host, both through Router.rebind), which the router then calls.
 --metrics stays with rank 0 (its per-rank metrics), as do --auth-token (the router
 sends the token to rank 0 too), --allowed-hosts (the router's HTTP port takes it too) and
 the limits (--max-queue, --max-tokens-cap).

@@ -144,13 +144,14 @@ class Router:
         self.pauses.append(paused)
         log(f"replayed a request after {paused:.1f} s ({len(forwarded.tokens)} tokens already streamed)")
 
-    def move_rank0(self, hostfile: Hostfile, command: List[str]) -> List[str]:
-        """Re-planning dropped rank 0's host (launch/replan.py): the ranks' command with rank 0's
-        internal --serve on the new first host; the router calls rank 0 there from now on."""
+    def rebind(self, hostfile: Hostfile, command: List[str]) -> List[str]:
+        """The ranks' command with rank 0's internal --serve on a fresh port of hostfile's first
+        host, which the router calls from now on: before a restart (the port let go of may be
+        taken meanwhile) and when re-planning dropped rank 0's host (launch/replan.py)."""
         command, upstream = serve_on_first_host(command, hostfile)
         self.plan = replace(self.plan, upstream=upstream, command=command)
         self.upstream.retarget(upstream)
-        log(f"rank 0 moves to {hostfile.hosts[0].ssh}: calling it at {upstream}")
+        log(f"rank 0 on {hostfile.hosts[0].ssh} is called at {upstream}")
         return command
 
     # Called by the Supervisor.

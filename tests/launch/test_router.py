@@ -4,8 +4,11 @@ a launcher with 3 local ranks; ranks are SIGKILLed (rank 1, rank 2, rank 0) or f
 (SIGSTOP) while streams run, and every stream must finish without an error and with
 exactly the tokens and text of an undisturbed run. Nothing may be left running."""
 
+import contextlib
 import os
 import signal
+import socket
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -34,15 +37,47 @@ def undisturbed(launcher):
     return Stream(launcher.stub, token_ids=PROMPT, max_tokens=LONG, temperature=0.0)
 
 
-def kill_mid_stream(launcher, streams, rank, sig=signal.SIGKILL, health=None):
-    """Once every stream has passed on KILL_AFTER tokens, signal `rank` of the ring;
-    with `health` (a list), record the health states seen until SERVING again."""
+def serve_port(pid: int) -> int:
+    """The port of a rank 0's internal --serve (the router's upstream), from its command line."""
+    args = subprocess.run(["ps", "-ww", "-o", "args=", "-p", str(pid)], capture_output=True, text=True).stdout.split()
+    return int(args[args.index("--serve") + 1].rsplit(":", 1)[1])
+
+
+@contextlib.contextmanager
+def taken(port: int):
+    """Another process's listening socket on `port`, as soon as the port is free (it was
+    rank 0's: its kill frees it), held while the block runs."""
+    squatter = socket.socket()
+    end = time.monotonic() + 30
+    while True:
+        try:
+            squatter.bind(("127.0.0.1", port))
+            break
+        except OSError:
+            assert time.monotonic() < end, f"port {port} never freed"
+            time.sleep(0.002)
+    squatter.listen()
+    try:
+        yield
+    finally:
+        squatter.close()
+
+
+def kill_mid_stream(launcher, streams, rank, sig=signal.SIGKILL, health=None, then=contextlib.nullcontext):
+    """Once every stream has passed on KILL_AFTER tokens, signal `rank` of the ring; with `health`
+    (a list), record the health states seen until SERVING again, inside then(the ranks killed)."""
     for s in streams:
         s.wait_tokens(KILL_AFTER)
     ranks = launcher.ranks()
     if health is not None:
         health.append(launcher.status())  # before the kill: the launcher may notice it before our first poll
     os.kill(ranks[rank], sig)
+    with then(ranks):
+        wait_health(launcher, health)
+    return ranks
+
+
+def wait_health(launcher, health) -> None:
     if health is not None:
         end = time.monotonic() + 120
         while time.monotonic() < end and not (NOT_SERVING in health and health[-1] == SERVING):
@@ -50,17 +85,21 @@ def kill_mid_stream(launcher, streams, rank, sig=signal.SIGKILL, health=None):
             if not health or health[-1] != status:
                 health.append(status)
             time.sleep(0.02)
-    return ranks
 
 
 @pytest.mark.parametrize("rank", [2, 0])  # rank 1: the eight streams' kill below
 def test_a_stream_survives_a_rank_killed_mid_stream(launcher, undisturbed, rank):
     stream = Stream(launcher.stub, token_ids=PROMPT, max_tokens=LONG, temperature=0.0)
     health = []
-    before = kill_mid_stream(launcher, [stream], rank, health=health)
+    # Rank 0's internal port is taken by another process the moment the kill frees it: the
+    # restarted rank 0 serves the router on a fresh one (it cannot count on getting it back).
+    port = serve_port(launcher.ranks()[0])
+    squat = (lambda _: taken(port)) if rank == 0 else contextlib.nullcontext
+    before = kill_mid_stream(launcher, [stream], rank, health=health, then=squat)
     assert_same(stream, undisturbed)
     assert health[:1] == [SERVING] and NOT_SERVING in health and health[-1] == SERVING, health
     assert launcher.ranks()[rank] != before[rank]  # a restarted ring served the rest
+    assert serve_port(launcher.ranks()[0]) != port
     assert "launch: router: replayed a request after" in launcher.output()
 
 

@@ -111,7 +111,7 @@ def test_a_stream_survives_a_host_planned_out(three_hosts, hf_checkpoint, tmp_pa
         assert f"re-planned over 2 hosts: {rest[0]} layers 0-" in out and f", {rest[1]} layers " in out, out[-4000:]
         assert "launch: router: replayed a request after" in out, out[-4000:]
         if lost == 0:
-            assert f"launch: router: rank 0 moves to {b}: calling it at {hosts.ips[b]}:" in out, out[-4000:]
+            assert f"launch: router: rank 0 on {b} is called at {hosts.ips[b]}:" in out, out[-4000:]
         print(f"pause from the cut of {name}'s link (rank {lost}) to the next token: {pause_after(stream, cut_at):.1f} s")
         assert Stream(client.stub, token_ids=PROMPT, max_tokens=LONG, temperature=0.0).result() == \
             undisturbed.result()  # the next request, on the other two

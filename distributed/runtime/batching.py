@@ -48,7 +48,7 @@ from .memory_guard import allocation_failed, describe
 from .pipeline import Pipeline
 from .prefix_cache import PrefixHooks
 from .sequence import Sequence, draw, shaped_logprobs, top_candidates, top_logprobs
-from .speculation import SpeculationOptions, Verifier
+from .speculation import SpeculationOptions, Verdict, Verifier
 from .step_budget import StepBudget
 
 
@@ -243,8 +243,8 @@ class Batcher:
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.clock = pipeline.stats.clock  # where the loop's time goes (loop_clock.py)
         ranks = pipeline.num_ranks
-        # One-row groups' verification frames (speculation.Verifier), through this batcher's public methods.
-        self.verifier = Verifier(pipeline, speculation or SpeculationOptions(), self)
+        # One-row groups' verification frames (speculation.Verifier): what it sends and decides, this applies.
+        self.verifier = Verifier(pipeline, speculation or SpeculationOptions())
         self.groups = [Group(slot) for slot in range(ranks)]
         self.group_cap = -(-max_batch // len(self.groups))
         self.max_batch = max_batch
@@ -405,7 +405,11 @@ class Batcher:
         go on decoding while prompts prefill, one chunk per step at most."""
         ahead = tokens is not None  # the lookahead (_receive): the previous step's tokens not accepted yet
         if tokens is None:
-            if self.verifier.send(group):
+            verifying = self.verifier.send(group)
+            if verifying:
+                group.busy = True
+                for frame in verifying:
+                    self.expect(frame)
                 return
             tokens = mx.array([s.next_token for s in group.members], dtype=mx.uint32)
         first = any(s.awaiting_first for s in group.members)
@@ -461,7 +465,7 @@ class Batcher:
     def _receive(self, lookahead: bool = True) -> None:
         frame = self.outstanding.popleft()
         if frame.kind == FrameKind.VERIFY:
-            return self.verifier.receive(frame, more=lookahead)
+            return self._apply(frame, self.verifier.receive(frame, more=lookahead))
         # A step's reply taken ahead: the next step is built on it before it comes (Pipeline.recv_ahead).
         ahead = self.pipeline.recv_ahead(frame.rows) if frame.kind == FrameKind.STEP and not frame.picked else None
         if ahead is not None:
@@ -519,6 +523,22 @@ class Batcher:
         frame.group.busy = group is not None  # its next step is in the ring
         if not kept:
             self.budget.idle(frame.group.slot)
+
+    def _apply(self, frame: Outstanding, verdict: Optional[Verdict]) -> None:
+        """What the Verifier decided about a verification frame's reply (None: a cancelled frame's)."""
+        if verdict is None:
+            return
+        if verdict.no_memory is not None:
+            return self.fail_frame(frame, verdict.no_memory)
+        if verdict.error is not None:
+            return self.failed_here(frame, verdict.error)
+        if verdict.finished is not None:
+            self.finish(frame.sequences[0], verdict.finished, frame.slot, 0)
+            self.pipeline.filter(frame.slot, [])
+            frame.group.members = []
+        for sent in verdict.sent:
+            self.expect(sent)
+        frame.group.busy = verdict.in_ring
 
     def _accept(self, frame: Outstanding, in_slot: list, tokens: mx.array, chosen: mx.array, top) -> List[int]:
         """Each row's token (evaluated) to its sequence; rows that finish end here. The rows kept."""

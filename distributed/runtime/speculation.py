@@ -340,13 +340,26 @@ ODDS_WEIGHT = 0.25  # of each pass in a sequence's odds that a frame ahead holds
 AHEAD_ODDS = 0.8  # the odds a frame ahead must have (see above)
 
 
-class Verifier:
-    """The batcher's verification frames. It reaches the batcher only through `batch`'s public
-    methods: expect(frame) (a frame was sent), finish(seq, reason, slot, row), fail_frame(frame,
-    payload) and failed_here(frame, error)."""
+@dataclass
+class Verdict:
+    """What the Verifier made of a verification frame's reply, for the Batcher to apply (it alone
+    changes groups): the frame failed (`no_memory`: a rank's NO_MEMORY payload; `error`: rank 0's
+    own evaluation raised), or the sequence `finished` with that reason (its row leaves the group),
+    and whether the group's frames are still `in_ring`, with the frames `sent` ahead meanwhile."""
 
-    def __init__(self, pipeline, options: SpeculationOptions, batch):
-        self.pipeline, self.options, self.batch = pipeline, options, batch
+    no_memory: Optional[mx.array] = None
+    error: Optional[Exception] = None
+    finished: Optional[str] = None
+    in_ring: bool = False
+    sent: List = field(default_factory=list)
+
+
+class Verifier:
+    """The batcher's verification frames: it drafts and sends them and judges their replies, and
+    returns what it sent and decided (Outstanding frames, Verdicts); the Batcher applies it."""
+
+    def __init__(self, pipeline, options: SpeculationOptions):
+        self.pipeline, self.options = pipeline, options
         # Drafts for one-row groups (anything with propose(seq, k, after): speculation.py); None: no speculation.
         self.drafter = make_drafter(options, sequences=pipeline.num_ranks)
         self.stats = SpeculationStats()
@@ -358,22 +371,20 @@ class Verifier:
         return bool(seq and seq.request.speculative and not seq.awaiting_first and not seq.spec.pause
                     and not is_batch(self.pipeline.caches.get(group.slot)))
 
-    def send(self, group) -> bool:
+    def send(self, group) -> List:
         """Draft for `group`'s next step and send its verification frame, then frames ahead of
-        it where they may go; False: nothing to propose (decode one token as usual)."""
+        it where they may go: the frames sent (none: nothing to propose, decode one token as usual)."""
         if not self.speculates(group):
-            return False
+            return []
         seq = group.members[0]
         drafts = propose(self.drafter, self.options, seq)
         if not drafts:
-            return False
-        self._send_frame(group, seq.next_token, drafts)
-        self._extend(group)
-        return True
+            return []
+        return [self._send_frame(group, seq.next_token, drafts), *self._extend(group)]
 
-    def _extend(self, group) -> None:
+    def _extend(self, group) -> List:
         """Send frames ahead of `group`'s frames in the ring, up to one per rank (see above)."""
-        seq = group.members[0]
+        seq, sent = group.members[0], []
         while self._may_go_ahead(seq):
             # What the frames in the ring verify, if all of it holds: the oldest one's drafts,
             # then each later one's inputs (its guessed first token, its drafts).
@@ -381,8 +392,9 @@ class Verifier:
             room = seq.request.max_tokens - seq.count - _fed(seq)  # tokens the next frame may still give
             proposal = propose_ahead(self.drafter, self.options, seq, assumed, room)
             if len(proposal) < 2:  # a guess and a draft at least: a one-token update rotates a window in place,
-                return  # where caches.keeping cannot keep what a rejection takes back
-            self._send_frame(group, proposal[0], proposal[1:])
+                break  # where caches.keeping cannot keep what a rejection takes back
+            sent.append(self._send_frame(group, proposal[0], proposal[1:]))
+        return sent
 
     def _may_go_ahead(self, seq) -> bool:
         """Whether another frame of `seq` may go behind those in the ring (see above)."""
@@ -391,35 +403,35 @@ class Verifier:
                 and spec.ahead_odds ** len(spec.in_flight) >= AHEAD_ODDS and seq.greedy and not seq.logits.shapes
                 and seq.logits.constraint is None and not spec.pause)
 
-    def _send_frame(self, group, first: int, drafts: List[int]) -> None:
+    def _send_frame(self, group, first: int, drafts: List[int]) -> Outstanding:
         """One frame: `first` (the last token, or a guessed one) and its drafts."""
         seq = group.members[0]
         keep = _fed(seq)  # positions a rejection may still take back
         self.pipeline.send(mx.array([[first, *drafts]], dtype=mx.uint32), Reply.ALL, group.slot, keep)
-        group.busy = True
         frame = Outstanding(FrameKind.VERIFY, [seq], group.slot, group, drafts=drafts, inputs=[first, *drafts])
         seq.spec.in_flight.append(frame)
-        self.batch.expect(frame)
+        return frame
 
-    def receive(self, frame, more: bool = True) -> None:
+    def receive(self, frame, more: bool = True) -> Optional[Verdict]:
         """Stream the target's draws up to the first that differs from its draft (that one
         included: it is the step's own token), then drop the rejected drafts' positions (and
         those of the frames ahead, where their assumptions failed) from every rank's caches:
-        they hold the row's history up to its last token fed. `more`: frames ahead may be sent."""
+        they hold the row's history up to its last token fed. `more`: frames ahead may be sent.
+        None: the frame was cancelled (drafted ahead on drafts that did not hold)."""
         header, h = self.pipeline.recv()
-        if frame.cancelled:  # drafted ahead on drafts that did not hold: its positions are gone
-            return
+        if frame.cancelled:  # its positions are gone
+            return None
         seq, drafts, stats = frame.sequences[0], frame.drafts, self.stats
         seq.spec.in_flight.pop(0)
         if header.op == Op.NO_MEMORY:  # a rank could not run it (memory_guard.py)
             _cancel_ahead(seq, stats)
-            return self.batch.fail_frame(frame, h)
+            return Verdict(no_memory=h)
         try:
             with self.pipeline.stats.computing():
                 tokens, chosen, tops = judge(self.pipeline.stage.head, seq, drafts, h, self.options.num_draft_tokens)
         except Exception as e:  # MLX could not allocate it
             _cancel_ahead(seq, stats)
-            return self.batch.failed_here(frame, e)
+            return Verdict(error=e)
         stats.passes += 1
         self.pipeline.stats.clock.steps += 1
         stats.drafted += len(drafts)
@@ -430,11 +442,11 @@ class Verifier:
             reason = seq.accept(token, chosen[last], tops[last])
             if reason is not None:
                 break
-        self._judged(frame, seq, tokens, last, reason, more)
+        return self._judged(frame, seq, tokens, last, reason, more)
 
-    def _judged(self, frame, seq, tokens: List[int], last: int, reason, more: bool) -> None:
-        """After a pass's tokens are accepted up to `last`: trim what was rejected, finish the
-        sequence if `reason`, and send frames ahead where those in the ring held."""
+    def _judged(self, frame, seq, tokens: List[int], last: int, reason, more: bool) -> Verdict:
+        """After a pass's tokens are accepted up to `last`: trim what was rejected, and send
+        frames ahead where those in the ring held; the sequence finishes if `reason`."""
         spec = seq.spec
         held = reason is None and spec.all_held and spec.in_flight and spec.in_flight[0].inputs[0] == tokens[-1]
         outcome = bool(held) if spec.in_flight else spec.all_held  # what became of a frame ahead, or would have
@@ -444,15 +456,12 @@ class Verifier:
         # expects); and the frames ahead where their assumptions held.
         dropped = len(frame.drafts) - last + (0 if held else _cancel_ahead(seq, self.stats))
         self.pipeline.trim(frame.slot, dropped, self._next_length(seq) if reason is None and not held else 0)
-        if reason is not None:
-            self.batch.finish(seq, reason, frame.slot, 0)
-            self.pipeline.filter(frame.slot, [])
-            frame.group.members = []
+        verdict = Verdict(finished=reason, in_ring=bool(held))
         if held:
             spec.clock.drafting()  # the next frame's tokens cost from here on
             if more:
-                self._extend(frame.group)
-        frame.group.busy = bool(held)
+                verdict.sent = self._extend(frame.group)
+        return verdict
 
     def length_after_step(self, group) -> int:
         """A step sent ahead (batching.py's lookahead: before the token of the step before it is

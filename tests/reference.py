@@ -24,8 +24,17 @@ def mlx_lm_model(path: Path):
 
 
 def mlx_lm_logprobs(path: Path, prompt: List[int]) -> mx.array:
+    return _logprobs(Path(path), tuple(prompt))
+
+
+@lru_cache(maxsize=64)
+def _logprobs(path: Path, prompt: Tuple[int, ...]) -> mx.array:
+    """Once per worker for each (checkpoint, prompt): parametrized tests compare many splits with
+    one reference (the callers only read it)."""
     logits = mlx_lm_model(path)(mx.array(prompt)[None])[0]
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.eval(out)
+    return out
 
 
 def mlx_lm_greedy(path: Path, prompt: List[int], max_tokens: int, prefill_step_size: int,
@@ -33,7 +42,21 @@ def mlx_lm_greedy(path: Path, prompt: List[int], max_tokens: int, prefill_step_s
     """Greedy tokens and their logprobs from mlx-lm's generate_step, stopping at EOS
     (with `logits_processors`, the logprobs are the processed ones). `kv_bits`: the
     full-attention layers' caches quantized from the first token (KVCache.to_quantized),
-    the sliding ones whole."""
+    the sliding ones whole. Without logits processors the result is kept for the worker's other
+    tests that ask the same (the splits and steps of one test share a reference)."""
+    if logits_processors is None:
+        tokens, logprobs = _greedy(Path(path), tuple(prompt), max_tokens, prefill_step_size, kv_bits, kv_group_size)
+        return list(tokens), list(logprobs)
+    return _greedy_run(path, prompt, max_tokens, prefill_step_size, logits_processors, kv_bits, kv_group_size)
+
+
+@lru_cache(maxsize=256)
+def _greedy(path: Path, prompt: Tuple[int, ...], max_tokens: int, prefill_step_size: int, kv_bits, kv_group_size):
+    tokens, logprobs = _greedy_run(path, list(prompt), max_tokens, prefill_step_size, None, kv_bits, kv_group_size)
+    return tuple(tokens), tuple(logprobs)
+
+
+def _greedy_run(path, prompt, max_tokens, prefill_step_size, logits_processors, kv_bits, kv_group_size):
     model = mlx_lm_model(path)
     cache = [c.to_quantized(kv_group_size, kv_bits) if kv_bits and type(c) is KVCache else c
              for c in model.make_cache()]

@@ -1,0 +1,85 @@
+"""run_trinity.py's error paths, each in a process of its own, without each paying the imports.
+
+A run that fails on its arguments or its checkpoint spends most of its second or two of CPU importing
+mlx_lm (transformers scanning its model files). `CliForks` starts one process that imports
+distributed.cli as run_trinity.py does (stop signals blocked first), then forks a child per run: the
+child runs `main(args)` with its own stdout and stderr and exits with main's status, as the script
+would. Only for runs that need no launcher and no environment of their own (test_cli.py's refusals)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from conftest import ROOT
+
+SERVER = r'''
+import json, os, sys, threading, traceback
+TIMEOUT_S = 180
+from distributed.startup.lifecycle import block_stop_signals
+block_stop_signals()  # as run_trinity.py, before anything starts a thread
+from distributed.cli import main
+
+for line in sys.stdin:
+    args, out, err = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+        os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+        sys.argv = ["run_trinity.py", *args]
+        code = 0
+        try:
+            main(args)
+        except SystemExit as e:  # what the interpreter does with it
+            if isinstance(e.code, int) or e.code is None:
+                code = e.code or 0
+            else:
+                sys.stderr.write(f"{e.code}\n")
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    timer = threading.Timer(TIMEOUT_S, os.kill, (pid, 9))  # as subprocess.run's timeout: the run is killed
+    timer.start()
+    _, status = os.waitpid(pid, 0)
+    timer.cancel()
+    timer.join()
+    print(os.waitstatus_to_exitcode(status), flush=True)
+'''
+
+
+class CliForks:
+    """`with CliForks() as cli: cli.run(args)` -> subprocess.CompletedProcess, as conftest.run_cli
+    gives for one rank."""
+
+    def __enter__(self):
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.folder = tempfile.mkdtemp(prefix="cli-forks-")
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env, cwd=ROOT, start_new_session=True)
+        return self
+
+    def run(self, args) -> subprocess.CompletedProcess:
+        out, err = Path(self.folder) / "stdout", Path(self.folder) / "stderr"
+        self.proc.stdin.write(json.dumps([[str(a) for a in args], str(out), str(err)]) + "\n")
+        self.proc.stdin.flush()
+        status = self.proc.stdout.readline()
+        assert status, "the fork server is gone"
+        return subprocess.CompletedProcess(["run_trinity.py", *args], int(status), out.read_text(), err.read_text())
+
+    def __exit__(self, *exc):
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        for name in ("stdout", "stderr"):
+            (Path(self.folder) / name).unlink(missing_ok=True)
+        os.rmdir(self.folder)

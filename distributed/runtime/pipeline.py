@@ -102,7 +102,7 @@ class RankStats:
 class Pipeline:
     def __init__(self, stage: Stage, transport: Optional[Transport] = None,
                  waker: Optional[Callable[[int], None]] = None, peer_reports: Callable[[], Dict[int, dict]] = dict,
-                 memory_limit: Optional[int] = None, disk: Optional[DiskCache] = None):
+                 memory_limit: Optional[int] = None, disk: Optional[DiskCache] = None, time_sends: bool = True):
         assert stage.first, "rank 0 holds the first stage"
         self.stage = stage
         self.transport = transport
@@ -122,7 +122,9 @@ class Pipeline:
         # The last hidden state sent, whose computation may still run (timed before the next reply).
         self._computing: Optional[mx.array] = None
         self._hidden: Optional[tuple] = None  # (width, dtype) of the hidden states last sent
-        self.time_sends = True  # False in-process (--stages): the stages' layers are one lazy graph
+        # Rank 0's computation timed before each reply (RankStats); False in-process (--stages):
+        # the stages' layers are one lazy graph, and in a tensor group.
+        self.time_sends = time_sends
 
     @property
     def num_ranks(self) -> int:
@@ -624,8 +626,6 @@ def in_process_pipeline(stages: List[Stage], memory_limit: Optional[int] = None,
     disks = disks or [None] * len(stages)
     workers = [StageWorker(stage, i + 1, len(stages), memory_limit=memory_limit, disk=disk)
                for i, (stage, disk) in enumerate(zip(stages[1:], disks[1:]))]
-    pipeline = Pipeline(stages[0], LocalRing([w.handle for w in workers]) if workers else None,
-                        peer_reports=lambda: {w.rank: w.stats.report() for w in workers}, memory_limit=memory_limit,
-                        disk=disks[0])
-    pipeline.time_sends = False
-    return pipeline
+    return Pipeline(stages[0], LocalRing([w.handle for w in workers]) if workers else None,
+                    peer_reports=lambda: {w.rank: w.stats.report() for w in workers}, memory_limit=memory_limit,
+                    disk=disks[0], time_sends=False)

@@ -71,10 +71,9 @@ def group_loaded(broadcast: Broadcast, here: bool) -> bool:
 class TensorPipeline(Pipeline):
     def __init__(self, stage: Stage, group, transport: Optional[Transport] = None, waker=None, peer_reports=dict,
                  memory_limit: Optional[int] = None, watchdog=None, disk=None):
-        super().__init__(stage, transport, waker, peer_reports, memory_limit, disk)
+        super().__init__(stage, transport, waker, peer_reports, memory_limit, disk, time_sends=False)
         self.broadcast = Broadcast(group)
         self.tensor_size = group.size()
-        self.time_sends = False
         self.watchdog = watchdog
 
     @contextmanager

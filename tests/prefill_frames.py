@@ -3,6 +3,7 @@ test_memory_guard.py, test_prefix_cache.py): prompts, a log of what rank 0 sends
 admit requests and check them against mlx-lm alone."""
 
 import threading
+from typing import List, NamedTuple, Tuple
 
 from mlx_lm.utils import load_tokenizer
 
@@ -16,6 +17,31 @@ from stages import in_process_pipeline
 PROMPTS = [[(k * i + 5 * k) % 250 + 1 for i in range(n)] for k, n in [(3, 5), (7, 17), (11, 40), (13, 70), (17, 9), (19, 33)]]
 EOS_FIRST = [96, 2, 158]  # the tiny model's first greedy token after this prompt is EOS
 STEP = 16
+
+
+class Send(NamedTuple):
+    """A forward frame rank 0 sent."""
+
+    slot: int
+    shape: Tuple[int, ...]
+    reply: Reply
+    in_ring: List  # the kinds of the frames then in the ring
+    decoding: bool  # groups were decoding
+
+
+class CacheOp(NamedTuple):
+    op: int
+    slot: int
+    arg: int
+    values: List[int]
+
+
+class FirstTokens(NamedTuple):
+    """A decode step that gives rows their first token."""
+
+    index: int  # in FrameLog.sends
+    rows: int  # the step's rows
+    fresh: int  # those getting their first token
 
 
 class FrameLog:
@@ -36,11 +62,11 @@ class FrameLog:
             if slot >= self.ranks:
                 self.unserved.append(sum(s.awaiting_first for g in batcher.groups for s in g.members)
                                      + sum(len(b.members) for b in batcher.ready))
-            self.sends.append((slot, shape, reply, [o.kind for o in batcher.outstanding], decoding))
+            self.sends.append(Send(slot, tuple(shape), reply, [o.kind for o in batcher.outstanding], decoding))
             group = next((g for g in batcher.groups if g.slot == slot), None)
             fresh = sum(s.awaiting_first for s in group.members) if group else 0
             if fresh:
-                self.first.append((len(self.sends) - 1, shape[0], fresh))
+                self.first.append(FirstTokens(len(self.sends) - 1, shape[0], fresh))
             if on_send is not None:
                 on_send(slot, shape, reply)
 
@@ -55,30 +81,30 @@ class FrameLog:
             return send_mixed(tokens, slot, chunk, chunk_slot)
 
         def logged_apply(op, slot, arg, values):
-            self.ops.append((op, slot, arg, list(values)))
+            self.ops.append(CacheOp(op, slot, arg, list(values)))
             return apply(op, slot, arg, values)
 
         self.ranks = pipeline.num_ranks
         pipeline.send, pipeline.send_mixed, pipeline.caches.apply = logged_send, logged_send_mixed, logged_apply
 
     def prefill(self):
-        return [s for s in self.sends if s[0] >= self.ranks]
+        return [s for s in self.sends if s.slot >= self.ranks]
 
     def first_rows(self):
         """Rows taking their first token in each decode step that has any, in order."""
-        return [fresh for _, _, fresh in self.first]
+        return [f.fresh for f in self.first]
 
     def order(self):
         """Each prefill batch's slot as its chunks go, and "first" for each step giving
         rows their first token (other steps left out; repeats merged)."""
-        first = {i for i, _, _ in self.first}
-        marks = ["first" if i in first else s[0] for i, s in enumerate(self.sends) if i in first or s[0] >= self.ranks]
+        first = {f.index for f in self.first}
+        marks = ["first" if i in first else s.slot for i, s in enumerate(self.sends) if i in first or s.slot >= self.ranks]
         return [m for i, m in enumerate(marks) if i == 0 or m != marks[i - 1]]
 
     def batch_rows(self):
         """Rows of each prefill batch, in order (from its first chunk)."""
-        return [shape[0] for slot, shape in dict((slot, shape) for slot, shape, *_ in reversed(self.prefill()))
-                .items()][::-1]
+        first_chunks = dict((s.slot, s.shape) for s in reversed(self.prefill()))
+        return [shape[0] for shape in first_chunks.values()][::-1]
 
 
 def admitted_together(scheduler, requests):

@@ -22,10 +22,10 @@ def test_prompts_admitted_together_prefill_in_one_batch_and_stay_exact(hf_checkp
     for prompt, events in zip(PROMPTS, results):
         assert_alone(hf_checkpoint, prompt, events, 20)
     assert log.batch_rows() == [len(PROMPTS)]
-    assert not [s for s in log.prefill() if s[2] == Reply.LAST], "no frame of last prompt tokens alone"
+    assert not [s for s in log.prefill() if s.reply == Reply.LAST], "no frame of last prompt tokens alone"
     # The rows join the groups, evenly, and their first steps give their first tokens.
     assert log.first_rows() == [len(PROMPTS) // len(split)] * len(split)
-    ops = [op for op, *_ in log.ops]
+    ops = [o.op for o in log.ops]
     assert ops[:4] == [Op.MERGE, Op.PREPARE, Op.FINALIZE, Op.JOIN]
     chunks = [shape for _, shape, reply, _, _ in log.prefill() if reply == Reply.ACK]
     # Right-padded to the longest (69 tokens before its last) in 2-column chunks (6 rows x 2 <= 16),
@@ -36,7 +36,7 @@ def test_prompts_admitted_together_prefill_in_one_batch_and_stay_exact(hf_checkp
     in_ring = [len(kinds) for _, _, reply, kinds, decoding in log.prefill() if not decoding]
     assert max(in_ring) == len(split) - 1
     # Then the rows join the decode groups at once, evenly.
-    steps = [shape[0] for slot, shape, _, _, _ in log.sends if slot < len(split)]
+    steps = [s.shape[0] for s in log.sends if s.slot < len(split)]
     assert steps[:len(split)] == [len(PROMPTS) // len(split)] * len(split)
     assert_no_caches_left(scheduler.pipeline)
 
@@ -97,7 +97,7 @@ def test_a_prompt_arriving_while_others_decode_takes_its_first_token_in_their_st
         assert_alone(hf_checkpoint, prompt, events, 24 if prompt is not PROMPTS[2] else 8)
     # Its last prompt token went in a decode step of a running row, not in a frame of its own.
     assert log.batch_rows() == [len(split), 1]
-    assert log.first[-1][1:] == (2, 1)
+    assert (log.first[-1].rows, log.first[-1].fresh) == (2, 1)
     assert_no_caches_left(scheduler.pipeline)
 
 
@@ -148,15 +148,15 @@ def test_prompts_arriving_while_others_decode_prefill_inside_their_steps(hf_chec
         scheduler.close()
     for prompt, events, n in zip(running + [PROMPTS[3], PROMPTS[2]], results, [40] * len(split) + [8, 8]):
         assert_alone(hf_checkpoint, prompt, events, n)
-    late_slot = log.prefill()[-1][0]
-    chunks = [i for i, s in enumerate(log.sends) if s[0] == late_slot]
+    late_slot = log.prefill()[-1].slot
+    chunks = [i for i, s in enumerate(log.sends) if s.slot == late_slot]
     # The late pair (69 and 39 tokens before their last) in 2-row chunks of 8 columns: 9 chunks,
     # each logged just before the decode step whose frame carried it.
-    assert [log.sends[i][1] for i in chunks] == [(2, 8)] * 8 + [(2, 5)]
+    assert [log.sends[i].shape for i in chunks] == [(2, 8)] * 8 + [(2, 5)]
     if len(split) == 1:
-        assert log.mixed == [] and all(log.sends[i][4] for i in chunks), "one rank: alone, beside decoding"
+        assert log.mixed == [] and all(log.sends[i].decoding for i in chunks), "one rank: alone, beside decoding"
     else:
-        assert chunks == log.mixed and all(log.sends[i + 1][0] < len(split) for i in chunks)
+        assert chunks == log.mixed and all(log.sends[i + 1].slot < len(split) for i in chunks)
     assert_no_caches_left(scheduler.pipeline)
 
 
@@ -184,9 +184,9 @@ def test_a_scored_prompt_arriving_while_two_ranks_decode_goes_in_frames_of_its_o
         assert_alone(hf_checkpoint, prompt, events, n)
     # Its 39 tokens before the last in chunks of 16, right after it came (the two running steps
     # in the ring at once would otherwise leave no room for a frame until they ended).
-    scored = [i for i, s in enumerate(log.sends) if s[2] == Reply.ALL]
-    assert [log.sends[i][1] for i in scored] == [(1, 16), (1, 16), (1, 7)] and log.mixed == []
-    assert all(log.sends[i][4] for i in scored) and scored[-1] - submitted[0] <= 12, (submitted, scored)
+    scored = [i for i, s in enumerate(log.sends) if s.reply == Reply.ALL]
+    assert [log.sends[i].shape for i in scored] == [(1, 16), (1, 16), (1, 7)] and log.mixed == []
+    assert all(log.sends[i].decoding for i in scored) and scored[-1] - submitted[0] <= 12, (submitted, scored)
     assert_no_caches_left(scheduler.pipeline)
 
 
@@ -214,7 +214,8 @@ def test_one_token_prompts_alone_and_beside_running_rows(hf_checkpoint, split):
     for prompt, events, n in zip([one, PROMPTS[3], one], results, [8, 24, 8]):
         assert_alone(hf_checkpoint, prompt, events, n)
     # The late one shares the running row's group with one rank; with two, it takes the empty one.
-    assert log.first[0][1:] == (1, 1) and log.first[-1][1:] == ((2, 1) if len(split) == 1 else (1, 1))
+    assert (log.first[0].rows, log.first[0].fresh) == (1, 1)
+    assert (log.first[-1].rows, log.first[-1].fresh) == ((2, 1) if len(split) == 1 else (1, 1))
     assert_no_caches_left(scheduler.pipeline)
 
 
@@ -274,7 +275,7 @@ def test_prefill_starts_from_histories_of_different_lengths(hf_checkpoint, split
     results = run_admitted(scheduler, [GenerationRequest(p, max_tokens=20) for p in PROMPTS])
     for prompt, events in zip(PROMPTS, results):
         assert_alone(hf_checkpoint, prompt, events, 20)
-    merged = [values for op, _, _, values in log.ops if op == Op.MERGE]  # (the restores' frames go first)
+    merged = [o.values for o in log.ops if o.op == Op.MERGE]  # (the restores' frames go first)
     assert [len(m) for m in merged] == [len(PROMPTS)] and sum(log.first_rows()) == len(PROMPTS)
     chunks = [cols for _, (rows, cols), reply, _, _ in log.prefill() if reply == Reply.ACK and rows > 1]
     assert sum(chunks) == max(len(p) - cuts[len(p)] for p in PROMPTS) - 1  # only what is not restored
@@ -313,9 +314,9 @@ def test_cancelled_mid_prefill_leaves_the_batch_exact(hf_checkpoint):
     # The first batch's cancelled row left it before its rows joined the groups; the second
     # batch, all cancelled, was abandoned and never joined; then the later request joined.
     assert log.batch_rows() == [6, 2, 1]
-    first_slot = log.sends[0][0]
-    dropped = [values for op, slot, _, values in log.ops if op == Op.FILTER and slot == first_slot]
-    joins = [(slot, arg) for op, slot, arg, _ in log.ops if op == Op.JOIN]
+    first_slot = log.sends[0].slot
+    dropped = [o.values for o in log.ops if o.op == Op.FILTER and o.slot == first_slot]
+    joins = [(o.slot, o.arg) for o in log.ops if o.op == Op.JOIN]
     assert dropped == [[0, 1, 2, 4, 5]] and joins[0][1] == first_slot
     assert sum(log.first_rows()) == 5 + 1
     assert_no_caches_left(scheduler.pipeline)

@@ -38,7 +38,7 @@ def test_chunks_cut_at_their_context_keep_the_tokens_exact(hf_checkpoint, prompt
     results = run_admitted(scheduler, [GenerationRequest(p, max_tokens=12) for p in prompts])
     for prompt, events in zip(prompts, results):
         assert_alone(hf_checkpoint, prompt, events, 12)
-    chunks = [shape for slot, shape, *_ in log.prefill()]
+    chunks = [s.shape for s in log.prefill()]
     columns = [cols for _, cols in chunks]
     assert columns[0] == STEP // len(prompts) and columns == sorted(columns, reverse=True), columns
     assert columns[-1] < columns[0] and sum(columns) >= max(len(p) for p in prompts) - 1

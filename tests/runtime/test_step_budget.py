@@ -54,13 +54,13 @@ def test_chunks_beside_decoding_stay_within_the_budget(hf_checkpoint, split):
     for prompt, events, n in zip(running + [LONG], results, [60] * len(split) + [6]):
         assert_alone(hf_checkpoint, prompt, events, n)
     assert_alone(hf_checkpoint, LONG[::-1], alone_events, 3)
-    *_, late_slot, alone_slot = dict.fromkeys(slot for slot, *_ in log.prefill())  # in order of their first chunks
-    chunks = [s for s in log.sends if s[0] == late_slot]
-    assert sum(shape[1] for _, shape, *_ in chunks) == len(LONG) - 1
-    beside = [shape for _, shape, _, _, decoding in chunks if decoding]
+    *_, late_slot, alone_slot = dict.fromkeys(s.slot for s in log.prefill())  # in order of their first chunks
+    chunks = [s for s in log.sends if s.slot == late_slot]
+    assert sum(s.shape[1] for s in chunks) == len(LONG) - 1
+    beside = [s.shape for s in chunks if s.decoding]
     assert beside and all(shape[1] <= budget for shape in beside), beside
     assert scheduler.batcher.budget.carried >= sum(shape[1] for shape in beside)
-    assert [shape[1] for slot, shape, *_ in log.sends if slot == alone_slot] == [STEP] * 5 + [len(LONG) - 1 - 5 * STEP]
+    assert [s.shape[1] for s in log.sends if s.slot == alone_slot] == [STEP] * 5 + [len(LONG) - 1 - 5 * STEP]
     assert_no_caches_left(scheduler.pipeline)
 
 
@@ -160,7 +160,7 @@ def test_the_budget_holds_with_speculation_grammars_and_the_prefix_cache(hf_chec
     for (prompt, _, _), events in zip(arriving[1:], results[2:]):
         assert_alone(hf_checkpoint, prompt, events, 4)
     assert results[3][-1].cached_tokens >= len(shared) - 1
-    beside = [shape for slot, shape, _, _, decoding in log.prefill() if decoding]
+    beside = [s.shape for s in log.prefill() if s.decoding]
     assert beside and all(shape[1] <= budget for shape in beside), beside
     assert scheduler.batcher.verifier.stats.passes > 0
     assert_no_caches_left(scheduler.pipeline)

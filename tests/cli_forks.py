@@ -1,10 +1,10 @@
-"""run_trinity.py's error paths, each in a process of its own, without each paying the imports.
+"""One-rank runs of run_trinity.py, each in a process of its own, without each paying the imports.
 
-A run that fails on its arguments or its checkpoint spends most of its second or two of CPU importing
-mlx_lm (transformers scanning its model files). `CliForks` starts one process that imports
+A one-rank run spends a second or two of CPU importing mlx_lm (transformers scanning its model
+files) before it does anything; a refusal, nothing else. `CliForks` starts one process that imports
 distributed.cli as run_trinity.py does (stop signals blocked first), then forks a child per run: the
 child runs `main(args)` with its own stdout and stderr and exits with main's status, as the script
-would. Only for runs that need no launcher and no environment of their own (test_cli.py's refusals)."""
+would. conftest.run_cli runs every one-rank run with no environment of its own this way."""
 
 import json
 import os
@@ -13,17 +13,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from conftest import ROOT
+ROOT = Path(__file__).resolve().parent.parent
 
 SERVER = r'''
 import json, os, sys, threading, traceback
-TIMEOUT_S = 180
 from distributed.startup.lifecycle import block_stop_signals
 block_stop_signals()  # as run_trinity.py, before anything starts a thread
 from distributed.cli import main
 
 for line in sys.stdin:
-    args, out, err = json.loads(line)
+    args, out, err, timeout = json.loads(line)
     pid = os.fork()
     if pid == 0:
         os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
@@ -44,7 +43,7 @@ for line in sys.stdin:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    timer = threading.Timer(TIMEOUT_S, os.kill, (pid, 9))  # as subprocess.run's timeout: the run is killed
+    timer = threading.Timer(timeout, os.kill, (pid, 9))  # as subprocess.run's timeout: the run is killed
     timer.start()
     _, status = os.waitpid(pid, 0)
     timer.cancel()
@@ -58,18 +57,22 @@ class CliForks:
     gives for one rank."""
 
     def __enter__(self):
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # as conftest.run_cli
         self.folder = tempfile.mkdtemp(prefix="cli-forks-")
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env, cwd=ROOT, start_new_session=True)
         return self
 
-    def run(self, args) -> subprocess.CompletedProcess:
+    def run(self, args, timeout: float = 180) -> subprocess.CompletedProcess:
+        """One run, in a child killed after `timeout` s (subprocess.TimeoutExpired, as subprocess.run)."""
         out, err = Path(self.folder) / "stdout", Path(self.folder) / "stderr"
-        self.proc.stdin.write(json.dumps([[str(a) for a in args], str(out), str(err)]) + "\n")
+        self.proc.stdin.write(json.dumps([[str(a) for a in args], str(out), str(err), timeout]) + "\n")
         self.proc.stdin.flush()
         status = self.proc.stdout.readline()
         assert status, "the fork server is gone"
+        if int(status) == -9:
+            raise subprocess.TimeoutExpired(["run_trinity.py", *args], timeout, out.read_text(), err.read_text())
         return subprocess.CompletedProcess(["run_trinity.py", *args], int(status), out.read_text(), err.read_text())
 
     def __exit__(self, *exc):

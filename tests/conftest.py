@@ -126,11 +126,31 @@ def trinity_launch(ranks: int) -> list:
     return [sys.executable, "-m", "launch", "run", "--single-host", str(ranks), "--no-plan", "--no-router", "--"]
 
 
+_FORKS = []  # this worker's fork server for one-rank runs, started by the first (ended in pytest_unconfigure)
+
+
+def _forks():
+    if not _FORKS:
+        from cli_forks import CliForks
+
+        _FORKS.append(CliForks().__enter__())
+    return _FORKS[0]
+
+
+def pytest_unconfigure(config):
+    while _FORKS:
+        _FORKS.pop().__exit__(None, None, None)
+
+
 def run_cli(args, ranks: int = 1, backend: str = "ring", timeout: int = 180, env: dict = None) -> subprocess.CompletedProcess:
     """Run run_trinity.py as `ranks` real processes: a ring of the ring backend started
     by our launcher ("ring") or by `mlx.launch` ("mlx.launch"), `mlx.launch` with the
     MPI backend ("mlx-mpi", Open MPI 5 from PyPI), or the system's `mpirun` directly
-    ("mpirun"). `env`: added to the environment of every process."""
+    ("mpirun"). `env`: added to the environment of every process. One rank with no `env` of its
+    own runs as a fork of a process that has imported distributed.cli (cli_forks.py): the same
+    main, status and output, without a second or two of imports each time."""
+    if ranks == 1 and env is None:
+        return _forks().run(args, timeout)  # the same main in a process of its own (cli_forks.py)
     if ranks == 1:
         cmd = [sys.executable, RUN, *args]
     elif backend == "mpirun":

@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 
-from cli_forks import CliForks
 from conftest import ROOT, run_cli, run_json
 from draft_checkpoint import truncated_draft
 from distributed.command_line import parse_settings
@@ -87,15 +86,6 @@ def _broken_copy(src, dst, remove_file=None, config_update=None):
     return dst
 
 
-@pytest.fixture(scope="module")
-def cli():
-    """One-process runs that fail before serving, each a fork of one process that imported
-    distributed.cli (cli_forks.py): the same main, exit status and output, without paying the
-    imports again for every refusal."""
-    with CliForks() as forks:
-        yield forks
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -115,22 +105,22 @@ def cli():
         (["--prefix-cache-bytes", "-1"], "--prefix-cache-bytes must be >= 0, got -1"),
     ],
 )
-def test_bad_arguments_exit_nonzero_naming_the_cause(cli, hf_checkpoint, args, message):
-    proc = cli.run(["--model", str(hf_checkpoint), "--prompt-ids", "1,2,3,4,5,6,7", *args])
+def test_bad_arguments_exit_nonzero_naming_the_cause(hf_checkpoint, args, message):
+    proc = run_cli(["--model", str(hf_checkpoint), "--prompt-ids", "1,2,3,4,5,6,7", *args])
     assert proc.returncode != 0
     assert message in proc.stderr
     assert proc.stdout == ""
 
 
-def test_missing_model_and_unknown_model_type(cli, hf_checkpoint, tmp_path):
-    proc = cli.run(["--model", str(tmp_path / "nope"), "--prompt", "hi"])
+def test_missing_model_and_unknown_model_type(hf_checkpoint, tmp_path):
+    proc = run_cli(["--model", str(tmp_path / "nope"), "--prompt", "hi"])
     assert proc.returncode != 0 and f"error: --model {tmp_path / 'nope'}: no such folder" in proc.stderr
     bad = _broken_copy(hf_checkpoint, tmp_path / "llama", config_update={"model_type": "llama"})
-    proc = cli.run(["--model", str(bad), "--prompt", "hi"])
+    proc = run_cli(["--model", str(bad), "--prompt", "hi"])
     assert proc.returncode != 0 and "unsupported model_type 'llama'" in proc.stderr
 
 
-def test_model_that_is_not_a_checkpoint_folder(cli, hf_checkpoint, tmp_path):
+def test_model_that_is_not_a_checkpoint_folder(hf_checkpoint, tmp_path):
     """A newcomer's first tries: the config file itself, a folder without config.json,
     a config.json without the model's sizes (mlx-lm would take Trinity-Mini's)."""
     (tmp_path / "partial").mkdir()
@@ -144,13 +134,13 @@ def test_model_that_is_not_a_checkpoint_folder(cli, hf_checkpoint, tmp_path):
                                "(every afmoe config.json has them)"),
     ]
     for model, line in cases:
-        proc = cli.run(["--model", str(model), "--prompt", "hi"])
+        proc = run_cli(["--model", str(model), "--prompt", "hi"])
         assert proc.returncode == 2 and proc.stderr.strip() == line and proc.stdout == "", (proc.stderr, line)
 
 
-def test_missing_shard_file_single_process(cli, hf_checkpoint, tmp_path):
+def test_missing_shard_file_single_process(hf_checkpoint, tmp_path):
     bad = _broken_copy(hf_checkpoint, tmp_path / "ckpt", remove_file="model-00002-of-00003.safetensors")
-    proc = cli.run(["--model", str(bad), "--prompt", "hi", "--stages", "2"])
+    proc = run_cli(["--model", str(bad), "--prompt", "hi", "--stages", "2"])
     assert proc.returncode != 0
     assert "weight file model-00002-of-00003.safetensors is missing" in proc.stderr
 
@@ -167,8 +157,8 @@ def test_missing_shard_on_one_rank_stops_every_rank(hf_checkpoint, tmp_path):
     assert "Node with rank 0 exited with code 2" in proc.stderr or "Node with rank 1 exited with code 2" in proc.stderr
 
 
-def test_empty_text_prompt(cli, hf_checkpoint):
-    proc = cli.run(["--model", str(hf_checkpoint), "--prompt", ""])
+def test_empty_text_prompt(hf_checkpoint):
+    proc = run_cli(["--model", str(hf_checkpoint), "--prompt", ""])
     assert proc.returncode != 0 and "--prompt: the prompt is empty" in proc.stderr
 
 
@@ -181,11 +171,11 @@ def test_split_auto_plans_from_exchanged_memory(hf_checkpoint):
     assert layers[0][0] == 0 and layers[0][1] == layers[1][0] and layers[1][1] == 8
 
 
-def test_chat_refuses_what_it_cannot_do(cli, hf_checkpoint):
+def test_chat_refuses_what_it_cannot_do(hf_checkpoint):
     for extra, message in ((["--serve", "127.0.0.1:0"], "error: --chat cannot be combined with --serve"),
                            (["--json"], "error: --chat cannot be combined with --json"),
                            (["--prompt", "hi"], "argument --prompt: not allowed with argument --chat")):
-        proc = cli.run(["--model", str(hf_checkpoint), "--chat", *extra])
+        proc = run_cli(["--model", str(hf_checkpoint), "--chat", *extra])
         assert proc.returncode == 2 and message in proc.stderr and proc.stdout == "", proc.stderr
 
 

@@ -35,19 +35,20 @@ cache_creation_input_tokens 0 (entries are stored without being asked for). Erro
 Anthropic's {"type": "error", "error": {"type", "message"}}, with the status the server
 gives (503 while loading or the ring is down: overloaded_error, not Anthropic's 529).
 
-What a client gets back (MessageReply): the Message, or its server-sent events, made from
-the OpenAI reply of its one choice. Where the checkpoint
+What a client gets back (MessageReply): the Message, or its server-sent events, rendered from
+the typed reply of its one choice (protocol.Reply). Where the checkpoint
 thinks (think tokens), the reasoning comes first as a `thinking` block (streamed as
 thinking_delta; its `signature` is empty: nothing here signs or checks one).
 """
 
 import json
+import uuid
 from typing import Any, Optional
 
 from ..runtime.request import RequestError
 from .chat_format import chat_ids, place_system
 from .openai_api import Adapter, Number, adapted, chat_prompt
-from .protocol import ApiError, FieldPolicy, Typed, check_fields, parse, sse
+from .protocol import ApiError, FieldPolicy, Reply, ToolCall, Typed, Usage, check_fields, parse, sse
 from .tools import chat_messages
 
 PROMPT = ("model", "messages", "system", "tools", "tool_choice", "output_config", "thinking", "context_management")
@@ -439,16 +440,14 @@ def count_tokens(body: dict, scheduler, tokenizer, info):
     return 200, {"input_tokens": len(ids)}
 
 
-def _usage(usage: dict) -> dict:
-    cached = usage["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+def _usage(usage: Usage) -> dict:
+    return {"input_tokens": usage.prompt - usage.cached, "output_tokens": usage.completion,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached}
 
 
-def _tool_use(call: dict) -> dict:
-    arguments = call["function"]["arguments"]
-    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
-            "input": json.loads(arguments) if arguments else {}}
+def _tool_use(call: ToolCall) -> dict:
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+            "input": json.loads(call.arguments) if call.arguments else {}}
 
 
 def _thinking_block(text: str) -> dict:
@@ -456,13 +455,13 @@ def _thinking_block(text: str) -> dict:
 
 
 class MessageReply:
-    """The Message (or its events) made from the OpenAI reply of its one choice."""
+    """The Message (or its events) made from the reply of its one choice."""
 
     content_type = "text/event-stream"
 
-    def __init__(self, reply, request: MessagesRequest):
+    def __init__(self, reply: Reply, request: MessagesRequest):
         self.reply = reply
-        self.id = "msg_" + reply.id.split("-", 1)[1]
+        self.id = "msg_" + uuid.uuid4().hex
         self.blocks = 0  # blocks started
         self.open = None  # the type of the last one while it is not stopped
 
@@ -470,22 +469,22 @@ class MessageReply:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.reply.model, "content": content,
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
-    def _stop_reason(self, finish: str):
-        """(stop_reason, stop_sequence) of an OpenAI finish reason."""
-        if finish == "tool_calls":
+    def _stop_reason(self) -> tuple:
+        """(stop_reason, stop_sequence) of the choice's finish."""
+        choice = self.reply.choices[0]
+        if choice.finish == "tool_calls":
             return "tool_use", None
-        if finish == "length":
+        if choice.finish == "length":
             return "max_tokens", None
-        hit = self.reply.choices[0].stop_sequence  # the runtime names the stop string that ended it
+        hit = choice.stop_sequence  # the runtime names the stop string that ended it
         return ("stop_sequence", hit) if hit else ("end_turn", None)
 
-    def whole(self, openai_whole: dict) -> dict:
-        choice = openai_whole["choices"][0]
-        message = choice["message"]
-        content = [_thinking_block(message["reasoning_content"])] if message.get("reasoning_content") else []
-        content += [{"type": "text", "text": message["content"]}] if message["content"] else []
-        content += [_tool_use(call) for call in message.get("tool_calls") or []]
-        return self._message(content, *self._stop_reason(choice["finish_reason"]), _usage(openai_whole["usage"]))
+    def whole(self) -> dict:
+        d = self.reply.choices[0].whole()
+        content = [_thinking_block(d.reasoning)] if d.reasoning else []
+        content += [{"type": "text", "text": d.text}] if d.text else []
+        content += [_tool_use(call) for call in d.calls]
+        return self._message(content, *self._stop_reason(), _usage(self.reply.usage()))
 
     def _start(self, block: dict) -> list:
         frames = self._stop()
@@ -503,26 +502,25 @@ class MessageReply:
         self.open = None
         return [sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
 
-    def opening(self, chunks) -> list:
+    def opening(self) -> list:
         """message_start (the prompt's tokens; what the cache restored comes in message_delta) and a ping."""
         usage = {"input_tokens": len(self.reply.plan.requests[0].prompt_ids), "output_tokens": 0,
                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
         return [sse("message_start", {"type": "message_start", "message": self._message([], None, None, usage)}),
                 sse("ping", {"type": "ping"})]
 
-    def add(self, chunks) -> list:
+    def add(self, deltas) -> list:
         frames = []
-        for chunk in chunks:
-            delta = chunk["choices"][0]["delta"]
-            if delta.get("reasoning_content"):
+        for d in deltas:
+            if d.reasoning:
                 if self.open != "thinking":
                     frames += self._start(_thinking_block(""))
-                frames.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
-            if delta.get("content"):
+                frames.append(self._delta({"type": "thinking_delta", "thinking": d.reasoning}))
+            if d.text:
                 if self.open != "text":
                     frames += self._start({"type": "text", "text": ""})
-                frames.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-            for call in delta.get("tool_calls") or []:  # each call comes whole
+                frames.append(self._delta({"type": "text_delta", "text": d.text}))
+            for call in d.calls:  # each call comes whole
                 block = _tool_use(call)
                 frames += self._start({**block, "input": {}})
                 frames.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
@@ -530,8 +528,7 @@ class MessageReply:
         return frames
 
     def closing(self) -> list:
-        choice = self.reply.choices[0]
-        stop_reason, stop_sequence = self._stop_reason(choice.finish)
+        stop_reason, stop_sequence = self._stop_reason()
         return self._stop() + [
             sse("message_delta", {"type": "message_delta",
                                   "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},

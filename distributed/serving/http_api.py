@@ -43,7 +43,7 @@ from . import anthropic_api, ollama_api, openapi, pages, responses_api
 from .http_server import BODY_TIMEOUT_S, ClientGone, Exchange, Workers, serve_http
 from .openai_api import Completion, param_of, parse_body, plan, prompt_count
 from .options import ALLOWED_HOSTS_ENV, ServeOptions, split_address
-from .protocol import ApiError
+from .protocol import ApiError, Reply
 from .request_log import RequestLog
 from .sealed import Sealer
 from .status import status_document
@@ -259,8 +259,8 @@ class _Handler:
         try:
             for generation in run.requests:  # one per choice
                 handles.append(submit(scheduler, generation, run))
-            reply = self._trace.reply = Completion(run, info.model_id, tokenizer)  # its usage: the access log's
-            self._stream(handles, reply) if run.stream else self._whole(handles, reply)
+            reply = self._trace.follow(Reply(run, info.model_id, tokenizer))  # its usage: the access log's
+            self._stream(handles, Completion(reply)) if run.stream else self._whole(handles, Completion(reply))
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}", "rate_limit_exceeded") from None
         except RingUnavailable as e:
@@ -271,8 +271,8 @@ class _Handler:
 
     def _adapted(self, adapter, body: dict, scheduler, tokenizer, info):
         """An API served over chat completions (ADAPTED_ROUTES): its body parsed into its typed
-        request and the chat (or completions) request that becomes, its reply made from the
-        OpenAI one, event by event."""
+        request and the chat (or completions) request that becomes, its reply rendered from the
+        typed one, event by event."""
         try:
             request, chat = adapter.parse(body, info, tokenizer)  # its errors name the API's fields
         except RequestError as e:
@@ -285,29 +285,24 @@ class _Handler:
         handle = None
         try:
             handle = submit(scheduler, run.requests[0], run, adapter.param)
-            reply = self._trace.reply = Completion(run, info.model_id, tokenizer)
+            reply = self._trace.follow(Reply(run, info.model_id, tokenizer))
             out, choice = adapter.reply(reply, request), reply.choices[0]
             if not run.stream:
-                choice.opening()
-                for event in self._trace.events(handle):
-                    if self.x.gone.is_set():
-                        raise ClientGone("the client went away")
-                    choice.add(event)
-                if reply.error:
-                    raise _down(reply.error)
-                return self._send_json(200, out.whole(reply.whole()))
+                self._take(reply, [handle])
+                return self._send_json(200, out.whole())
             self._open_stream(out.content_type)
-            self._chunk(out.opening(choice.opening()))
+            choice.opening()
+            self._chunk(out.opening())
             idle = keepalive_s() if out.content_type == "text/event-stream" else None  # NDJSON has no comments
             for event in self._trace.events(handle, idle):
                 if event is None:
                     self._chunk([KEEPALIVE])
                     continue
-                chunks = choice.add(event)
+                deltas = choice.add(event)
                 if choice.error:
                     self._chunk([out.failure(self._error_body(_down(choice.error)))])
                     break
-                self._chunk(out.add(chunks))
+                self._chunk(out.add(deltas))
             else:
                 self._chunk(out.closing())
             self.x.end()
@@ -329,7 +324,8 @@ class _Handler:
         if data:
             self.x.write(data)
 
-    def _whole(self, handles, reply):
+    def _take(self, reply: Reply, handles) -> None:
+        """Every event of each choice, for a whole (not streamed) answer; a failed one is its error."""
         for choice, handle in zip(reply.choices, handles):
             choice.opening()
             for event in self._trace.events(handle):
@@ -338,26 +334,29 @@ class _Handler:
                 choice.add(event)
         if reply.error:
             raise _down(reply.error)
-        self._send_json(200, reply.whole())
 
-    def _stream(self, handles, reply):
+    def _whole(self, handles, completion: Completion):
+        self._take(completion.reply, handles)
+        self._send_json(200, completion.whole())
+
+    def _stream(self, handles, completion: Completion):
         self._open_stream("text/event-stream")
-        for choice, handle in zip(reply.choices, handles):  # choices one after the other, each with its index
-            self._events(choice.opening())
+        for choice, handle in zip(completion.reply.choices, handles):  # one after the other, each with its index
+            self._events(completion.opening(choice))
             for event in self._trace.events(handle, keepalive_s()):
                 if event is None:
                     self._chunk([KEEPALIVE])
                     continue
-                chunks = choice.add(event)
+                deltas = choice.add(event)
                 if choice.error:
                     self._events([_down(choice.error).body()])  # the `openai` package raises APIError on it
                     break
-                self._events(chunks)
+                self._events(completion.chunks(choice, deltas))
             if choice.error:
                 break
         else:
-            if reply.plan.include_usage:
-                self._events([reply.usage_chunk()])
+            if completion.reply.plan.include_usage:
+                self._events([completion.usage_chunk()])
             self._events(["[DONE]"])
         self.x.end()
 

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from ..runtime.request import RequestError
 from .openai_api import Adapter, adapted
-from .protocol import ApiError, FieldPolicy, Typed, check_fields, ndjson, parse
+from .protocol import ApiError, FieldPolicy, Reply, ToolCall, Typed, check_fields, ndjson, parse
 
 # Ollama option -> the chat-completions field(s) it becomes (repeat_last_n: llama.cpp's one window for all penalties).
 OPTIONS = {"temperature": ("temperature",), "top_p": ("top_p",), "top_k": ("top_k",), "min_p": ("min_p",),
@@ -333,11 +333,11 @@ def _param(generate: bool):
 
 
 class OllamaReply:
-    """What an Ollama client gets, made from the OpenAI reply of the one choice."""
+    """What an Ollama client gets, rendered from the typed reply (protocol.Reply) of its one choice."""
 
     content_type = "application/x-ndjson"
 
-    def __init__(self, reply, request: OllamaRequest, chat: bool):
+    def __init__(self, reply: Reply, request: OllamaRequest, chat: bool):
         self.reply, self.model, self.chat = reply, request.model, chat
         self.start = time.perf_counter_ns()
 
@@ -349,54 +349,39 @@ class OllamaReply:
         return {"model": self.model, "created_at": _now(), "response": text,
                 **({"thinking": thinking} if thinking else {}), **done}
 
-    def _done(self, finish, usage: dict) -> dict:
-        choice = self.reply.choices[0]  # its events' times, for the durations
-        first, last = choice.first_ns or self.start, choice.last_ns or self.start
-        return {"done": True, "done_reason": "length" if finish == "length" else "stop",
+    def _done(self) -> dict:
+        choice, usage = self.reply.choices[0], self.reply.usage()
+        first, last = choice.first_ns or self.start, choice.last_ns or self.start  # its events' times
+        return {"done": True, "done_reason": "length" if choice.finish == "length" else "stop",
                 "total_duration": time.perf_counter_ns() - self.start, "load_duration": 0,
-                "prompt_eval_count": usage["prompt_tokens"], "prompt_eval_duration": first - self.start,
-                "eval_count": usage["completion_tokens"], "eval_duration": last - first}
+                "prompt_eval_count": usage.prompt, "prompt_eval_duration": first - self.start,
+                "eval_count": usage.completion, "eval_duration": last - first}
 
-    def opening(self, chunks) -> list:
+    def opening(self) -> list:
         return []  # Ollama's stream has no opening line (the role comes with each message)
 
-    def add(self, chunks) -> list:
-        frames = []
-        for chunk in chunks:
-            part = chunk["choices"][0]
-            delta = part.get("delta", {})
-            text, calls = (delta.get("content") or "", delta.get("tool_calls") or []) if self.reply.plan.chat \
-                else (part["text"], [])  # raw generate: a completion's chunk
-            thinking = delta.get("reasoning_content") or ""
-            if text or calls or thinking:
-                frames.append(ndjson(self._line(text, calls, thinking, done=False)))
-        return frames
+    def add(self, deltas) -> list:
+        return [ndjson(self._line(d.text, d.calls, d.reasoning, done=False)) for d in deltas
+                if d.text or d.calls or d.reasoning]
 
     def closing(self) -> list:
-        return [ndjson(self._line("", **self._done(self.reply.choices[0].finish, self.reply.usage())))]
+        return [ndjson(self._line("", **self._done()))]
 
     def failure(self, error_body: dict) -> bytes:
         return ndjson(error_body)  # the `ollama` package raises ResponseError on a line with "error"
 
-    def whole(self, openai_whole: dict) -> dict:
-        choice = openai_whole["choices"][0]
-        thinking = ""
-        if self.reply.plan.chat:
-            text, calls = choice["message"].get("content") or "", choice["message"].get("tool_calls") or []
-            thinking = choice["message"].get("reasoning_content") or ""
-        else:
-            text, calls = choice["text"], []
-        return self._line(text, calls, thinking, **self._done(choice["finish_reason"], openai_whole["usage"]))
+    def whole(self) -> dict:
+        d = self.reply.choices[0].whole()
+        return self._line(d.text, d.calls, d.reasoning, **self._done())
 
 
-def _call(call: dict) -> dict:
-    """An OpenAI tool call as Ollama shapes it: arguments an object, no id."""
-    arguments = call["function"]["arguments"]
+def _call(call: ToolCall) -> dict:
+    """A tool call as Ollama shapes it: arguments an object, no id."""
     try:
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        arguments = json.loads(call.arguments)
     except ValueError:
         arguments = {}  # the parser's calls are JSON; this keeps Ollama's type if one is not
-    return {"function": {"name": call["function"]["name"], "arguments": arguments}}
+    return {"function": {"name": call.name, "arguments": arguments}}
 
 
 def _error(e: ApiError) -> dict:

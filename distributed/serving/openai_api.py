@@ -13,8 +13,8 @@ clamp ended the reply.
 The other APIs (Responses, Messages, Ollama: Adapter) parse their own bodies into a ChatRequest
 (or a CompletionRequest), planned here like any other.
 
-The reply, whole or as stream chunks, is built from the scheduler's events, one Choice per
-generation.
+The reply, whole or as stream chunks (Completion), is rendered from the typed reply
+(protocol.Reply: a Choice per generation, the Deltas its events make, the Usage).
 
 Logprobs follow OpenAI's two formats: completions' (`tokens`, `token_logprobs`,
 `top_logprobs` as {token: logprob} holding the top N and the chosen token,
@@ -22,9 +22,9 @@ Logprobs follow OpenAI's two formats: completions' (`tokens`, `token_logprobs`,
 null logprobs, as OpenAI and vLLM answer) and chat's (`content`: a list of
 {token, logprob, bytes, top_logprobs}).
 
-Chat replies are split by ReplySplitter: where the checkpoint thinks, the reasoning
-comes in `reasoning_content` (the message's, and streamed deltas', as vLLM and
-DeepSeek send it) and usage counts its tokens (`completion_tokens_details`).
+Where the checkpoint thinks, a chat reply's reasoning comes in `reasoning_content` (the message's,
+and streamed deltas', as vLLM and DeepSeek send it) and usage counts its tokens
+(`completion_tokens_details`).
 """
 
 import json
@@ -33,11 +33,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Union
 
-from ..runtime.request import MAX_TOP_LOGPROBS, GenerationRequest, PromptEvent, RequestError, TokenEvent
-from .chat_format import ModelInfo, ReplySplitter, build_request, chat_ids, prompt_ids, reply_prompt
+from ..runtime.request import MAX_TOP_LOGPROBS, GenerationRequest, RequestError
+from .chat_format import ModelInfo, build_request, chat_ids, prompt_ids
 from .constraints import allowed_tools, forced_tools, response_grammar, strict_calls_grammar, tool_call_grammar
-from .protocol import ApiError, FieldPolicy, Typed, check_fields, parse
-from .tools import chat_messages, custom_input, custom_names, request_tools
+from .protocol import ApiError, Choice, Delta, FieldPolicy, Reply, ToolCall, Typed, check_fields, parse
+from .tools import chat_messages, custom_names, request_tools
 
 # Extensions beyond OpenAI's fields (mlx-lm's server takes the same names).
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_context_size",
@@ -334,181 +334,99 @@ def param_of(error: RequestError, request: Optional[CompletionRequest]) -> str:
     return renamed.get(error.field, error.field)
 
 
-class TokenLogprob:
-    """One token's logprobs: its id, logprob (None: the first prompt token), alternatives, text offset."""
-
-    __slots__ = ("token_id", "logprob", "top", "offset")
-
-    def __init__(self, token_id: int, logprob: Optional[float], top, offset: int):
-        self.token_id, self.logprob, self.top, self.offset = token_id, logprob, top, offset
-
-
-class Choice:
-    """One generation's state as its events arrive; each step returns stream chunks."""
-
-    def __init__(self, reply: "Completion", index: int, echo: Optional[str], scored: bool):
-        self.reply, self.index, self.echo = reply, index, echo
-        request = reply.plan.requests[index]
-        prompt = request.prompt_ids if reply.plan.lazy else reply_prompt(request)  # a lazy grammar binds later
-        # chat: the reply split into reasoning, content and tool calls (completions are text as it comes)
-        self.split = ReplySplitter(reply.tokenizer, reply.plan.tools, prompt) if reply.plan.chat else None
-        self.echo_waits = echo is not None and scored  # the echo goes out with the prompt's logprobs
-        self.text, self.reasoning, self.entries, self.calls = [], [], [], []
-        self.reasoning_tokens = 0  # tokens generated while the reply was reasoning (their </think> too)
-        self.offset = 0  # text_offset of the next entry
-        self.finish = self.error = self.stop_sequence = None
-        self.usage = (0, 0, 0)  # prompt, completion and cached tokens
-        self.first_ns = self.last_ns = None  # when its first and last events came (perf_counter_ns)
-
-    def opening(self) -> List[dict]:
-        """Chunks before any event: chat's role, or the echoed prompt."""
-        if self.reply.plan.chat:
-            return [self._chunk({"delta": {"role": "assistant", "content": ""}})]
-        if self.echo is not None and not self.echo_waits:
-            return self._text(self.echo, [])
-        return []
-
-    def add(self, event) -> List[dict]:
-        """Take one event; returns the chunks it makes."""
-        self.last_ns = time.perf_counter_ns()
-        self.first_ns = self.first_ns or self.last_ns
-        logprobs = self.reply.plan.logprobs is not None
-        if isinstance(event, PromptEvent):
-            entries = [self._entry(*e) for e in zip(event.token_ids, event.logprobs, event.top_logprobs)] \
-                if logprobs and self.echo is not None else []
-            return self._text(self.echo or "", entries) if self.echo_waits else []
-        if isinstance(event, TokenEvent):
-            entries = [self._entry(event.token_id, event.logprob, event.top_logprobs or [])] if logprobs else []
-            self.reasoning_tokens += self.split is not None and self.split.state == "reasoning"
-            return self._text(event.text, entries)
-        self.error = event.error if event.finish_reason == "error" else None
-        self.stop_sequence = event.stop_sequence  # the Messages API names it
-        self.usage = (event.prompt_tokens, event.completion_tokens, event.cached_tokens)
-        chunks = self._text(event.text, [])
-        reasoning, tail, calls = self.split.finish() if self.split else ("", "", [])
-        self.finish = "length" if event.finish_reason == "length" else "stop"  # "cancelled": nobody listens
-        if self.calls or calls:
-            self.finish = "tool_calls" if self.finish == "stop" else self.finish
-        return chunks + self._content(tail, calls, [], self.finish, reasoning)
-
-    def _entry(self, token_id: int, logprob: Optional[float], top) -> TokenLogprob:
-        """Offsets add up the tokens' own texts, from the choice's start (as vLLM counts them)."""
-        entry = TokenLogprob(token_id, logprob, top, self.offset)
-        self.offset += len(self.reply.token(token_id))
-        return entry
-
-    def _text(self, text: str, entries: List[TokenLogprob]) -> List[dict]:
-        calls, reasoning = [], ""
-        if self.split is not None:
-            reasoning, text, calls = self.split.feed(text)
-        return self._content(text, calls, entries, None, reasoning)
-
-    def _content(self, text: str, calls: List[dict], entries: List[TokenLogprob], finish, reasoning: str = "") -> List[dict]:
-        calls = [self._custom(c) if c["function"]["name"] in self.reply.plan.custom else c for c in calls]
-        self.text.append(text)
-        self.reasoning.append(reasoning)
-        self.entries += entries
-        self.calls += calls
-        if not (text or calls or entries or finish or reasoning):
-            return []
-        if not self.reply.plan.chat:
-            return [self._chunk({"text": text}, entries, finish)]
-        delta = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": text} if text else {}),
-                 **({"tool_calls": calls} if calls else {})}
-        return [self._chunk({"delta": delta}, entries, finish)]
-
-    @staticmethod
-    def _custom(call: dict) -> dict:
-        """A call to a custom tool as OpenAI sends it: its input, the string argument."""
-        custom = {"name": call["function"]["name"], "input": custom_input(call["function"]["arguments"])}
-        return {"index": call["index"], "id": call["id"], "type": "custom", "custom": custom}
-
-    def _chunk(self, part: dict, entries=(), finish=None) -> dict:
-        """One stream chunk: `part` is the choice's text (completions) or delta (chat)."""
-        choice = {"index": self.index, **part, "logprobs": self.reply.logprobs(entries) if entries else None,
-                  "finish_reason": finish}
-        return self.reply.frame("chat.completion.chunk" if self.reply.plan.chat else "text_completion", [choice])
-
-    def whole(self) -> dict:
-        text = "".join(self.text)
-        out = {"index": self.index}
-        if self.reply.plan.chat:
-            calls = [{k: v for k, v in c.items() if k != "index"} for c in self.calls]
-            reasoning = "".join(self.reasoning)
-            out["message"] = {"role": "assistant", "content": text if text or not calls else None,
-                              **({"tool_calls": calls} if calls else {}), "refusal": None,
-                              **({"reasoning_content": reasoning or None} if self.split.thinks else {})}
-        else:
-            out["text"] = text
-        return {**out, "logprobs": self.reply.logprobs(self.entries), "finish_reason": self.finish}
-
-
 class Completion:
-    """A completion's choices and the frames around them."""
+    """The JSON an OpenAI client gets for a Reply: stream chunks (one per Delta), the whole reply,
+    usage, in completions' or chat's shape."""
 
-    def __init__(self, plan: CompletionPlan, model: str, tokenizer):
-        self.plan, self.model, self.tokenizer = plan, model, tokenizer
-        self.id = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
+    def __init__(self, reply: Reply):
+        self.reply, self.chat = reply, reply.plan.chat
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self._tokens = {}
-        self.choices = [Choice(self, i, echo, r.prompt_logprobs)
-                        for i, (echo, r) in enumerate(zip(plan.echo or [None] * len(plan.requests), plan.requests))]
-
-    @property
-    def error(self) -> Optional[str]:
-        return next((c.error for c in self.choices if c.error), None)
 
     def frame(self, kind: str, choices: List[dict]) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.reply.model, "choices": choices}
 
-    def usage(self) -> dict:
-        firsts = {}  # a prompt counts once, however many choices it has
-        for prompt, choice in zip(self.plan.prompts, self.choices):
-            firsts.setdefault(prompt, choice)
-        prompt = sum(c.usage[0] for c in firsts.values())
-        completion = sum(c.usage[1] for c in self.choices)
-        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-               "prompt_tokens_details": {"cached_tokens": sum(c.usage[2] for c in firsts.values())}}
-        if self.plan.chat and self.tokenizer.has_thinking:  # OpenAI's reasoning models count them so
-            out["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in self.choices)}
-        return out
+    def opening(self, choice: Choice) -> List[dict]:
+        """Chunks before any event: chat's role, or the echoed prompt."""
+        if self.chat:
+            return [self._chunk(choice, {"delta": {"role": "assistant", "content": ""}})]
+        return self.chunks(choice, choice.opening())
+
+    def chunks(self, choice: Choice, deltas: List[Delta]) -> List[dict]:
+        """The stream chunks of what an event added to `choice`."""
+        return [self._chunk(choice, self._part(d), d.logprobs, d.finish) for d in deltas]
+
+    def _part(self, d: Delta) -> dict:
+        if not self.chat:
+            return {"text": d.text}
+        calls = [_call(c) for c in d.calls]
+        return {"delta": {**({"reasoning_content": d.reasoning} if d.reasoning else {}),
+                          **({"content": d.text} if d.text else {}), **({"tool_calls": calls} if calls else {})}}
+
+    def _chunk(self, choice: Choice, part: dict, entries=(), finish=None) -> dict:
+        """One stream chunk: `part` is the choice's text (completions) or delta (chat)."""
+        out = {"index": choice.index, **part, "logprobs": self.logprobs(entries) if entries else None,
+               "finish_reason": finish}
+        return self.frame("chat.completion.chunk" if self.chat else "text_completion", [out])
+
+    def _whole(self, choice: Choice) -> dict:
+        d = choice.whole()
+        out = {"index": choice.index}
+        if self.chat:
+            calls = [{k: v for k, v in _call(c).items() if k != "index"} for c in d.calls]
+            out["message"] = {"role": "assistant", "content": d.text if d.text or not calls else None,
+                              **({"tool_calls": calls} if calls else {}), "refusal": None,
+                              **({"reasoning_content": d.reasoning or None} if self.reply.thinks else {})}
+        else:
+            out["text"] = d.text
+        return {**out, "logprobs": self.logprobs(d.logprobs), "finish_reason": d.finish}
 
     def whole(self) -> dict:
-        kind = "chat.completion" if self.plan.chat else "text_completion"
-        return {**self.frame(kind, [c.whole() for c in self.choices]), "usage": self.usage()}
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self.frame(kind, [self._whole(c) for c in self.reply.choices]), "usage": self.usage()}
+
+    def usage(self) -> dict:
+        u = self.reply.usage()
+        out = {"prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.prompt + u.completion,
+               "prompt_tokens_details": {"cached_tokens": u.cached}}
+        if u.reasoning is not None:  # OpenAI's reasoning models count them so
+            out["completion_tokens_details"] = {"reasoning_tokens": u.reasoning}
+        return out
 
     def usage_chunk(self) -> dict:
-        kind = "chat.completion.chunk" if self.plan.chat else "text_completion"
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self.frame(kind, []), "usage": self.usage()}
 
-    def token(self, token_id: int) -> str:
-        """A token's own text (cached: each reply decodes the same few ids again and again)."""
-        text = self._tokens.get(token_id)
-        if text is None:
-            text = self._tokens[token_id] = self.tokenizer.decode([token_id])
-        return text
-
     def logprobs(self, entries) -> Optional[dict]:
-        if self.plan.logprobs is None:
+        if self.reply.plan.logprobs is None:
             return None
-        if self.plan.chat:
+        token = self.reply.token
+        if self.chat:
             def item(token_id, logprob):
-                token = self.token(token_id)
-                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+                text = token(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
             return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top or []]}
                                 for e in entries], "refusal": None}
-        tokens = [self.token(e.token_id) for e in entries]
+        tokens = [token(e.token_id) for e in entries]
         tops = []
-        for token, e in zip(tokens, entries):
+        for text, e in zip(tokens, entries):
             if e.top is None:
                 tops.append(None)  # the first prompt token
             else:
-                top = {self.token(i): v for i, v in e.top}
-                top.setdefault(token, e.logprob)  # OpenAI: the chosen token is always there
+                top = {token(i): v for i, v in e.top}
+                top.setdefault(text, e.logprob)  # OpenAI: the chosen token is always there
                 tops.append(top)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
                 "text_offset": [e.offset for e in entries]}
+
+
+def _call(call: ToolCall) -> dict:
+    """A call as OpenAI sends it: a function's, or a custom tool's with its input."""
+    if call.custom:
+        return {"index": call.index, "id": call.id, "type": "custom", "custom": {"name": call.name, "input": call.arguments}}
+    return {"index": call.index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def adapted(fields: dict, info: ModelInfo, ignored, param: Callable, chat: bool = True) -> CompletionRequest:
@@ -532,19 +450,18 @@ class Adapter:
     - `parse(body, info, tokenizer) -> (request, chat)`: the API's body parsed once into its typed
       request, and the ChatRequest (or CompletionRequest) it becomes (adapted()); RequestError and
       ApiError name the API's own fields;
-    - `reply(openai_reply, request) -> AdaptedReply`: what the client gets, made from the
-      OpenAI reply (Completion) of its one choice;
+    - `reply(reply, request) -> AdaptedReply`: what the client gets, made from the typed reply
+      (protocol.Reply) of its one choice;
     - `param(name) -> str`: the API's name for a chat-completions field an error names.
 
     An AdaptedReply has
     - `content_type`: of the stream ("text/event-stream", "application/x-ndjson");
-    - `opening(chunks) -> [bytes]`: the stream's first frames (`chunks`: the OpenAI
-      chunks of Choice.opening());
-    - `add(chunks) -> [bytes]`: the frames for the OpenAI chunks one event made
-      (Choice.add(event): reasoning, text and tool-call deltas, the finish);
+    - `opening() -> [bytes]`: the stream's first frames;
+    - `add(deltas) -> [bytes]`: the frames for what one event added (Choice.add(event): the
+      Deltas' reasoning, text and tool calls, the finish);
     - `closing() -> [bytes]`: the last frames, after the finish;
     - `failure(error_body) -> bytes`: the frame that ends a stream whose generation failed;
-    - `whole(openai_whole) -> dict`: the non-streamed answer, from Completion.whole().
+    - `whole() -> dict`: the non-streamed answer.
 
     Frames are whole: an SSE event (protocol.sse) or an NDJSON line (protocol.ndjson).
     """

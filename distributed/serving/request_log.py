@@ -247,7 +247,7 @@ class Trace:
         self.first: Optional[float] = None  # when its first token came
         self.finishes: List[FinishEvent] = []
         self.handles = 0  # read so far
-        self.reply = None  # HTTP: the OpenAI reply (openai_api.Completion), whose usage the client is told
+        self.reply = None  # HTTP: the typed reply (protocol.Reply), whose usage the client is told
         self.reasoning_tokens = 0  # gRPC with separate_reasoning: of the completion tokens, the reasoning's
         self.ignored: List[str] = []  # client fields accepted with no effect (an HTTP reply's plan has its own)
         self.clamped: List[str] = []  # client limits held to what the server allows
@@ -277,25 +277,31 @@ class Trace:
                 self.finishes.append(event)
             yield event
 
+    def follow(self, reply):
+        """An HTTP request's reply (protocol.Reply): the log counts its usage and names what its plan
+        ignored and clamped. Returns it."""
+        self.reply = reply
+        return reply
+
     def tokens(self) -> Tuple[int, int, int]:
         """(prompt, cached, completion) tokens, as the client is told them."""
         if self.reply is not None:
             usage = self.reply.usage()
-            return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]
+            return usage.prompt, usage.cached, usage.completion
         return tuple(sum(getattr(f, name) for f in self.finishes)
                      for name in ("prompt_tokens", "cached_tokens", "completion_tokens"))
 
     def adjusted(self) -> Tuple[List[str], List[str]]:
         """(ignored, clamped) field names, each once, in the order the request gave them."""
-        plan = getattr(self.reply, "plan", None)
-        ignored = self.ignored + list(getattr(plan, "ignored", ()))
-        clamped = self.clamped + list(getattr(plan, "clamped", ()))
+        plan = self.reply.plan if self.reply is not None else None
+        ignored = self.ignored + (plan.ignored if plan else [])
+        clamped = self.clamped + (plan.clamped if plan else [])
         return list(dict.fromkeys(n for n in ignored if n)), list(dict.fromkeys(n for n in clamped if n))
 
     def reasoning(self) -> int:
         """Reasoning tokens, as the client is told them (0 where the reply is not split)."""
         if self.reply is not None:
-            return (self.reply.usage().get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+            return self.reply.usage().reasoning or 0
         return self.reasoning_tokens
 
     def end(self, status, error: Optional[str] = None) -> None:

@@ -35,7 +35,7 @@ from typing import Any, Optional
 from ..runtime.request import RequestError
 from .chat_format import place_system
 from .openai_api import Adapter, Number, adapted
-from .protocol import FieldPolicy, Typed, check_fields, parse, sse
+from .protocol import FieldPolicy, Reply, ToolCall, Typed, check_fields, parse, sse
 from .sealed import Sealer
 from .tools import CUSTOM_INPUT, custom_function, custom_input
 
@@ -360,11 +360,11 @@ def param(name: str) -> str:
 
 
 class ResponsesReply:
-    """What a Responses client gets, made from the OpenAI reply of the one choice."""
+    """What a Responses client gets, rendered from the typed reply (protocol.Reply) of its one choice."""
 
     content_type = "text/event-stream"
 
-    def __init__(self, reply, request: ResponsesRequest, sealer: Sealer):
+    def __init__(self, reply: Reply, request: ResponsesRequest, sealer: Sealer):
         self.reply, self.request, self.sealer = reply, request, sealer
         self.id, self.created = "resp_" + uuid.uuid4().hex, int(time.time())
         self.sequence = 0
@@ -386,14 +386,11 @@ class ResponsesReply:
                 "parallel_tool_calls": r.parallel_tool_calls, "text": r.text or {"format": {"type": "text"}},
                 "truncation": "disabled", "store": False, "metadata": r.metadata or {}, "usage": usage}
 
-    @staticmethod
-    def _usage(usage: dict) -> dict:
-        return {"input_tokens": usage["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-                "output_tokens": usage["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": (usage.get("completion_tokens_details") or {})
-                                          .get("reasoning_tokens", 0)},
-                "total_tokens": usage["total_tokens"]}
+    def _usage(self) -> dict:
+        usage = self.reply.usage()
+        return {"input_tokens": usage.prompt, "input_tokens_details": {"cached_tokens": usage.cached},
+                "output_tokens": usage.completion, "output_tokens_details": {"reasoning_tokens": usage.reasoning or 0},
+                "total_tokens": usage.prompt + usage.completion}
 
     def _event(self, kind: str, **data) -> bytes:
         self.sequence += 1
@@ -412,19 +409,19 @@ class ResponsesReply:
             item["encrypted_content"] = self.sealer.seal(text)  # read back when the client returns it in input
         return item
 
-    def _call(self, call: dict) -> dict:
+    def _call(self, call: ToolCall) -> dict:
         """A call as its tool's kind: a function_call (with its namespace, where the tool had one)
         or a custom tool's custom_tool_call, whose input is the string argument."""
-        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        name, arguments = call.name, call.arguments
         kind, namespace, own = self.names.get(name, ("function", None, name))
         if kind == "custom":
-            return {"type": "custom_tool_call", "id": "ctc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
+            return {"type": "custom_tool_call", "id": "ctc_" + uuid.uuid4().hex[:24], "call_id": call.id,
                     "name": own, "input": custom_input(arguments), "status": "completed"}
-        return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
+        return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call.id,
                 **({"namespace": namespace} if namespace else {}), "name": own, "arguments": arguments,
                 "status": "completed"}
 
-    def opening(self, chunks) -> list:
+    def opening(self) -> list:
         return [self._event("response.created", response=self._response("in_progress")),
                 self._event("response.in_progress", response=self._response("in_progress"))]
 
@@ -472,26 +469,24 @@ class ResponsesReply:
                             part=part),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
-    def add(self, chunks) -> list:
+    def add(self, deltas) -> list:
         frames = []
-        for chunk in chunks:
-            delta = chunk["choices"][0]["delta"]
-            if delta.get("reasoning_content"):
+        for d in deltas:
+            if d.reasoning:
                 if self.reasoning is None:
                     frames += self._open_reasoning()
-                self.reasoning.append(delta["reasoning_content"])
+                self.reasoning.append(d.reasoning)
                 frames.append(self._event("response.reasoning_text.delta", item_id=self.output[-1]["id"],
-                                          output_index=len(self.output) - 1, content_index=0,
-                                          delta=delta["reasoning_content"]))
-            if delta.get("content"):
+                                          output_index=len(self.output) - 1, content_index=0, delta=d.reasoning))
+            if d.text:
                 frames += self._close_reasoning()
                 if self.text is None:
                     frames += self._open_text()
-                self.text.append(delta["content"])
+                self.text.append(d.text)
                 frames.append(self._event("response.output_text.delta", item_id=self.output[-1]["id"],
-                                          output_index=len(self.output) - 1, content_index=0, delta=delta["content"],
+                                          output_index=len(self.output) - 1, content_index=0, delta=d.text,
                                           logprobs=[]))
-            for call in delta.get("tool_calls") or []:
+            for call in d.calls:
                 frames += self._close_reasoning() + self._close_text()
                 item = self._call(call)
                 self.output.append(item)
@@ -519,22 +514,21 @@ class ResponsesReply:
     def closing(self) -> list:
         frames = self._close_reasoning() + self._close_text()
         status = self._status(self.reply.choices[0].finish)
-        return frames + [self._event(f"response.{status}", response=self._response(status, self._usage(self.reply.usage())))]
+        return frames + [self._event(f"response.{status}", response=self._response(status, self._usage()))]
 
     def failure(self, error_body: dict) -> bytes:
         error = error_body["error"]
         return self._event("error", code=error.get("code") or error.get("type"), message=error["message"],
                            param=error.get("param"))
 
-    def whole(self, openai_whole: dict) -> dict:
-        choice = openai_whole["choices"][0]
-        message = choice["message"]
-        if message.get("reasoning_content"):
-            self.output.append(self._reasoning(message["reasoning_content"], "completed"))
-        if message.get("content") or not (message.get("tool_calls") or message.get("reasoning_content")):
-            self.output.append(self._message(message.get("content") or "", "completed"))
-        self.output += [self._call(call) for call in message.get("tool_calls") or []]
-        return self._response(self._status(choice["finish_reason"]), self._usage(openai_whole["usage"]))
+    def whole(self) -> dict:
+        d = self.reply.choices[0].whole()
+        if d.reasoning:
+            self.output.append(self._reasoning(d.reasoning, "completed"))
+        if d.text or not (d.calls or d.reasoning):
+            self.output.append(self._message(d.text, "completed"))
+        self.output += [self._call(call) for call in d.calls]
+        return self._response(self._status(d.finish), self._usage())
 
 
 ROUTE = ("POST", "/v1/responses")

@@ -62,7 +62,7 @@ def check_fields(body: dict, policy: FieldPolicy) -> List[str]:
         known = name in policy.accepted or name in policy.hints or name in policy.neutral or name in policy.refused
         if not known:
             raise RequestError(name, "unknown field")
-        if any(value is a or (type(value) is type(a) and value == a) for a in policy.absent):
+        if _same(value, policy.absent):
             continue
         if name in policy.refused:
             raise RequestError(name, policy.refused[name])
@@ -102,10 +102,9 @@ def parse(model: type, body: dict, **extra):
 
 def _kinds(annotation) -> tuple:
     """The JSON types an annotation takes: Optional[Union[int, float]] -> (int, float)."""
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is typing.Union:
-        return tuple(k for a in args for k in _kinds(a) if k is not type(None))
     origin = typing.get_origin(annotation)
+    if origin is typing.Union:
+        return tuple(k for a in typing.get_args(annotation) for k in _kinds(a) if k is not type(None))
     return (origin or annotation,)
 
 

@@ -265,7 +265,7 @@ def serve(settings: Settings, built: Loaded, front_ends: FrontEnds, stop: RankSt
              if sizes.prefix_cache_bytes else "prefix cache: off")
     info = ModelInfo(model_id=settings.model.name, vocab_size=model_args(built.config).vocab_size,
                      max_context=sizes.max_context, max_tokens_cap=front_ends.options.max_tokens_cap, ranks=ranks,
-                     max_batch=sizes.max_batch)
+                     max_batch=sizes.max_batch, kv_bits=settings.sizing.kv_bits)
     front_ends.attach(scheduler, scheduler.tokenizer, info)
     print(f"serving {info.model_id} on " + " and ".join(f.describe() for f in front_ends.started), flush=True)
     for line in sizes.lines:

@@ -142,6 +142,9 @@ def kv_arguments(p: argparse.ArgumentParser) -> None:
                    "(longer contexts in the same memory; sliding windows stay whole); default: the model's dtype")
     g.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
                    help="values per quantization group of --kv-bits (must divide the head size)")
+    g.add_argument("--quantized-kv-start", type=int, default=0, metavar="N",
+                   help="with --kv-bits: a sequence's caches stay whole until it holds N tokens, then are "
+                   "quantized (mlx-lm's quantized_kv_start)")
 
 
 def prefill_arguments(p: argparse.ArgumentParser) -> None:

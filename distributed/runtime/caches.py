@@ -35,7 +35,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
-from ..shard.kv_quant import BatchQuantizedKVCache, QuantizedKVCache, plain
+from ..shard.kv_quant import BatchQuantizedKVCache, QuantizedKVCache, plain, quantized
 from ..shard.stage import Stage
 from ..transport import Op
 from .disk_cache import BLOCK, Corrupt, DiskCache, EntryFile, chain_hashes
@@ -256,11 +256,16 @@ class SlotCaches:
             raise ValueError(f"op {op} is not a cache op")
 
     def get(self, slot: int) -> List:
-        """The caches of `slot`, fresh ones for a slot not seen before."""
+        """The caches of `slot`, fresh ones for a slot not seen before. With --quantized-kv-start,
+        its whole full-attention caches are quantized here, before the first frame after they
+        hold that many positions (mlx-lm quantizes after the step that brought them there)."""
         if slot not in self.slots:
             self.slots[slot] = self.stage.make_cache()
             self.rows_of[slot] = [slot]
-        return self.slots[slot]
+        q, caches = self.stage.kv_quantization, self.slots[slot]
+        if q and q.start and any(is_whole(c) and positions(c) >= q.start for c in caches):
+            caches[:] = [quantized(c, q.group_size, q.bits) if is_whole(c) else c for c in caches]
+        return caches
 
     def drop(self, slot: int) -> None:
         self.slots.pop(slot, None)
@@ -286,7 +291,8 @@ class SlotCaches:
         singles = [self.get(s) for s in sources]
         for s in sources:
             del self.slots[s]
-        self.slots[batch_slot] = [first.merge([c[i] for c in singles]) for i, first in enumerate(singles[0])]
+        layers = [alike([c[i] for c in singles]) for i in range(len(singles[0]))]
+        self.slots[batch_slot] = [layer[0].merge(layer) for layer in layers]
         self.rows_of[batch_slot] = [i for s in sources for i in self.rows_of.pop(s)]
 
     def prepare(self, slot: int, lengths: List[int], right_padding: List[int]) -> None:
@@ -329,8 +335,9 @@ class SlotCaches:
             return
         if not is_batch(batch):
             batch = self.slots[batch_slot] = [c.merge([c]) for c in batch]
-        for cache, new in zip(batch, moved):
-            cache.extend(new if is_batch(moved) else new.merge([new]))  # KVCache -> BatchKVCache of one row, etc.
+        for i, new in enumerate(moved):
+            batch[i], new = alike([batch[i], new if is_batch(moved) else new.merge([new])])  # KVCache -> BatchKVCache
+            batch[i].extend(new)
 
     @staticmethod
     def _take(batch: List, rows: List[int]) -> List:
@@ -483,6 +490,22 @@ class SlotCaches:
     def evaluate(self, slot: int) -> None:
         """Force the slot's pending cache updates (bounds the lazy graph between chunks)."""
         mx.eval([c.state for c in self.slots[slot]])
+
+
+def is_whole(cache) -> bool:
+    """A full-attention cache not quantized (yet)."""
+    return type(cache) in (KVCache, BatchKVCache)
+
+
+def positions(cache) -> int:
+    """The positions a full-attention cache holds (a batch's: its longest row's, with padding)."""
+    return cache._idx if isinstance(cache, BatchKVCache) else cache.offset
+
+
+def alike(caches: List) -> List:
+    """One layer's caches from several slots, all quantized where one is (--quantized-kv-start)."""
+    q = next((c for c in caches if isinstance(c, (QuantizedKVCache, BatchQuantizedKVCache))), None)
+    return [quantized(c, q.group_size, q.bits) if q and is_whole(c) else c for c in caches]
 
 
 def is_batch(caches: List) -> bool:

@@ -41,6 +41,7 @@ class ModelInfo:
     max_tokens_cap: int
     ranks: List[dict] = field(default_factory=list)  # as in run_trinity.py --json
     max_batch: int = 0  # sequences decoding together
+    kv_bits: Optional[int] = None  # --kv-bits: the full-attention caches' bits (None: whole)
 
 
 def prompt_ids(

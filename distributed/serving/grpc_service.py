@@ -196,7 +196,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             for r in rows
         ]
         return pb.ModelInfo(model_id=info.model_id, vocab_size=info.vocab_size, max_context=info.max_context,
-                            max_tokens_cap=info.max_tokens_cap, ranks=ranks, max_batch=info.max_batch)
+                            max_tokens_cap=info.max_tokens_cap, ranks=ranks, max_batch=info.max_batch,
+                            kv_bits=info.kv_bits or 0)
 
 
 def _tensor_share(share: Optional[dict]) -> Optional[pb.TensorShare]:

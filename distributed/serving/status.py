@@ -3,6 +3,7 @@ what the status page (pages/) shows, for scripts too.
 
     status, reason       health's state (serving, loading, down, recovering, stopping) and why
     model, uptime_s      the served id; seconds since this server started
+    kv_bits              --kv-bits: the full-attention KV caches' bits (null: whole, the model's dtype)
     ranks                rows as run_trinity.py --json's and GetModelInfo's (rank, host, layers
                          [start, end), embed, head, peak_memory_bytes, parameter_bytes,
                          memory_bytes) plus active_memory_bytes, cache_memory_bytes (MLX's now),
@@ -47,7 +48,7 @@ def status_document(health, requests) -> dict:
     scheduler, info = metrics.scheduler, metrics.info
     doc = {
         "status": state, "reason": reason, "model": info.model_id if info else None,
-        "uptime_s": round(time.monotonic() - requests.started, 1),
+        "uptime_s": round(time.monotonic() - requests.started, 1), "kv_bits": info.kv_bits if info else None,
         "ranks": _ranks(info.ranks if info else [], scheduler, requests.recent, state),
         "requests": {"running": scheduler.running if scheduler else 0, "waiting": scheduler.waiting if scheduler else 0,
                      "max_batch": info.max_batch if info else None, "served": sum(totals["outcomes"].values()),

@@ -99,6 +99,19 @@ class BatchQuantizedKVCache(BatchKVCache):
         return tree_reduce(lambda a, x: a + x.nbytes, (self.keys, self.values), 0)
 
 
+def quantized(cache, group_size: int, bits: int):
+    """A whole full-attention cache (KVCache or BatchKVCache) as a quantized one, its positions
+    quantized as mlx-lm's KVCache.to_quantized does (--quantized-kv-start: once it holds enough)."""
+    batch = isinstance(cache, BatchKVCache)
+    out = BatchQuantizedKVCache([0], group_size, bits) if batch else QuantizedKVCache(group_size, bits)
+    if batch:
+        vars(out).update({k: v for k, v in vars(cache).items() if k not in ("keys", "values")})
+    out.offset = cache.offset
+    if cache.keys is not None:
+        out.keys, out.values = (mx.quantize(x, group_size=group_size, bits=bits) for x in (cache.keys, cache.values))
+    return out
+
+
 def plain(cache: QuantizedKVCache, j: int) -> KVCache:
     """Array j of a quantized cache's triples as a KVCache (for BatchKVCache.merge)."""
     out = KVCache()

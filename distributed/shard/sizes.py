@@ -215,6 +215,7 @@ class KVQuantization:
 
     bits: int
     group_size: int = 64
+    start: int = 0  # --quantized-kv-start: a sequence's caches are quantized once it holds this many tokens
 
     def check(self, head_dim: int) -> None:
         if self.bits not in BITS:
@@ -222,6 +223,8 @@ class KVQuantization:
         if self.group_size not in (32, 64, 128) or head_dim % self.group_size:
             raise TrinityError(f"--kv-group-size {self.group_size} must be 32, 64 or 128 and divide "
                                f"the head size {head_dim}")
+        if self.start < 0:
+            raise TrinityError(f"--quantized-kv-start must be at least 0, got {self.start}")
 
     def bytes_per_value(self, itemsize: int) -> float:
         """Bytes per cached value: the packed bits, and a scale and a bias (model dtype) per group."""
@@ -234,14 +237,14 @@ def kv_bytes_per_token(args, itemsize: int, q: Optional[KVQuantization] = None) 
     return int(values * q.bytes_per_value(itemsize)) if q else values * itemsize
 
 
-def with_kv_quantization(config: dict, bits: Optional[int], group_size: int = 64) -> dict:
+def with_kv_quantization(config: dict, bits: Optional[int], group_size: int = 64, start: int = 0) -> dict:
     """`config` with the KV cache quantized at `bits` (None: as it is), checked against its head size."""
     if bits is None:
         return config
-    KVQuantization(bits, group_size).check(model_args(config).head_dim)
-    return {**config, KEY: {"bits": bits, "group_size": group_size}}
+    KVQuantization(bits, group_size, start).check(model_args(config).head_dim)
+    return {**config, KEY: {"bits": bits, "group_size": group_size, "start": start}}
 
 
 def kv_quantization(config: dict) -> Optional[KVQuantization]:
     q = config.get(KEY)
-    return KVQuantization(q["bits"], q["group_size"]) if q else None
+    return KVQuantization(q["bits"], q["group_size"], q.get("start", 0)) if q else None

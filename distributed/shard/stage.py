@@ -50,11 +50,11 @@ class Stage(nn.Module):
         return self.lm_head(h)
 
     def make_cache(self) -> list:
-        q = self.kv_quantization
+        q = self.kv_quantization  # with a start, SlotCaches quantizes them later
         return [
             RotatingKVCache(max_size=self.args.sliding_window)
             if layer.use_sliding
-            else QuantizedKVCache(q.group_size, q.bits) if q
+            else QuantizedKVCache(q.group_size, q.bits) if q and not q.start
             else KVCache()
             for layer in self.layers
         ]

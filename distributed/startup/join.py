@@ -124,7 +124,7 @@ def start_rank(settings: Settings, group, watchdog: Optional[Watchdog] = None,
     if world > 1 and ring.stages > 1:
         raise TrinityError("--stages runs several stages in one process; do not combine it with a multi-rank launch")
     model, config_dir, config = load_config(settings.model.checkpoint)  # None: the embedded tiny model
-    config = with_kv_quantization(config, sizing.kv_bits, sizing.kv_group_size)
+    config = with_kv_quantization(config, sizing.kv_bits, sizing.kv_group_size, sizing.quantized_kv_start)
     num_layers = model_args(config).num_hidden_layers
     if ring.split == "auto":
         try:

@@ -64,6 +64,7 @@ class SizingSettings:
     prefix_cache_disk_bytes: Optional[int] = None  # None: a share of the disk (disk_cache.default_disk_bytes)
     kv_bits: Optional[int] = None  # the full-attention caches quantized (shard/kv_quant.py); None: whole
     kv_group_size: int = 64
+    quantized_kv_start: int = 0
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,8 @@ def start_tensor_rank(settings: Settings, group, watchdog, on_ready: Optional[Ca
     """start_rank (join.py) for T = group.size() > 1: rank 0's Loaded; the others serve until STOP."""
 
     model, config_dir, config = load_config(settings.model.checkpoint)
-    config = with_kv_quantization(config, settings.sizing.kv_bits, settings.sizing.kv_group_size)
+    sizing = settings.sizing
+    config = with_kv_quantization(config, sizing.kv_bits, sizing.kv_group_size, sizing.quantized_kv_start)
     try:
         check_tensor_args(settings.ring, group.size(), config)
     except TrinityError as e:  # every rank finds the same, and exits naming it

@@ -202,4 +202,5 @@ class Router:
 def model_facts(m) -> ModelInfo:
     """Rank 0's GetModelInfo (pb.ModelInfo) as the front ends' ModelInfo."""
     return ModelInfo(model_id=m.model_id, vocab_size=m.vocab_size, max_context=m.max_context,
-                     max_tokens_cap=m.max_tokens_cap, ranks=rank_rows(m), max_batch=m.max_batch)
+                     max_tokens_cap=m.max_tokens_cap, ranks=rank_rows(m), max_batch=m.max_batch,
+                     kv_bits=m.kv_bits or None)

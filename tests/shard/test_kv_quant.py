@@ -95,6 +95,87 @@ def test_a_restarted_ring_restores_quantized_entries_from_disk(checkpoint, tmp_p
     assert "disk tier: 2 loads" in log
 
 
+def late_reference(path, prompt, max_tokens, bits, start, step=8):
+    """mlx-lm's parts as generate_step runs them with quantized_kv_start (which AFMoE's sliding
+    caches stop: RotatingKVCache.to_quantized raises): the prompt but its last token in chunks of
+    `step`, then one token at a time, each full-attention KVCache turned into a QuantizedKVCache
+    by to_quantized after the call that brought it to `start` tokens or more."""
+    from mlx_lm.models.cache import KVCache
+
+    from reference import mlx_lm_model
+
+    model = mlx_lm_model(path)
+    cache = model.make_cache()
+
+    def call(tokens):
+        logits = model(mx.array(tokens)[None], cache=cache)[0, -1]
+        cache[:] = [c.to_quantized(GROUP, bits) if type(c) is KVCache and c.offset >= start else c for c in cache]
+        return logits - mx.logsumexp(logits)
+
+    for i in range(0, len(prompt) - 1, step):
+        call(prompt[i:min(i + step, len(prompt) - 1)])
+    tokens, logprobs, lp = [], [], call(prompt[-1:])
+    while len(tokens) < max_tokens:
+        token = mx.argmax(lp).item()
+        if token in EOS:
+            break
+        tokens.append(token)
+        logprobs.append(lp[token].item())
+        lp = call([token])
+    return tokens, logprobs
+
+
+def assert_late_reference(path, prompt, max_tokens, bits, start, events, bound=1e-4):
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    ref_tokens, ref_logprobs = late_reference(path, prompt, max_tokens, bits, start)
+    ids = [e.token_id for e in tokens]
+    assert ids[:len(ref_tokens)] == ref_tokens
+    assert len(ids) == len(ref_tokens) or ids[len(ref_tokens)] in EOS
+    assert max(abs(e.logprob - lp) for e, lp in zip(tokens, ref_logprobs)) < bound
+
+
+@pytest.mark.parametrize("start", [16, 48])  # in the prompt (40 tokens), in decoding
+@pytest.mark.parametrize("split", [(8,), (3, 5)])
+def test_quantized_from_a_start_equals_the_reference(checkpoint, split, start):
+    config = with_kv_quantization(read_config(checkpoint), 4, GROUP, start)
+    pipeline, _ = in_process_pipeline(checkpoint, split, config)
+    s = Scheduler(pipeline, load_tokenizer(checkpoint), prefill_step_size=8)
+    (events,) = run(s, [GenerationRequest(PROMPT, max_tokens=30)])
+    assert_late_reference(checkpoint, PROMPT, 30, 4, start, events)
+    assert late_reference(checkpoint, PROMPT, 30, 4, start)[0] != mlx_lm_greedy(checkpoint, PROMPT, 30, 8)[0]
+
+
+def test_batched_rows_quantized_from_a_start(checkpoint):
+    """Rows past the start when their prompts end are quantized at its chunk boundary, as alone;
+    a shorter one's caches are quantized when it joins them (earlier than alone: it only finishes)."""
+    config = with_kv_quantization(read_config(checkpoint), 8, GROUP, 16)
+    pipeline, _ = in_process_pipeline(checkpoint, (3, 5), config)
+    s = Scheduler(pipeline, load_tokenizer(checkpoint), prefill_step_size=8, max_batch=4)
+    results = run(s, [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, MAX_TOKENS)])
+    assert results[0][-1].finish_reason in ("length", "stop")
+    for prompt, max_tokens, events in list(zip(PROMPTS, MAX_TOKENS, results))[1:]:
+        assert_late_reference(checkpoint, prompt, max_tokens, 8, 16, events, bound=1e-3)
+
+
+def test_a_server_says_its_kv_bits(checkpoint):
+    """GetModelInfo and GET /v1/status (the status page's document) name the caches' bits."""
+    import json
+    import urllib.request
+
+    from grpc_server import SERVER_ARGS, Server, pb
+
+    server = Server(checkpoint, 1, [*SERVER_ARGS, "--kv-bits", "8", "--kv-group-size", str(GROUP),
+                                    "--http", "127.0.0.1:0"])
+    try:
+        server.wait_serving()
+        assert server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60).kv_bits == 8
+        host, port = server.http_address()
+        with urllib.request.urlopen(f"http://{host}:{port}/v1/status", timeout=60) as r:
+            assert json.loads(r.read())["kv_bits"] == 8
+    finally:
+        server.stop()
+
+
 def test_the_quantized_reference_differs_from_the_whole_one(checkpoint):
     """So the tests above tell the paths apart."""
     whole = mlx_lm_greedy(checkpoint, PROMPT, 30, 8)[0]

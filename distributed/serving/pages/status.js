@@ -86,6 +86,7 @@ function drawCounters(doc) {
     ["prefix cache on disk", prefix && prefix.disk ? prefix.disk.loads + " loads, " + prefix.disk.entries + " files, "
       + bytes(prefix.disk.bytes) : "off"],
     ["speculative acceptance", spec ? percent(spec.acceptance) + " of " + spec.drafted : "off"],
+    ["KV cache", doc.kv_bits ? doc.kv_bits + "-bit full attention" : "whole"],
     ["ring failures", doc.ring.failures],
     ["restarts", doc.ring.restarts],
   ];

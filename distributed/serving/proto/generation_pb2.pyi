@@ -186,17 +186,19 @@ class TensorShare(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., experts: _Optional[int] = ..., expert_width_start: _Optional[int] = ..., expert_width_end: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_context", "max_tokens_cap", "ranks", "max_batch")
+    __slots__ = ("model_id", "vocab_size", "max_context", "max_tokens_cap", "ranks", "max_batch", "kv_bits")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_CAP_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_context: int
     max_tokens_cap: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
     max_batch: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tokens_cap: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., max_batch: _Optional[int] = ...) -> None: ...
+    kv_bits: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tokens_cap: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., max_batch: _Optional[int] = ..., kv_bits: _Optional[int] = ...) -> None: ...

@@ -1,14 +1,21 @@
-"""The one place that decides what runs on the ring.
+"""Rank 0's loop: the thread that runs the ring (the Batcher decides what each step carries).
 
 Front ends submit requests into a bounded FIFO queue; a single thread admits
 them into the Batcher (continuous batching, up to --max-batch sequences at
 once) and drives rank 0's Pipeline, streaming events back to each request's
 handle.
+
+A burst (many clients at once) is admitted as one prefill batch: a front end counts the
+requests it is still building (`arriving`), and a loop woken from idle by the first of
+them waits for those, up to GATHER_S, before the batch's first frame goes. A request
+alone waits for nothing: nothing else is arriving.
 """
 
 import logging
 import queue
 import threading
+import time
+from contextlib import contextmanager
 from concurrent.futures import Future
 from typing import Callable, Iterator, Optional, Union
 
@@ -24,6 +31,8 @@ from .step_budget import StepBudget
 
 Event = Union[TokenEvent, FinishEvent]
 log = logging.getLogger(__name__)
+
+GATHER_S = 0.005  # at most, the wait for the rest of a burst (see above)
 
 
 class QueueFull(Exception):
@@ -94,6 +103,7 @@ class Scheduler:
         self.failure: Optional[str] = None
         self._stopping = threading.Event()
         self._active: set = set()  # handles admitted and not finished
+        self._arriving = 0  # requests front ends are building to submit (arriving())
         self._lock = threading.Lock()
 
     def start(self) -> "Scheduler":
@@ -127,6 +137,18 @@ class Scheduler:
     def running(self) -> int:
         """Requests admitted and not finished (read from any thread)."""
         return self.batcher.sequences
+
+    @contextmanager
+    def arriving(self):
+        """Around a front end's building and submitting of one request: a burst's requests
+        still being built are waited for, so that they prefill together (see above)."""
+        with self._lock:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._arriving -= 1
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue `request`; raises RequestError for token ids outside the vocabulary
@@ -246,11 +268,14 @@ class Scheduler:
     def _admit(self, block: bool) -> None:
         """Move queued requests into the batcher while it has room (waiting
         briefly for one if `block`)."""
+        gather_until = None
         while self.batcher.has_room:
             try:
-                handle = self._waiting.get(timeout=0.05) if block else self._waiting.get_nowait()
+                handle = self._next_waiting(block, gather_until)
             except queue.Empty:
                 return
+            if block:  # woken from idle: the rest of a burst may be arriving
+                gather_until = time.monotonic() + GATHER_S
             block = False
             if handle.cancelled:  # never admitted, so not kept in _active (pruned only after a step)
                 handle.emit(FinishEvent("cancelled", len(handle.request.prompt_ids), 0))
@@ -262,6 +287,22 @@ class Scheduler:
             with self._lock:
                 self._active.add(handle)
             self.batcher.add(handle)
+
+    def _next_waiting(self, block: bool, gather_until: Optional[float]) -> RequestHandle:
+        """The next queued request: waiting briefly for one if `block`, else one queued now or,
+        until `gather_until`, one that a front end is still building; queue.Empty otherwise."""
+        if block:
+            return self._waiting.get(timeout=0.05)
+        while True:
+            try:
+                return self._waiting.get_nowait()
+            except queue.Empty:
+                if gather_until is None or not self._arriving or time.monotonic() >= gather_until:
+                    raise
+            try:
+                return self._waiting.get(timeout=0.0005)
+            except queue.Empty:
+                pass
 
     def _fail_waiting(self, block: bool) -> None:
         """After a failure: answer anything still queued with the error."""

@@ -90,8 +90,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             details = context.details() if status != "OK" else None
             trace.end(status, details.decode(errors="replace") if details else None)
 
-    def _generate(self, request, context, trace: Trace):
-        scheduler, tokenizer, info = self._ready(context)
+    def _submit(self, request, context, trace: Trace, scheduler, tokenizer, info):
+        """(GenerationRequest, RequestHandle) of a Generate call, or the call aborted with why."""
         try:
             req = self._request(request, tokenizer, info, context.time_remaining())
         except RequestError as e:
@@ -99,13 +99,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if request.HasField("max_tokens") and req.max_tokens != request.max_tokens:
             trace.clamped.append("max_tokens")  # held to the cap and the context's room, as over HTTP
         try:
-            handle = scheduler.submit(req)
+            return req, scheduler.submit(req)
         except RequestError as e:  # a grammar the library rejects: named as the client set it
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.as_named(request.WhichOneof('constraint')))
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy, retry later: {e}")
         except RingUnavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the pipeline is down: {e}")
+
+    def _generate(self, request, context, trace: Trace):
+        scheduler, tokenizer, info = self._ready(context)
+        with scheduler.arriving():  # a burst's requests prefill together (runtime/scheduler.py)
+            req, handle = self._submit(request, context, trace, scheduler, tokenizer, info)
         if not context.add_callback(handle.cancel):  # client cancelled, deadline passed or server stopping
             handle.cancel()  # the RPC had already ended
         split = ReplySplitter(tokenizer, None, reply_prompt(req)) if request.separate_reasoning else None

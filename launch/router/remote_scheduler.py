@@ -10,6 +10,7 @@ Once the launcher gives up (no restarts left) or stops, every request still held
 with an error naming why, and new ones get RingUnavailable.
 """
 
+import contextlib
 import queue
 import random
 import threading
@@ -83,6 +84,10 @@ class RemoteScheduler:
     def running(self) -> int:
         """Requests rank 0 is running for us now."""
         return self._streaming()
+
+    def arriving(self):
+        """Rank 0's own front end gathers a burst (runtime/scheduler.py): nothing to wait for here."""
+        return contextlib.nullcontext()
 
     def submit(self, request: GenerationRequest) -> RemoteHandle:
         if self.failure is not None:

@@ -1,11 +1,13 @@
 """Batched admission: prompts admitted together prefill in one batch, then take their first tokens in
 the decode groups' next steps, and each request still gets exactly what it gets alone."""
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import pytest
 
+from distributed.runtime import scheduler as scheduler_module
 from distributed.runtime.prefix_cache import PrefixHooks
 from distributed.runtime.caches import SlotCaches, is_batch
 from distributed.runtime.request import FinishEvent, GenerationRequest
@@ -27,17 +29,39 @@ def test_prompts_admitted_together_prefill_in_one_batch_and_stay_exact(hf_checkp
     assert log.first_rows() == [len(PROMPTS) // len(split)] * len(split)
     ops = [o.op for o in log.ops]
     assert ops[:4] == [Op.MERGE, Op.PREPARE, Op.FINALIZE, Op.JOIN]
-    chunks = [shape for _, shape, reply, _, _ in log.prefill() if reply == Reply.ACK]
+    chunks = [s.shape for s in log.prefill() if s.reply == Reply.ACK]
     # Right-padded to the longest (69 tokens before its last) in 2-column chunks (6 rows x 2 <= 16),
     # plus one column of padding: a chunk of one column would be taken for a decode step.
     assert all(cols == 2 for _, cols in chunks) and sum(cols for _, cols in chunks) == 70
     assert all(rows * cols <= STEP for rows, cols in chunks), "a frame over the token budget"
     # Nothing decodes yet: chunks follow each other along the ring, one per rank.
-    in_ring = [len(kinds) for _, _, reply, kinds, decoding in log.prefill() if not decoding]
+    in_ring = [len(s.in_ring) for s in log.prefill() if not s.decoding]
     assert max(in_ring) == len(split) - 1
     # Then the rows join the decode groups at once, evenly.
     steps = [s.shape[0] for s in log.sends if s.slot < len(split)]
     assert steps[:len(split)] == [len(PROMPTS) // len(split)] * len(split)
+    assert_no_caches_left(scheduler.pipeline)
+
+
+def test_a_burst_still_arriving_prefills_as_one_batch(hf_checkpoint, monkeypatch):
+    """The loop woken by a burst's first request waits for the requests front ends are still
+    building (Scheduler.arriving) before the batch's first frame: the burst prefills together."""
+    monkeypatch.setattr(scheduler_module, "GATHER_S", 600.0)  # the wait ends when they have come
+    scheduler = scheduler_for(hf_checkpoint, (8,))
+    log = FrameLog(scheduler)
+    scheduler.start()
+    try:
+        with scheduler.arriving():  # the burst's other requests are being built
+            handles = [scheduler.submit(GenerationRequest(PROMPTS[0], max_tokens=6))]
+            while scheduler.waiting:  # the loop took the first: without the wait it would prefill it alone
+                time.sleep(0.001)
+            handles += [scheduler.submit(GenerationRequest(p, max_tokens=6)) for p in PROMPTS[1:]]
+        results = [list(h.events()) for h in handles]
+    finally:
+        scheduler.close()
+    for prompt, events in zip(PROMPTS, results):
+        assert_alone(hf_checkpoint, prompt, events, 6)
+    assert log.batch_rows() == [len(PROMPTS)]
     assert_no_caches_left(scheduler.pipeline)
 
 

@@ -429,11 +429,11 @@ def _call(call: ToolCall) -> dict:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def adapted(fields: dict, info: ModelInfo, ignored, param: Callable, chat: bool = True) -> CompletionRequest:
-    """The chat (or completions) request an adapter made of its API's body (`fields`, as chat
+def adapted(chat_fields: dict, info: ModelInfo, ignored, param: Callable, chat: bool = True) -> CompletionRequest:
+    """The chat (or completions) request an adapter made of its API's body (`chat_fields`, as chat
     completions names them), typed; RequestError names the API's own field (`param`)."""
     try:
-        return parse_body(fields, chat, info, ignored)
+        return parse_body(chat_fields, chat, info, ignored)
     except RequestError as e:
         raise RequestError(param(e.field), e.detail) from None
 

@@ -47,12 +47,14 @@ def run(scheduler, requests):
     return [list(h.events()) for h in handles]
 
 
-def assert_reference(path, prompt, max_tokens, bits, events, bound=1e-4):
-    """Greedy tokens as the reference's (which ends at any of reference.EOS), logprobs within `bound`.
-    A row of a batch may differ from the row alone by a float rounding in its keys (~1e-7), which
-    quantization turns into a step of the group's scale now and then: there the bound is 1e-3."""
+def assert_reference(path, prompt, max_tokens, bits, events, bound=1e-4, start=0):
+    """Greedy tokens as the reference's (which ends at any of reference.EOS), logprobs within `bound`
+    (`start`: --quantized-kv-start, late_reference's). A row of a batch may differ from the row
+    alone by a float rounding in its keys (~1e-7), which quantization turns into a step of the
+    group's scale now and then: there the bound is 1e-3."""
     tokens = [e for e in events if isinstance(e, TokenEvent)]
-    ref_tokens, ref_logprobs = mlx_lm_greedy(path, prompt, max_tokens, 8, kv_bits=bits, kv_group_size=GROUP)
+    ref_tokens, ref_logprobs = (late_reference(path, prompt, max_tokens, bits, start) if start else
+                                mlx_lm_greedy(path, prompt, max_tokens, 8, kv_bits=bits, kv_group_size=GROUP))
     ids = [e.token_id for e in tokens]
     assert ids[:len(ref_tokens)] == ref_tokens
     assert len(ids) == len(ref_tokens) or ids[len(ref_tokens)] in EOS
@@ -125,15 +127,6 @@ def late_reference(path, prompt, max_tokens, bits, start, step=8):
     return tokens, logprobs
 
 
-def assert_late_reference(path, prompt, max_tokens, bits, start, events, bound=1e-4):
-    tokens = [e for e in events if isinstance(e, TokenEvent)]
-    ref_tokens, ref_logprobs = late_reference(path, prompt, max_tokens, bits, start)
-    ids = [e.token_id for e in tokens]
-    assert ids[:len(ref_tokens)] == ref_tokens
-    assert len(ids) == len(ref_tokens) or ids[len(ref_tokens)] in EOS
-    assert max(abs(e.logprob - lp) for e, lp in zip(tokens, ref_logprobs)) < bound
-
-
 @pytest.mark.parametrize("start", [16, 48])  # in the prompt (40 tokens), in decoding
 @pytest.mark.parametrize("split", [(8,), (3, 5)])
 def test_quantized_from_a_start_equals_the_reference(checkpoint, split, start):
@@ -141,7 +134,7 @@ def test_quantized_from_a_start_equals_the_reference(checkpoint, split, start):
     pipeline, _ = in_process_pipeline(checkpoint, split, config)
     s = Scheduler(pipeline, load_tokenizer(checkpoint), prefill_step_size=8)
     (events,) = run(s, [GenerationRequest(PROMPT, max_tokens=30)])
-    assert_late_reference(checkpoint, PROMPT, 30, 4, start, events)
+    assert_reference(checkpoint, PROMPT, 30, 4, events, start=start)
     assert late_reference(checkpoint, PROMPT, 30, 4, start)[0] != mlx_lm_greedy(checkpoint, PROMPT, 30, 8)[0]
 
 
@@ -154,7 +147,7 @@ def test_batched_rows_quantized_from_a_start(checkpoint):
     results = run(s, [GenerationRequest(p, max_tokens=m) for p, m in zip(PROMPTS, MAX_TOKENS)])
     assert results[0][-1].finish_reason in ("length", "stop")
     for prompt, max_tokens, events in list(zip(PROMPTS, MAX_TOKENS, results))[1:]:
-        assert_late_reference(checkpoint, prompt, max_tokens, 8, 16, events, bound=1e-3)
+        assert_reference(checkpoint, prompt, max_tokens, 8, events, bound=1e-3, start=16)
 
 
 def test_a_server_says_its_kv_bits(checkpoint):

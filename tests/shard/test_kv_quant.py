@@ -150,23 +150,20 @@ def test_batched_rows_quantized_from_a_start(checkpoint):
         assert_reference(checkpoint, prompt, max_tokens, 8, events, bound=1e-3, start=16)
 
 
-def test_a_server_says_its_kv_bits(checkpoint):
-    """GetModelInfo and GET /v1/status (the status page's document) name the caches' bits."""
+def test_a_server_says_its_kv_bits(checkpoint, tmp_path):
+    """Through the launcher's router (rank 0's GetModelInfo, read into the router's model facts):
+    GetModelInfo and GET /v1/status (the status page's document) name the caches' bits."""
     import json
     import urllib.request
 
-    from grpc_server import SERVER_ARGS, Server, pb
+    from grpc_server import pb
+    from router_launcher import Launcher, serving
 
-    server = Server(checkpoint, 1, [*SERVER_ARGS, "--kv-bits", "8", "--kv-group-size", str(GROUP),
-                                    "--http", "127.0.0.1:0"])
-    try:
-        server.wait_serving()
-        assert server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60).kv_bits == 8
-        host, port = server.http_address()
-        with urllib.request.urlopen(f"http://{host}:{port}/v1/status", timeout=60) as r:
+    la = Launcher(checkpoint, tmp_path / "launch.log", 2, serve_args=["--kv-bits", "8", "--kv-group-size", str(GROUP)])
+    with serving(la):
+        assert la.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60).kv_bits == 8
+        with urllib.request.urlopen(f"http://{la.http}/v1/status", timeout=60) as r:
             assert json.loads(r.read())["kv_bits"] == 8
-    finally:
-        server.stop()
 
 
 def test_the_quantized_reference_differs_from_the_whole_one(checkpoint):

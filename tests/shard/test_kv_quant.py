@@ -3,11 +3,13 @@ stages, batches merged, filtered and left-padded, prefill chunks beside decode s
 trims, prefix-cache restores), held to mlx-lm's own parts: its model run by generate_step with
 KVCache.to_quantized caches on the full-attention layers from the first token."""
 
+import re
+
 import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from conftest import run_json
+from conftest import run_cli, run_json
 from distributed.runtime.memory_guard import MemoryAdmission
 from distributed.runtime.request import GenerationRequest, TokenEvent
 from distributed.runtime.scheduler import Scheduler
@@ -227,6 +229,18 @@ def test_a_memory_limit_that_refuses_a_prompt_at_16_bits_serves_it_at_8(checkpoi
     quantized = MemoryAdmission(quantized_config(checkpoint, 8), ranks, [5_000_000], chunk=8, max_context=4096)
     assert "out of memory" in whole.refusal(request).lower()
     assert quantized.refusal(request) is None
+
+
+def test_max_context_auto_counts_the_quantized_bytes():
+    """--max-context auto under a --memory-limit: the embedded model's (float32) full-attention
+    caches at 8 bits (1.25 bytes a value with group 32's scales) hold over three times the tokens."""
+    contexts = []
+    for extra in ([], ["--kv-bits", "8", "--kv-group-size", "32"]):
+        proc = run_cli(["--prompt-ids", "1,2,3", "--max-tokens", "2", "--max-context", "auto", "--memory-limit", "32M",
+                        *extra])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        contexts.append(int(re.search(r"max context: (\d+) tokens", proc.stderr).group(1)))
+    assert contexts[1] > 3 * contexts[0]
 
 
 def test_a_batch_of_quantized_caches_keeps_each_row(checkpoint):

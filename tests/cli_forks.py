@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +61,7 @@ class CliForks:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # as conftest.run_cli
         self.folder = tempfile.mkdtemp(prefix="cli-forks-")
+        self.lock = threading.Lock()  # one run at a time: a test's threads wait their turn
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env, cwd=ROOT, start_new_session=True)
         return self
@@ -67,13 +69,15 @@ class CliForks:
     def run(self, args, timeout: float = 180) -> subprocess.CompletedProcess:
         """One run, in a child killed after `timeout` s (subprocess.TimeoutExpired, as subprocess.run)."""
         out, err = Path(self.folder) / "stdout", Path(self.folder) / "stderr"
-        self.proc.stdin.write(json.dumps([[str(a) for a in args], str(out), str(err), timeout]) + "\n")
-        self.proc.stdin.flush()
-        status = self.proc.stdout.readline()
-        assert status, "the fork server is gone"
+        with self.lock:
+            self.proc.stdin.write(json.dumps([[str(a) for a in args], str(out), str(err), timeout]) + "\n")
+            self.proc.stdin.flush()
+            status = self.proc.stdout.readline()
+            assert status, "the fork server is gone"
+            stdout, stderr = out.read_text(), err.read_text()
         if int(status) == -9:
-            raise subprocess.TimeoutExpired(["run_trinity.py", *args], timeout, out.read_text(), err.read_text())
-        return subprocess.CompletedProcess(["run_trinity.py", *args], int(status), out.read_text(), err.read_text())
+            raise subprocess.TimeoutExpired(["run_trinity.py", *args], timeout, stdout, stderr)
+        return subprocess.CompletedProcess(["run_trinity.py", *args], int(status), stdout, stderr)
 
     def __exit__(self, *exc):
         self.proc.stdin.close()

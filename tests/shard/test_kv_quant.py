@@ -243,6 +243,21 @@ def test_max_context_auto_counts_the_quantized_bytes():
     assert contexts[1] > 3 * contexts[0]
 
 
+def test_a_memory_limit_that_refuses_a_prompt_whole_serves_it_at_8_bits():
+    """The embedded model under --memory-limit 11M, --max-context auto: 1,024 tokens with whole
+    caches refuse a 1,500-token prompt before prefill; at 8 bits (3,328) it runs, as mlx-lm's parts do."""
+    from distributed.shard.tiny_checkpoint import default_checkpoint
+
+    prompt = [(7 * i + 3) % 2000 + 1 for i in range(1500)]
+    args = ["--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "8", "--max-context", "auto",
+            "--memory-limit", "11M"]
+    refused = run_cli(args)
+    assert refused.returncode != 0 and "exceeds the context of 1024 tokens" in refused.stderr, refused.stderr[-2000:]
+    out = run_json([*args, "--kv-bits", "8", "--kv-group-size", "32"])
+    ref = mlx_lm_greedy(default_checkpoint(), prompt, 8, 512, kv_bits=8, kv_group_size=32)[0]
+    assert out["token_ids"][:len(ref)] == ref
+
+
 def test_a_batch_of_quantized_caches_keeps_each_row(checkpoint):
     """merge, extend, filter and extract move whole positions: each row comes back as it went in."""
     rows = []

@@ -5,10 +5,11 @@ them into the Batcher (continuous batching, up to --max-batch sequences at
 once) and drives rank 0's Pipeline, streaming events back to each request's
 handle.
 
-A burst (many clients at once) is admitted as one prefill batch: a front end counts the
-requests it is still building (`arriving`), and a loop woken from idle by the first of
-them waits for those, up to GATHER_S, before the batch's first frame goes. A request
-alone waits for nothing: nothing else is arriving.
+A burst (many clients at once) is admitted as one prefill batch: a front end's thread
+says when it starts building a request (`arriving`, which ends when that thread submits),
+and a loop woken from idle by the first of a burst waits for those still arriving, up to
+GATHER_S, before the batch's first frame goes. A request alone waits for nothing: nothing
+else is arriving.
 """
 
 import logging
@@ -103,7 +104,7 @@ class Scheduler:
         self.failure: Optional[str] = None
         self._stopping = threading.Event()
         self._active: set = set()  # handles admitted and not finished
-        self._arriving = 0  # requests front ends are building to submit (arriving())
+        self._arriving: set = set()  # front-end threads building a request to submit (arriving())
         self._lock = threading.Lock()
 
     def start(self) -> "Scheduler":
@@ -140,15 +141,16 @@ class Scheduler:
 
     @contextmanager
     def arriving(self):
-        """Around a front end's building and submitting of one request: a burst's requests
-        still being built are waited for, so that they prefill together (see above)."""
+        """Around a front end's building of a request, on its thread: until that thread submits
+        (or leaves the block), a burst's loop waits for it, so that they prefill together."""
+        me = threading.get_ident()
         with self._lock:
-            self._arriving += 1
+            self._arriving.add(me)
         try:
             yield
         finally:
             with self._lock:
-                self._arriving -= 1
+                self._arriving.discard(me)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue `request`; raises RequestError for token ids outside the vocabulary
@@ -166,6 +168,7 @@ class Scheduler:
                 raise QueueFull(f"{held} requests are already running or waiting "
                                 f"(--max-batch {self.batcher.max_batch} + --max-queue {self.max_queue})")
             self._waiting.put_nowait(handle)
+            self._arriving.discard(threading.get_ident())  # arrived
         return handle
 
     def call(self, fn: Callable[[Pipeline], object]) -> object:

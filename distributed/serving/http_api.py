@@ -25,6 +25,7 @@ chat page. Each generation request is logged and counted (request_log.py).
 """
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -188,7 +189,9 @@ class _Handler:
             scheduler, tokenizer, info = self.front.attached()
             if body is not None:
                 _check_size(body, info)
-            self._route(body, scheduler, tokenizer, info)
+            # A generation's request is arriving until it is submitted: a burst prefills together.
+            with scheduler.arriving() if self._trace is not None else contextlib.nullcontext():
+                self._route(body, scheduler, tokenizer, info)
         except ApiError as e:
             error = str(e)
             if not self._started:  # else the connection ends, the reply cut short

@@ -1,6 +1,7 @@
 """Batched admission: prompts admitted together prefill in one batch, then take their first tokens in
 the decode groups' next steps, and each request still gets exactly what it gets alone."""
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,17 +46,29 @@ def test_prompts_admitted_together_prefill_in_one_batch_and_stay_exact(hf_checkp
 
 def test_a_burst_still_arriving_prefills_as_one_batch(hf_checkpoint, monkeypatch):
     """The loop woken by a burst's first request waits for the requests front ends are still
-    building (Scheduler.arriving) before the batch's first frame: the burst prefills together."""
+    building (Scheduler.arriving, each on its own thread until it submits) before the batch's
+    first frame: the burst prefills together."""
     monkeypatch.setattr(scheduler_module, "GATHER_S", 600.0)  # the wait ends when they have come
     scheduler = scheduler_for(hf_checkpoint, (8,))
     log = FrameLog(scheduler)
+    building, release = threading.Barrier(len(PROMPTS)), threading.Event()
+
+    def front_end(prompt):  # one of the burst's other requests, built on a thread of its own
+        with scheduler.arriving():
+            building.wait(30)
+            release.wait(30)
+            return scheduler.submit(GenerationRequest(prompt, max_tokens=6))
+
     scheduler.start()
     try:
-        with scheduler.arriving():  # the burst's other requests are being built
+        with ThreadPoolExecutor(len(PROMPTS) - 1) as pool:
+            rest = [pool.submit(front_end, p) for p in PROMPTS[1:]]
+            building.wait(30)
             handles = [scheduler.submit(GenerationRequest(PROMPTS[0], max_tokens=6))]
             while scheduler.waiting:  # the loop took the first: without the wait it would prefill it alone
                 time.sleep(0.001)
-            handles += [scheduler.submit(GenerationRequest(p, max_tokens=6)) for p in PROMPTS[1:]]
+            release.set()
+            handles += [f.result() for f in rest]
         results = [list(h.events()) for h in handles]
     finally:
         scheduler.close()

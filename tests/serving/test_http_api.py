@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API, with the `openai` package as the client, over an
 in-process 2-stage pipeline; greedy output is checked against `run_trinity.py --json`."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -311,6 +312,9 @@ class BrokenScheduler:
 
     def __init__(self, at_submit: bool):
         self.at_submit = at_submit
+
+    def arriving(self):
+        return contextlib.nullcontext()
 
     def submit(self, request):
         if self.at_submit:

@@ -67,18 +67,7 @@ def start_tensor_rank(settings: Settings, group, watchdog, on_ready: Optional[Ca
     world, rank = group.size(), group.rank()
     size = settings.ring.tensor_parallel_size
     stages = world // size
-    tensor, leaders = group, None
-    if stages > 1:
-        try:
-            tensor = group.split(rank // size, rank)  # this stage's ranks
-            leaders = group.split(0 if rank % size == 0 else 1, rank)  # the stages' first ranks: the ring
-        except Exception as e:
-            if watchdog is not None:
-                watchdog.close()
-            raise StartupRefused(f"--tensor-parallel-size {size} with {world} ranks makes {stages} groups of {size} "
-                                 f"with mx.distributed.Group.split, which the {backend_name()} backend refuses ({e}); "
-                                 f"use MPI, or --tensor-parallel-size {world} (every rank 1/{world} of every layer) "
-                                 f"or 1 (the pipeline)") from None
+    tensor, leaders = split_groups(group, size, watchdog)
     start, end = layer_ranges(num_layers, stages, None)[rank // size]
     first = rank < size
     context = fixed_context(settings.sizing) or config.get("max_position_embeddings") or 4096
@@ -132,6 +121,25 @@ def start_tensor_rank(settings: Settings, group, watchdog, on_ready: Optional[Ca
     share = dict(config, num_attention_heads=config["num_attention_heads"] // size,
                  num_key_value_heads=config["num_key_value_heads"] // size)
     return Loaded(pipeline, path, share, [r["memory_bytes"] for r in reports])
+
+
+def split_groups(group, size: int, watchdog):
+    """(this stage's tensor group, the stages' first ranks as the ring's group or None): with one
+    stage, the whole group and no ring."""
+    world, rank = group.size(), group.rank()
+    if world == size:
+        return group, None
+    try:
+        tensor = group.split(rank // size, rank)  # this stage's ranks
+        leaders = group.split(0 if rank % size == 0 else 1, rank)  # the stages' first ranks: the ring
+        return tensor, leaders
+    except Exception as e:
+        if watchdog is not None:
+            watchdog.close()
+        raise StartupRefused(f"--tensor-parallel-size {size} with {world} ranks makes {world // size} groups of "
+                             f"{size} with mx.distributed.Group.split, which the {backend_name()} backend refuses "
+                             f"({e}); use MPI, or --tensor-parallel-size {world} (every rank 1/{world} of every "
+                             f"layer) or 1 (the pipeline)") from None
 
 
 def backend_name() -> str:

@@ -97,7 +97,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request.HasField("max_tokens") and req.max_tokens != request.max_tokens:
-            trace.clamped.append("max_tokens")  # held to the cap and the context's room, as over HTTP
+            trace.clamp("max_tokens")  # held to the cap and the context's room, as over HTTP
         try:
             return req, scheduler.submit(req)
         except RequestError as e:  # a grammar the library rejects: named as the client set it
@@ -140,7 +140,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if event.finish_reason == "cancelled" and req.expired():
             # Our own deadline check can win the race with gRPC's: answer as gRPC would.
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
-        reasoning, text, trace.reasoning_tokens = "", event.text, reasoning_tokens
+        reasoning, text = "", event.text
+        trace.reasoned(reasoning_tokens)
         if split is not None:
             first, last = split.feed(event.text), split.finish()
             reasoning, text = first.reasoning + last.reasoning, first.content + last.content

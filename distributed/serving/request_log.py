@@ -249,9 +249,16 @@ class Trace:
         self.handles = 0  # read so far
         self.reply = None  # HTTP: the typed reply (protocol.Reply), whose usage the client is told
         self.reasoning_tokens = 0  # gRPC with separate_reasoning: of the completion tokens, the reasoning's
-        self.ignored: List[str] = []  # client fields accepted with no effect (an HTTP reply's plan has its own)
-        self.clamped: List[str] = []  # client limits held to what the server allows
+        self.clamped: List[str] = []  # client limits held to what the server allows (an HTTP plan has its own)
         self.done = False
+
+    def clamp(self, name: str) -> None:
+        """The client's `name` was held to what the server allows (the access log names it)."""
+        self.clamped.append(name)
+
+    def reasoned(self, tokens: int) -> None:
+        """gRPC with separate_reasoning: of the completion tokens, `tokens` were the reasoning's."""
+        self.reasoning_tokens = tokens
 
     def events(self, handle, idle: Optional[float] = None) -> Iterator:
         """handle.events(idle), timed as they come (None: `idle` seconds without one)."""
@@ -294,7 +301,7 @@ class Trace:
     def adjusted(self) -> Tuple[List[str], List[str]]:
         """(ignored, clamped) field names, each once, in the order the request gave them."""
         plan = self.reply.plan if self.reply is not None else None
-        ignored = self.ignored + (plan.ignored if plan else [])
+        ignored = plan.ignored if plan else []
         clamped = self.clamped + (plan.clamped if plan else [])
         return list(dict.fromkeys(n for n in ignored if n)), list(dict.fromkeys(n for n in clamped if n))
 

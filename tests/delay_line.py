@@ -87,8 +87,21 @@ class Wire:
             self.deliver()
 
 
+def run_as_the_kernel_would() -> None:
+    """Real-time priority where allowed (root: the suite's namespaces need it anyway). Netem
+    shapes packets in the kernel, ahead of every process; a forwarder that waited for a CPU
+    behind the suite's other tests delivered a 100 Mbit/s line at 67 (a fresh clone's CI). It
+    sleeps in select between packets, so it takes the CPU only for the packets themselves."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    except (AttributeError, OSError):
+        with contextlib.suppress(OSError):
+            os.nice(-10)
+
+
 def main() -> None:
     hosts = json.loads(sys.argv[1])  # [[tun name, namespace, address], ...]
+    run_as_the_kernel_would()
     fds = {}
     for name, ns, address in hosts:
         attach(fds, name, ns, address)

@@ -5,10 +5,14 @@ graph is built and launched before the current token is read). Per step: host ms
 graph, ms inside mx.async_eval (launching its kernels), ms waiting for the token, and the wall.
 
 Variants: `mlx-lm` as it is; `fused`: the layer's elementwise tails (router scores, residual adds,
-the attention gate) compiled with mx.compile; `shared-only`: the routed experts left out (what
-the gather_qmm kernels cost).
+the attention gate) compiled with mx.compile; `packed`: the routed experts as the runner runs them
+(distributed/shard/experts.py: a batch's tokens packed per expert where the device gains from it);
+`shared-only`: the routed experts left out (what the gather_qmm kernels cost).
 
-    PYTHONPATH=. python scripts/step_anatomy.py --rows 1,8,64 --steps 32 [--layers 32] [--json out.json]
+MLX's CUDA backend launches a step's kernels as CUDA graphs of at most MLX_MAX_OPS_PER_BUFFER
+operations each (30 on an H100); run the script under other values to see what launching costs.
+
+    PYTHONPATH=. python scripts/step_anatomy.py --rows 1,8,64 --steps 32 [--layers 32 | --model DIR] [--json out.json]
 """
 
 import argparse
@@ -22,6 +26,7 @@ from mlx_lm.models import afmoe
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from bench.harness import MINI, MINI_SMOKE, random_model
+from distributed.shard.experts import Experts, packed_tokens
 
 def build(layers: int, tiny: bool):
     shape = MINI_SMOKE if tiny else MINI
@@ -29,6 +34,22 @@ def build(layers: int, tiny: bool):
     model, _ = random_model(dict(shape, num_hidden_layers=layers, layer_types=types),
                             dtype="float32" if tiny else "bfloat16")
     return model
+
+
+def load(path: str):
+    from mlx_lm import load as mlx_lm_load
+
+    return mlx_lm_load(path)[0]
+
+
+def packed_experts(model) -> None:
+    """Each MoE layer's SwitchGLU as the runner's Experts (the same weights)."""
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, afmoe.AfmoeMoE):
+            old = layer.mlp.experts
+            new = Experts(1, 1, 1, packed_tokens())
+            new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
+            layer.mlp.experts = new
 
 
 def caches(model, rows: int) -> list:
@@ -81,7 +102,8 @@ def fused_attention(self, x, mask=None, cache=None):
 
 
 ORIGINAL = (afmoe.AfmoeMoE.__call__, afmoe.Attention.__call__)
-VARIANTS = {"mlx-lm": ORIGINAL, "fused": (fused_moe, fused_attention), "shared-only": (shared_only_moe, ORIGINAL[1])}
+VARIANTS = {"mlx-lm": ORIGINAL, "fused": (fused_moe, fused_attention), "packed": ORIGINAL,
+            "shared-only": (shared_only_moe, ORIGINAL[1])}
 
 
 def run(model, rows: int, context: int, steps: int) -> dict:
@@ -110,16 +132,23 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="1,8,64")
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--model", help="a checkpoint folder (bench load --make-mini) instead of random weights")
+    p.add_argument("--context", type=int, default=64, help="prompt tokens per row (64 rows x 128 overflows a CUDA grid)")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--tiny", action="store_true", help="a small shape, to try the script on a CPU")
     p.add_argument("--json")
     args = p.parse_args()
-    model = build(args.layers, args.tiny)
+    model = load(args.model) if args.model else build(args.layers, args.tiny)
     out, reference = [], {}
+    originals = [layer.mlp.experts for layer in model.model.layers if isinstance(layer.mlp, afmoe.AfmoeMoE)]
     for name in args.variants.split(","):
         afmoe.AfmoeMoE.__call__, afmoe.Attention.__call__ = VARIANTS[name]
+        moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, afmoe.AfmoeMoE)]
+        for mlp, experts in zip(moe, originals):
+            mlp.experts = experts
+        if name == "packed":
+            packed_experts(model)
         for rows in map(int, args.rows.split(",")):
             run(model, rows, args.context, 4)  # kernels compiled for this shape
             r = dict(run(model, rows, args.context, args.steps), variant=name, device=str(mx.default_device()))

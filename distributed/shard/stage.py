@@ -1,7 +1,8 @@
 """One pipeline stage: decoder layers [start, end) of an AFMoE model.
 
 The layer math is mlx-lm's (`mlx_lm.models.afmoe.DecoderLayer`); this module
-only slices the model. The first stage (rank 0) also holds the embedding and
+only slices the model, and gives the MoE layers experts that pack a decode batch per
+expert where the device gains from it (experts.py). The first stage (rank 0) also holds the embedding and
 the tail (final norm, lm_head or the tied embedding); the others hold neither.
 """
 
@@ -14,6 +15,7 @@ from mlx_lm.models import afmoe
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from .experts import Experts, packed_tokens
 from .kv_quant import QuantizedKVCache
 from .sizes import KVQuantization
 
@@ -36,6 +38,10 @@ class Stage(nn.Module):
             )
             for i in range(start, end)
         ]
+        for layer in self.layers:
+            if isinstance(layer.mlp, afmoe.AfmoeMoE):
+                layer.mlp.experts = Experts(args.hidden_size, args.moe_intermediate_size, args.num_experts,
+                                            packed_tokens())
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)

@@ -1,0 +1,62 @@
+"""An AFMoE layer's routed experts, and how a batch's tokens reach them.
+
+mlx-lm's SwitchGLU sorts a step's (token, expert) pairs by expert and runs each projection as one
+gather_qmm with one row per pair. MLX's CUDA gather_qmm does not gain from the sorting: at 64 tokens
+(512 pairs over Trinity-Mini's 128 experts) it runs 512 one-row products. Packing each expert's tokens
+into a block of its own, one (experts, tokens, hidden) array, turns them into one batched matrix
+product per projection, every expert's weights read once: on an H100 a Trinity-Mini layer then takes
+1.16 ms instead of 1.52 at 64 tokens and 2.00 instead of 2.87 at 128, but more below about 40 tokens
+(scripts/moe_kernels.py, docs/benchmarks.md). The block is as tall as the batch, so no count has to
+come back to the host: a token picks an expert at most once. Each token's products are the same
+arithmetic either way (equal outputs on CPU and GPU).
+
+So `Experts` packs on CUDA for decode-sized batches and keeps mlx-lm's path everywhere else (Metal's
+gather_qmm has its own kernel for sorted pairs).
+"""
+
+import mlx.core as mx
+from mlx_lm.models.switch_layers import SwitchGLU
+
+# Token counts packed per expert on a CUDA device (measured on an H100: scripts/moe_kernels.py).
+CUDA_PACKED_TOKENS = range(48, 257)
+
+
+def packed_tokens() -> range:
+    """The token counts this device runs packed."""
+    return CUDA_PACKED_TOKENS if mx.cuda.is_available() else range(0)
+
+
+class Experts(SwitchGLU):
+    """mlx-lm's SwitchGLU (the same parameters and checkpoint names), with `packed`: the token counts
+    whose pairs go to the experts packed per expert rather than sorted."""
+
+    def __init__(self, hidden: int, inner: int, num_experts: int, packed: range = range(0)):
+        super().__init__(hidden, inner, num_experts)
+        self.packed = packed
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        k = indices.shape[-1]
+        tokens = indices.size // k
+        if tokens not in self.packed:
+            return super().__call__(x, indices)
+        out = self.run_packed(x.reshape(tokens, -1), indices.reshape(tokens, k))
+        return out.reshape(*indices.shape, -1)
+
+    def run_packed(self, x: mx.array, indices: mx.array) -> mx.array:
+        """(tokens, k, hidden): pair p = (token p // k, expert indices.flat[p]) computed at place
+        (expert, its rank among that expert's pairs) of one (experts, tokens, hidden) block."""
+        tokens, k = indices.shape
+        experts = self.up_proj.num_experts
+        flat = mx.stop_gradient(indices).flatten()
+        order = mx.argsort(flat)
+        by_expert = flat[order]
+        counts = mx.zeros((experts,), mx.int32).at[flat].add(1)
+        first = mx.cumsum(counts) - counts  # where each expert's pairs start in `order`
+        place = by_expert * tokens + (mx.arange(tokens * k) - first[by_expert])
+        block = mx.zeros((experts * tokens, x.shape[-1]), x.dtype).at[place].add(x[order // k])
+        block = block.reshape(experts, tokens, -1)
+        every = mx.arange(experts)
+        h = self.activation(self.up_proj(block, every), self.gate_proj(block, every))
+        out = self.down_proj(h, every).reshape(experts * tokens, -1)
+        place_of_pair = mx.zeros((tokens * k,), mx.int32).at[order].add(place)
+        return out[place_of_pair].reshape(tokens, k, -1)

@@ -1,0 +1,112 @@
+"""What one routed-expert layer of Trinity-Mini's shape (4-bit, group 64) costs on this device for B
+rows of one decode step, by the way the rows reach the experts' weights (issue 57, item 2):
+
+- `sorted`:   mlx-lm's SwitchGLU: the B*k (row, expert) pairs sorted by expert when there are 64 or more,
+              then one gather_qmm per projection with sorted_indices (what a batched step runs today);
+- `unsorted`: the same without sorting;
+- `grouped`:  each expert's rows packed into a (experts, capacity, hidden) block, capacity = B (no host
+              sync: a row can choose an expert once), one batched gather_qmm per projection over all
+              experts; more arithmetic on empty places, every expert's weights read once.
+
+Milliseconds per layer call, median of --reps after warm-up, with the largest difference from `sorted`.
+
+    PYTHONPATH=. python scripts/moe_kernels.py --rows 1,8,16,32,64,128 [--reps 50]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU
+
+
+def layer(hidden: int, inner: int, experts: int, dtype) -> SwitchGLU:
+    glu = SwitchGLU(hidden, inner, experts)
+    glu.update(nn.utils.tree_map(lambda a: a.astype(dtype), glu.parameters()))
+    nn.quantize(glu, group_size=64, bits=4)
+    mx.eval(glu.parameters())
+    return glu
+
+
+def project(proj, x, idx, sorted_indices=False):
+    return mx.gather_qmm(x, proj["weight"], proj["scales"], proj.get("biases"), rhs_indices=idx, transpose=True,
+                         group_size=proj.group_size, bits=proj.bits, sorted_indices=sorted_indices)
+
+
+def unsorted(glu, x, inds):
+    x = mx.expand_dims(x, (-2, -3))
+    h = glu.activation(project(glu.up_proj, x, inds), project(glu.gate_proj, x, inds))
+    return project(glu.down_proj, h, inds).squeeze(-2)
+
+
+def grouped(glu, x, inds):
+    """Rows packed per expert: pair p = (row p // k, expert inds.flat[p]) goes to place (expert, rank of p
+    among that expert's pairs); empty places hold zeros and are never read back."""
+    B, k = inds.shape
+    E = glu.up_proj.num_experts
+    flat = inds.flatten()
+    order = mx.argsort(flat)
+    sorted_e = flat[order]
+    counts = mx.zeros((E,), mx.int32).at[flat].add(1)
+    starts = mx.cumsum(counts) - counts
+    rank = mx.arange(B * k) - starts[sorted_e]  # place within its expert's block
+    place = sorted_e * B + rank
+    packed = mx.zeros((E * B, x.shape[-1]), x.dtype).at[place].add(x[order // k])
+    packed = packed.reshape(E, B, -1)
+    experts = mx.arange(E)
+    h = glu.activation(project(glu.up_proj, packed, experts), project(glu.gate_proj, packed, experts))
+    out = project(glu.down_proj, h, experts).reshape(E * B, -1)
+    back = mx.zeros((B * k,), mx.int32).at[order].add(place)  # pair -> its place
+    return out[back].reshape(B, k, -1)
+
+
+VARIANTS = {"sorted": lambda glu, x, inds: glu(x, inds), "unsorted": unsorted, "grouped": grouped}
+
+
+def timed(fn, reps: int) -> float:
+    for _ in range(3):
+        mx.eval(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", default="1,8,16,32,64,128")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inner", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json")
+    args = p.parse_args()
+    dtype = getattr(mx, args.dtype)
+    glu = layer(args.hidden, args.inner, args.experts, dtype)
+    out = []
+    for rows in map(int, args.rows.split(",")):
+        x = mx.random.normal((rows, args.hidden), key=mx.random.key(rows)).astype(dtype)
+        scores = mx.random.uniform(shape=(rows, args.experts), key=mx.random.key(rows + 1))
+        inds = mx.argpartition(-scores, kth=args.k - 1, axis=-1)[:, :args.k].astype(mx.uint32)
+        reference = VARIANTS["sorted"](glu, x, inds)
+        r = {"rows": rows, "device": str(mx.default_device())}
+        for name, fn in VARIANTS.items():
+            r[f"{name}_ms"] = round(timed(lambda: fn(glu, x, inds), args.reps), 3)
+            got = fn(glu, x, inds)
+            r[f"{name}_max_diff"] = float(mx.abs(got.astype(mx.float32) - reference.astype(mx.float32)).max())
+        print(json.dumps(r), flush=True)
+        out.append(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

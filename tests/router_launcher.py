@@ -23,18 +23,20 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 
 class Launcher:
-    """The launcher with `ranks` local ranks, its log in log_path; gRPC and HTTP on free ports."""
+    """The launcher with `ranks` local ranks, its log in log_path; gRPC and HTTP on free ports.
+    gate: a file whose absence holds every rank of an attempt before it starts (ring_gate.py)."""
 
-    def __init__(self, model, log_path: Path, ranks: int, *launch_args, serve_args=()):
+    def __init__(self, model, log_path: Path, ranks: int, *launch_args, serve_args=(), gate: Path = None):
         base = free_port_range(2)
         self.address, self.http = f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"
         self.log_path = log_path
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        held = [str(ROOT / "tests" / "ring_gate.py"), str(gate)] if gate is not None else []
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "launch", "run", "--single-host", str(ranks), "--grace", "3",
-                 "--restart-delay", "0.2", *launch_args, "--", "run_trinity.py", "--model", str(model),
+                 "--restart-delay", "0.2", *launch_args, "--", *held, "run_trinity.py", "--model", str(model),
                  "--serve", self.address, "--http", self.http, "--max-context", "2048", "--max-tokens-cap", "1024",
                  "--peer-timeout", "2", *serve_args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)

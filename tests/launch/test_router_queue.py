@@ -1,8 +1,10 @@
 """launch/router/ while the ring is down: requests wait in a bounded queue, and their
 deadlines still apply. Real processes: a launcher with 2 local ranks (--max-batch 2,
---max-queue 2: the router holds at most 4 requests) and a --restart-delay long enough
-that the ring stays down while the test acts: after the launcher logs "restarting the
-whole ring in DELAY s" it starts no rank for DELAY seconds. Nothing may be left running."""
+--max-queue 2: the router holds at most 4 requests) whose ranks start behind a gate
+(tests/ring_gate.py): the test shuts it before it kills a rank, so the restarted ring
+stays down while the test acts, however long that takes on a loaded machine (the
+launcher has logged "restarting the whole ring in" and started ranks that wait at the
+gate), and opens it when the ring may come back. Nothing may be left running."""
 
 import json
 import os
@@ -24,7 +26,6 @@ pytestmark = pytest.mark.slow  # requests waiting out ring restarts and deadline
 
 MAX_BATCH, MAX_QUEUE = 2, 2
 BOUND = MAX_BATCH + MAX_QUEUE  # requests the router holds while the ring is down
-DELAY = 20  # --restart-delay: seconds the ring stays down at least, far more than the test's acts take
 RESTARTING = "restarting the whole ring in"
 BACK = "launch: router: ring back after"
 FULL = (f"server busy, retry later: {BOUND} requests are already waiting for the ring to restart "
@@ -34,11 +35,15 @@ REQUESTS = [dict(token_ids=PROMPT[i:], max_tokens=24, temperature=0.0) for i in 
 
 @pytest.fixture(scope="module")
 def launcher(hf_checkpoint, tmp_path_factory):
-    la = Launcher(hf_checkpoint, tmp_path_factory.mktemp("router_queue") / "launch.log", 2, "--restart", "4",
-                  "--restart-delay", str(DELAY),
+    folder = tmp_path_factory.mktemp("router_queue")
+    gate = folder / "gate"
+    gate.touch()  # open: the first ring starts at once
+    la = Launcher(hf_checkpoint, folder / "launch.log", 2, "--restart", "4", gate=gate,
                   serve_args=("--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE)))
+    la.gate = gate
     with serving(la):
         yield la
+        gate.touch()  # a failed test's ring may still wait at it
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +69,19 @@ def held(la) -> float:
 
 
 def take_the_ring_down(la) -> int:
-    """SIGKILL rank 1; returns once the attempt has ended (the launcher now waits DELAY s
-    before starting the next) and the router says NOT_SERVING. Returns the "ring back"
-    lines logged so far."""
+    """Shut the gate and SIGKILL rank 1; returns once the attempt has ended (the next one's
+    ranks wait at the gate until bring_the_ring_back) and the router says NOT_SERVING.
+    Returns the "ring back" lines logged so far."""
     restarts, back = la.output().count(RESTARTING), la.output().count(BACK)
+    la.gate.unlink()
     os.kill(la.ranks()[1], signal.SIGKILL)
     wait_until(lambda: la.output().count(RESTARTING) > restarts, "restarting")
     wait_until(lambda: la.status() == NOT_SERVING, "NOT_SERVING")
     return back
+
+
+def bring_the_ring_back(la) -> None:
+    la.gate.touch()
 
 
 def assert_still_down(la, back: int):
@@ -97,6 +107,7 @@ def test_requests_wait_for_the_ring_and_beyond_the_bound_are_refused(launcher, u
                                                                              "the server is busy")
     assert_still_down(launcher, back)
     assert all(s.is_alive() and not s.tokens for s in waiting) and held(launcher) == BOUND
+    bring_the_ring_back(launcher)
     for stream, ref in zip(waiting, undisturbed):  # the ring is back: each as if nothing had happened
         assert_same(stream, ref)
     wait_until(lambda: launcher.status() == SERVING and launcher.output().count(BACK) == back + 1, "SERVING again")
@@ -119,6 +130,7 @@ def test_a_deadline_applies_while_the_request_waits_for_the_ring(launcher, undis
     waiting = [Stream(launcher.stub, **fields) for fields in REQUESTS]
     wait_until(lambda: held(launcher) == BOUND, f"holding {BOUND} requests")
     assert_still_down(launcher, back)
+    bring_the_ring_back(launcher)
     for stream, ref in zip(waiting, undisturbed):
         assert_same(stream, ref)
     assert_same(Stream(launcher.stub, **REQUESTS[0]), undisturbed[0])  # and it keeps serving

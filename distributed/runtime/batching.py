@@ -119,21 +119,22 @@ class Admission:
         return seq is not None and seq.request.scores_prompt
 
     def send_next(self, carry: Optional[Callable[[mx.array, int], None]] = None,
-                  tokens: Optional[int] = None) -> Optional[PrefillBatch]:
+                  columns: Optional[Callable[[int], Optional[int]]] = None) -> Optional[PrefillBatch]:
         """Send the next chunk of the current batch, forming a batch first if needed
         (a batch of one-token prompts has no chunk to send). Returns the batch, or None
         if nothing waits. Once `done`, the batch is no longer current: its prompts are
         in the ring but each row's last token, the input of the row's first decode
         step (its `next_token`). With `carry`, the chunk goes through carry(tokens, slot)
         instead, to ride in a decode step's frame (never a scored prompt's: see next_scored).
-        `tokens`: the chunk's prompt tokens at most (the step budget beside decoding rows).
+        `columns(rows)`: the most columns a chunk of so many rows may have (the step budget's beside
+        decoding rows: StepBudget.columns), None for no bound.
         `last_tokens` says what went (padding included)."""
         self.last_tokens = 0
         batch = self.current or self._form()
         if batch is None:
             return None
         if batch.sent < batch.width:
-            n = self._columns(batch, None if tokens is None else max(1, tokens // len(batch.rows)))
+            n = self._columns(batch, None if columns is None else columns(len(batch.rows)))
             self.last_tokens = n * len(batch.rows)
             chunk = [(row[batch.sent:batch.sent + n] + [0] * n)[:n] for row in batch.rows]  # right-padded
             batch.sent += n
@@ -348,18 +349,18 @@ class Batcher:
         if any(o.kind == FrameKind.CHUNK or o.chunk for o in self.outstanding) or not self._prefill_may_go():
             return
         if not self.mix or self.admission.next_scored or len(self.outstanding) < self.depth:
-            self._send_prefill(self.budget.tokens)
+            self._send_prefill(beside=True)
 
     def _prefill_may_go(self) -> bool:
         """No prefill while prefilled rows wait to join a group or for their first token (it comes first)."""
         return not self.ready and not any(o.first for o in self.outstanding)
 
-    def _send_prefill(self, tokens: Optional[int] = None) -> bool:
-        """The next chunk in a frame of its own; `tokens`: its prompt tokens at most (beside decoding)."""
-        batch = self.admission.send_next(tokens=tokens)
+    def _send_prefill(self, beside: bool = False) -> bool:
+        """The next chunk in a frame of its own; `beside` decoding rows, within the step budget."""
+        batch = self.admission.send_next(columns=self.budget.columns if beside else None)
         if batch is None:
             return False
-        if tokens is not None:
+        if beside and self.budget.bounded:
             self.budget.sent(self.admission.last_tokens)
         if batch.width:  # a chunk went (a batch of one-token prompts has none)
             self.expect(Outstanding(FrameKind.CHUNK, list(batch.members), batch.slot))
@@ -422,7 +423,7 @@ class Batcher:
         batch = None
         if (self.mix and not first and self._prefill_may_go() and self.admission.pending
                 and not self.admission.next_scored):
-            batch = self.admission.send_next(carry, self.budget.tokens)
+            batch = self.admission.send_next(carry, self.budget.columns)
             self.budget.sent(self.admission.last_tokens if carried else 0)
         if not carried:
             self.pipeline.send(tokens[:, None], Reply.LAST, group.slot,

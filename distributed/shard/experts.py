@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.switch_layers import SwitchGLU
 
 # Token counts packed per expert on a CUDA device (measured on an H100: scripts/moe_kernels.py).
-CUDA_PACKED_TOKENS = range(48, 257)
+CUDA_PACKED_TOKENS = range(48, 2049)
 
 
 def packed_tokens() -> range:

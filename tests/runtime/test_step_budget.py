@@ -59,6 +59,8 @@ def test_chunks_beside_decoding_stay_within_the_budget(hf_checkpoint, split):
     assert sum(s.shape[1] for s in chunks) == len(LONG) - 1
     beside = [s.shape for s in chunks if s.decoding]
     assert beside and all(shape[1] <= budget for shape in beside), beside
+    # powers of two (a GPU compiles each shape once), but for the prompt's last chunk: what is left
+    assert all(shape[1] & (shape[1] - 1) == 0 for shape in beside if shape is not chunks[-1].shape), beside
     assert scheduler.batcher.budget.carried >= sum(shape[1] for shape in beside)
     assert [s.shape[1] for s in log.sends if s.slot == alone_slot] == [STEP] * 5 + [len(LONG) - 1 - 5 * STEP]
     assert_no_caches_left(scheduler.pipeline)
@@ -112,6 +114,24 @@ def test_the_target_steers_the_budget():
     fixed.replied(0, 0.0)
     fixed.replied(0, 5.0)
     assert fixed.tokens == 32 and StepBudget().tokens is None and StepBudget().columns(3) is None
+
+
+def test_chunk_widths_are_powers_of_two_that_still_tell_the_fit_apart():
+    """A chunk's columns: the largest power of two within its rows' share of B; the two chunk sizes
+    the budget alternates between until a step alone is measured differ after that rounding too."""
+    for tokens in range(1, 300):
+        for rows in (1, 2, 3, 7, 16):
+            cols = StepBudget(tokens).columns(rows)
+            share = max(1, tokens // rows)
+            assert cols & (cols - 1) == 0 and share / 2 < cols <= share
+    for start in range(2 * MIN_TOKENS, 400):  # (at the floor both are MIN_TOKENS)
+        budget = StepBudget(target_ms=50)
+        budget.budget = float(start)
+        widths = set()
+        for _ in range(2):
+            widths.add(budget.columns(1))
+            budget.sent(budget.tokens)
+        assert len(widths) == 2, start
 
 
 @pytest.mark.parametrize("split", [(8,), (4, 4)])

@@ -4,13 +4,14 @@ mlx-lm's SwitchGLU sorts a step's (token, expert) pairs by expert and runs each 
 gather_qmm with one row per pair. MLX's CUDA gather_qmm does not gain from the sorting: at 64 tokens
 (512 pairs over Trinity-Mini's 128 experts) it runs 512 one-row products. Packing each expert's tokens
 into a block of its own, one (experts, tokens, hidden) array, turns them into one batched matrix
-product per projection, every expert's weights read once: on an H100 a Trinity-Mini layer then takes
-1.16 ms instead of 1.52 at 64 tokens and 2.00 instead of 2.87 at 128, but more below about 40 tokens
-(scripts/moe_kernels.py, docs/benchmarks.md). The block is as tall as the batch, so no count has to
-come back to the host: a token picks an expert at most once. Each token's products are the same
-arithmetic either way (equal outputs on CPU and GPU).
+product per projection, every expert's weights read once. On an H100 a Trinity-Mini layer then takes
+(scripts/moe_kernels.py, ms, sorted -> packed): 64 tokens 1.52 -> 1.16, 128 tokens 2.87 -> 2.00,
+512 tokens 10.5 -> 6.8, 2,048 tokens 41.0 -> 25.3; but 48 tokens 1.17 -> 1.28 and fewer worse still
+(docs/benchmarks.md). The block is as tall as the batch, so no count has to come back to the host: a
+token picks an expert at most once. Each token's products are the same arithmetic either way (equal
+outputs on CPU and GPU).
 
-So `Experts` packs on CUDA for decode-sized batches and keeps mlx-lm's path everywhere else (Metal's
+So `Experts` packs on CUDA from 64 tokens to a prefill chunk's 2,048 and keeps mlx-lm's path everywhere else (Metal's
 gather_qmm has its own kernel for sorted pairs).
 """
 
@@ -18,7 +19,9 @@ import mlx.core as mx
 from mlx_lm.models.switch_layers import SwitchGLU
 
 # Token counts packed per expert on a CUDA device (measured on an H100: scripts/moe_kernels.py).
-CUDA_PACKED_TOKENS = range(48, 2049)
+CUDA_PACKED_TOKENS = range(64, 2049)  # 2,048: a prefill chunk
+MOST_BLOCK_BYTES = 1 << 30  # the packed block's size at most (Trinity-Mini's at 2,048 tokens; the MLP's
+# activations beside it take as much again), so that a wider model's chunk stays on mlx-lm's path
 
 
 def packed_tokens() -> range:
@@ -37,7 +40,8 @@ class Experts(SwitchGLU):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         k = indices.shape[-1]
         tokens = indices.size // k
-        if tokens not in self.packed:
+        block_bytes = self.up_proj.num_experts * tokens * x.shape[-1] * x.dtype.size
+        if tokens not in self.packed or block_bytes > MOST_BLOCK_BYTES:
             return super().__call__(x, indices)
         out = self.run_packed(x.reshape(tokens, -1), indices.reshape(tokens, k))
         return out.reshape(*indices.shape, -1)

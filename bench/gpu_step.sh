@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One GPU (an H100 of the device machine): issue 57's measures in one call, on Trinity-Mini's shape
+# (random weights, 4-bit as mlx-community quantizes it: bench/harness.py make_mini), one rank.
+#
+#   bash bench/gpu_step.sh [moe|anatomy|load|all]    # from the checkout's root, MLX (CUDA) importable
+#
+# moe:      scripts/moe_kernels.py: one MoE layer for 1-2,048 tokens, mlx-lm's sorted pairs against
+#           the runner's packed ones (distributed/shard/experts.py)
+# anatomy:  scripts/step_anatomy.py: a decode step of mlx-lm's model at 1 / 8 / 64 rows, split into
+#           build (Python), launch (mx.async_eval) and wait, as mlx-lm runs it and with packed experts
+# load:     python -m bench load at 1 / 8 / 64 streams, mlx-lm against the runner, then the runner
+#           with --itl-target-ms 150 (rank 0's loop per step is printed for each)
+#
+# Everything writes under $OUT (or /tmp/out). Time on a fresh machine: the checkpoint about 50 s, the
+# first model run compiles kernels for 100-200 s, `load` about 360 s; `all` does not fit one 10-minute
+# call on a fresh machine: run `moe anatomy` in one call and `load` in the next (the machine must stay
+# warm: /tmp/mini and the kernel cache live in /tmp).
+#
+# Python packages: the device's python3 lacks MLX (CUDA), mlx-lm, pydantic and others; install the
+# wheels under /tmp/site first and export PYTHONPATH and LD_LIBRARY_PATH as the device notes say
+# (one call carries 64 MiB with the tree: the 90 MB mlx-cuda-13 wheel travels in three parts).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+what=${*:-all}
+python3 -c "from pathlib import Path; from bench.harness import make_mini; make_mini(Path('/tmp/mini'))"
+for part in $what; do
+    case $part in
+        moe|all)
+            timeout 200 python3 scripts/moe_kernels.py --rows 1,8,32,48,64,128,512,2048 --reps 20 \
+                --json "$OUT/moe_kernels.json" ;;&
+        anatomy|all)
+            timeout 330 python3 scripts/step_anatomy.py --model /tmp/mini --rows 1,8,64 --steps 24 \
+                --variants mlx-lm,packed --json "$OUT/step_anatomy.json" 2>&1 | grep -v INFO ;;&
+        load|all)
+            pgrep -af run_trinity || true  # a ring left by an earlier call holds memory and ports
+            timeout -s INT 540 python3 -m bench load --make-mini /tmp/mini --streams 1,8,64 --prompt-lens 128 \
+                --max-tokens 128 --ranks 1 --check 1 --against "--itl-target-ms 150" --blas reference \
+                --out "$OUT/load.json" 2>&1 | tail -30 ;;
+    esac
+done

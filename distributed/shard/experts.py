@@ -11,8 +11,8 @@ product per projection, every expert's weights read once. On an H100 a Trinity-M
 token picks an expert at most once. Each token's products are the same arithmetic either way (equal
 outputs on CPU and GPU).
 
-So `Experts` packs on CUDA from 64 tokens to a prefill chunk's 2,048 and keeps mlx-lm's path everywhere else (Metal's
-gather_qmm has its own kernel for sorted pairs).
+So `Experts` packs on CUDA from 64 tokens to a prefill chunk's 2,048 and keeps mlx-lm's path
+everywhere else (Metal's gather_qmm has its own kernel for sorted pairs; not measured here).
 """
 
 import mlx.core as mx

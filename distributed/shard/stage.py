@@ -1,9 +1,10 @@
 """One pipeline stage: decoder layers [start, end) of an AFMoE model.
 
 The layer math is mlx-lm's (`mlx_lm.models.afmoe.DecoderLayer`); this module
-only slices the model, and gives the MoE layers experts that pack a decode batch per
-expert where the device gains from it (experts.py). The first stage (rank 0) also holds the embedding and
-the tail (final norm, lm_head or the tied embedding); the others hold neither.
+only slices the model, and gives its MoE layers experts that pack a batch's tokens
+per expert where the device gains from it (experts.py). The first stage (rank 0)
+also holds the embedding and the tail (final norm, lm_head or the tied embedding);
+the others hold neither.
 """
 
 import math

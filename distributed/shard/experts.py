@@ -25,8 +25,9 @@ MOST_BLOCK_BYTES = 1 << 30  # the packed block's size at most (Trinity-Mini's at
 
 
 def packed_tokens() -> range:
-    """The token counts this device runs packed."""
-    return CUDA_PACKED_TOKENS if mx.cuda.is_available() else range(0)
+    """The token counts this process runs packed: on a CUDA GPU, its default device."""
+    on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
+    return CUDA_PACKED_TOKENS if on_cuda else range(0)
 
 
 class Experts(SwitchGLU):

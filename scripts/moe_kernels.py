@@ -4,7 +4,7 @@ rows of one decode step, by the way the rows reach the experts' weights (issue 5
 - `sorted`:   mlx-lm's SwitchGLU: the B*k (row, expert) pairs sorted by expert when there are 64 or more,
               then one gather_qmm per projection with sorted_indices (what a batched step runs today);
 - `unsorted`: the same without sorting;
-- `grouped`:  each expert's rows packed into a (experts, capacity, hidden) block, capacity = B (no host
+- `packed`:   each expert's rows packed into a (experts, capacity, hidden) block, capacity = B (no host
               sync: a row can choose an expert once), one batched gather_qmm per projection over all
               experts; more arithmetic on empty places, every expert's weights read once.
 
@@ -42,7 +42,7 @@ def unsorted(glu, x, inds):
     return project(glu.down_proj, h, inds).squeeze(-2)
 
 
-def grouped(glu, x, inds):
+def packed(glu, x, inds):
     """Rows packed per expert: pair p = (row p // k, expert inds.flat[p]) goes to place (expert, rank of p
     among that expert's pairs); empty places hold zeros and are never read back."""
     B, k = inds.shape
@@ -54,16 +54,16 @@ def grouped(glu, x, inds):
     starts = mx.cumsum(counts) - counts
     rank = mx.arange(B * k) - starts[sorted_e]  # place within its expert's block
     place = sorted_e * B + rank
-    packed = mx.zeros((E * B, x.shape[-1]), x.dtype).at[place].add(x[order // k])
-    packed = packed.reshape(E, B, -1)
+    block = mx.zeros((E * B, x.shape[-1]), x.dtype).at[place].add(x[order // k])
+    block = block.reshape(E, B, -1)
     experts = mx.arange(E)
-    h = glu.activation(project(glu.up_proj, packed, experts), project(glu.gate_proj, packed, experts))
+    h = glu.activation(project(glu.up_proj, block, experts), project(glu.gate_proj, block, experts))
     out = project(glu.down_proj, h, experts).reshape(E * B, -1)
     back = mx.zeros((B * k,), mx.int32).at[order].add(place)  # pair -> its place
     return out[back].reshape(B, k, -1)
 
 
-VARIANTS = {"sorted": lambda glu, x, inds: glu(x, inds), "unsorted": unsorted, "grouped": grouped}
+VARIANTS = {"sorted": lambda glu, x, inds: glu(x, inds), "unsorted": unsorted, "packed": packed}
 
 
 def timed(fn, reps: int) -> float:

@@ -1,14 +1,22 @@
-"""GET /openapi.json: an OpenAPI 3.1 description of the HTTP API's routes, written by hand.
+"""GET /openapi.json: an OpenAPI 3.1 description of the HTTP API's routes.
 
-Request bodies are described roughly, by their main fields (the APIs' own references have
-the rest; the server refuses an unknown field by name, with a 400): enough for a client
-generator, or a fuzzer such as schemathesis, to reach every route with requests it takes.
+A request body's fields are its API's field policy (protocol.FieldPolicy: every name the server
+takes, so the document cannot drift from what the server accepts; any other field is refused by
+name, with a 400), each described by a hand-written schema where its nested parts need one (the
+messages, tools, blocks below), else by its typed request model's field (pydantic's JSON schema),
+else by the policy: a hint's JSON types, a neutral field's values, a refused field's null. Enough
+for a client generator, or a fuzzer such as schemathesis, to reach every route with requests it
+takes; the APIs' own references have the rest.
 Errors: 400 bad input, 401 missing token, 403 a foreign Host or Origin (no token set), 404,
 411 / 413 / 415 the body's framing, size or type, 429 queue full, 501 not implemented, 503
 loading or the ring down, 507 a rank out of memory."""
 
 import copy
 from importlib import metadata
+from typing import Optional
+
+from . import anthropic_api, ollama_api, openai_api, responses_api
+from .protocol import FieldPolicy
 
 _TEXT = {"type": "string"}
 _NUMBER = {"type": "number"}
@@ -26,13 +34,13 @@ _FUNCTION_TOOL = {"type": "object", "required": ["type", "function"], "propertie
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": _TEXT, "description": _TEXT, "parameters": _OBJECT}}}}
 
-COMPLETIONS = {"type": "object", "additionalProperties": False, "properties": {
+_COMPLETIONS = {"type": "object", "additionalProperties": False, "properties": {
     "model": _TEXT, "prompt": {"oneOf": [_TEXT, {"type": "array", "items": {"type": "integer", "minimum": 0}},
                                          {"type": "array", "items": _TEXT}]},
     "max_tokens": {"type": "integer", "minimum": 0}, "n": {"type": "integer", "minimum": 1}, "echo": _BOOL,
     "logprobs": {"type": "integer", "minimum": 0}, "stop": _STOP, "presence_penalty": _NUMBER,
     "frequency_penalty": _NUMBER, "user": _TEXT, **_SAMPLING}}
-CHAT = {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
+_CHAT = {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
     "model": _TEXT, "messages": _MESSAGES, "max_tokens": {"type": "integer", "minimum": 1},
     "max_completion_tokens": {"type": "integer", "minimum": 1}, "n": {"type": "integer", "minimum": 1},
     "logprobs": _BOOL, "top_logprobs": {"type": "integer", "minimum": 0}, "stop": _STOP,
@@ -42,7 +50,7 @@ CHAT = {"type": "object", "required": ["messages"], "additionalProperties": Fals
         "type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": _OBJECT}},
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
     "chat_template_kwargs": _OBJECT, "user": _TEXT, **_SAMPLING}}
-RESPONSES = {"type": "object", "required": ["input"], "additionalProperties": False, "properties": {
+_RESPONSES = {"type": "object", "required": ["input"], "additionalProperties": False, "properties": {
     "model": _TEXT, "input": {"oneOf": [_TEXT, {"type": "array", "items": _OBJECT}]}, "instructions": _TEXT,
     "max_output_tokens": {"type": "integer", "minimum": 1}, "tools": {"type": "array", "items": _OBJECT},
     "tool_choice": {"oneOf": [_TEXT, _OBJECT]}, "text": _OBJECT, "store": _BOOL,
@@ -60,24 +68,56 @@ _ANTHROPIC_PROMPT = {
         "type": {"enum": ["auto", "any", "tool", "none"]}, "name": _TEXT}},
     "thinking": {"type": "object", "required": ["type"], "properties": {
         "type": {"enum": ["enabled", "adaptive", "disabled"]}, "budget_tokens": _INT}}}
-MESSAGES = {"type": "object", "required": ["model", "max_tokens", "messages"], "additionalProperties": False,
+_MESSAGES_BODY = {"type": "object", "required": ["model", "max_tokens", "messages"], "additionalProperties": False,
             "properties": {**_ANTHROPIC_PROMPT, "max_tokens": {"type": "integer", "minimum": 1},
-                           "stop_sequences": {"type": "array", "items": _TEXT}, **_SAMPLING}}
-COUNT_TOKENS = {"type": "object", "required": ["model", "messages"], "additionalProperties": False,
+                           "stop_sequences": {"type": "array", "items": _TEXT},
+                           **{k: v for k, v in _SAMPLING.items() if k != "seed"}}}  # Anthropic's API has no seed
+_COUNT_TOKENS = {"type": "object", "required": ["model", "messages"], "additionalProperties": False,
                 "properties": _ANTHROPIC_PROMPT}
 _OLLAMA_OPTIONS = {"type": "object", "properties": {
     "temperature": _NUMBER, "top_p": _NUMBER, "top_k": _INT, "seed": _INT, "num_predict": _INT,
     "stop": {"type": "array", "items": _TEXT}, "repeat_penalty": _NUMBER}}
 _OLLAMA = {"model": _TEXT, "stream": _BOOL, "format": {"oneOf": [{"const": "json"}, _OBJECT]},
            "options": _OLLAMA_OPTIONS, "keep_alive": {"oneOf": [_TEXT, _NUMBER]}, "think": _BOOL}
-OLLAMA_CHAT = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
+_OLLAMA_CHAT = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
     **_OLLAMA, "messages": {"type": "array", "minItems": 1, "items": {
         "type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
             "role": {"enum": ["system", "user", "assistant", "tool"]}, "content": _TEXT}}},
     "tools": {"type": "array", "items": _FUNCTION_TOOL}}}
-OLLAMA_GENERATE = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
+_OLLAMA_GENERATE = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
     **_OLLAMA, "prompt": {"type": "string", "minLength": 1}, "system": _TEXT, "raw": _BOOL}}
-OLLAMA_SHOW = {"type": "object", "additionalProperties": False, "properties": {"model": _TEXT, "name": _TEXT}}
+_OLLAMA_SHOW = {"type": "object", "additionalProperties": False, "properties": {"model": _TEXT, "name": _TEXT}}
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array",
+               type(None): "null"}
+
+
+def body_schema(written: dict, policy: FieldPolicy, model: Optional[type] = None) -> dict:
+    """A request body's schema: `written` (the hand-written one: its required fields and the
+    properties it describes) with every other field `policy` takes, described by `model`'s typed
+    field where it has one, else by the policy."""
+    typed = model.model_json_schema().get("properties", {}) if model is not None else {}
+    properties = {}
+    for name in policy.accepted:
+        properties[name] = {k: v for k, v in typed.get(name, {}).items() if k != "title"}
+    for name, kinds in policy.hints.items():
+        properties[name] = {"description": "accepted; changes nothing here (named in the access log)",
+                            **({"type": [_JSON_TYPES[k] for k in kinds] + ["null"]} if kinds else {})}
+    for name, (values, why) in policy.neutral.items():
+        properties[name] = {"enum": [None, *values], "description": f"only these values: {why}"}
+    for name, why in policy.refused.items():
+        properties[name] = {"type": "null", "description": f"refused unless null: {why}"}
+    properties.update(written["properties"])
+    return {**written, "additionalProperties": False, "properties": properties}
+
+
+COMPLETIONS = body_schema(_COMPLETIONS, openai_api.POLICIES["completions"], openai_api.CompletionRequest)
+CHAT = body_schema(_CHAT, openai_api.POLICIES["chat"], openai_api.ChatRequest)
+RESPONSES = body_schema(_RESPONSES, responses_api.POLICY, responses_api.ResponsesRequest)
+MESSAGES = body_schema(_MESSAGES_BODY, anthropic_api.POLICY, anthropic_api.MessagesRequest)
+COUNT_TOKENS = body_schema(_COUNT_TOKENS, anthropic_api.COUNT_POLICY, anthropic_api.MessagesRequest)
+OLLAMA_CHAT = body_schema(_OLLAMA_CHAT, ollama_api.POLICIES[True], ollama_api.OllamaChat)
+OLLAMA_GENERATE = body_schema(_OLLAMA_GENERATE, ollama_api.POLICIES[False], ollama_api.OllamaGenerate)
+OLLAMA_SHOW = body_schema(_OLLAMA_SHOW, ollama_api.SHOW_POLICY)
 OLLAMA_MANAGEMENT = {"type": "object"}
 
 _ERRORS = {"400": "bad input (the message names the field)", "401": "missing or wrong token",

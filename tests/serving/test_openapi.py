@@ -1,0 +1,46 @@
+"""GET /openapi.json's request bodies name exactly the fields each API's policy takes (the
+document cannot drift from the server), and a body built from each documented field's own
+schema is what the server accepts: checked against the policies' own check_fields."""
+
+import pytest
+
+from distributed.serving import anthropic_api, ollama_api, openai_api, openapi, responses_api
+from distributed.serving.protocol import check_fields
+
+BODIES = {
+    "/v1/completions": (openapi.COMPLETIONS, openai_api.POLICIES["completions"]),
+    "/v1/chat/completions": (openapi.CHAT, openai_api.POLICIES["chat"]),
+    "/v1/responses": (openapi.RESPONSES, responses_api.POLICY),
+    "/v1/messages": (openapi.MESSAGES, anthropic_api.POLICY),
+    "/v1/messages/count_tokens": (openapi.COUNT_TOKENS, anthropic_api.COUNT_POLICY),
+    "/api/chat": (openapi.OLLAMA_CHAT, ollama_api.POLICIES[True]),
+    "/api/generate": (openapi.OLLAMA_GENERATE, ollama_api.POLICIES[False]),
+    "/api/show": (openapi.OLLAMA_SHOW, ollama_api.SHOW_POLICY),
+}
+
+
+def taken(policy) -> set:
+    return set(policy.accepted) | set(policy.hints) | set(policy.neutral) | set(policy.refused)
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_a_body_documents_every_field_its_api_takes_and_no_other(path):
+    schema, policy = BODIES[path]
+    assert set(schema["properties"]) == taken(policy)
+    assert schema["additionalProperties"] is False
+    assert set(schema.get("required", ())) <= set(policy.accepted)
+    document = openapi.document()["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert document == schema
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_what_the_document_allows_of_refused_and_neutral_fields_passes_the_policy(path):
+    """A refused field documented as null and a neutral one as its harmless values: bodies made
+    of those values pass the server's own field check; another value of them does not."""
+    schema, policy = BODIES[path]
+    for name in policy.refused:
+        assert schema["properties"][name]["type"] == "null"
+        assert check_fields({name: None}, policy) == []
+    for name in policy.neutral:
+        for value in schema["properties"][name]["enum"]:
+            check_fields({name: value}, policy)

@@ -16,7 +16,9 @@ from importlib import metadata
 from typing import Optional
 
 from . import anthropic_api, ollama_api, openai_api, responses_api
+from .chat_format import ROLES
 from .protocol import FieldPolicy
+from .tools import EMPTY_KEYS
 
 _TEXT = {"type": "string"}
 _NUMBER = {"type": "number"}
@@ -26,8 +28,17 @@ _OBJECT = {"type": "object"}
 _STOP = {"oneOf": [_TEXT, {"type": "array", "items": _TEXT}]}
 _SAMPLING = {"temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number", "minimum": 0, "maximum": 1},
              "top_k": {"type": "integer", "minimum": 0}, "seed": _INT, "stream": _BOOL}
-_MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": False,
-            "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}, "content": _TEXT}}
+_TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                          "properties": {"type": {"const": "text"}, "text": _TEXT}}}
+_TOOL_CALL = {"type": "object", "required": ["type"], "properties": {
+    "id": _TEXT, "type": {"enum": ["function", "custom"]},
+    "function": {"type": "object", "required": ["name"], "properties": {"name": _TEXT, "arguments": {"oneOf": [_TEXT, _OBJECT]}}},
+    "custom": {"type": "object", "required": ["name", "input"], "properties": {"name": _TEXT, "input": _TEXT}}}}
+# What tools.chat_messages takes: a tool message answers a call by its id; only an assistant's carries calls.
+_MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": False, "properties": {
+    "role": {"enum": list(ROLES)}, "content": {"oneOf": [_TEXT, _TEXT_PARTS, {"type": "null"}]}, "name": _TEXT,
+    "tool_calls": {"type": "array", "items": _TOOL_CALL}, "tool_call_id": _TEXT, "reasoning_content": _TEXT,
+    **{key: {"type": "null", "description": "accepted empty"} for key in EMPTY_KEYS}}}
 _MESSAGES = {"type": "array", "minItems": 1, "items": _MESSAGE}
 _FUNCTION_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"const": "function"},

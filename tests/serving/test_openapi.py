@@ -44,3 +44,19 @@ def test_what_the_document_allows_of_refused_and_neutral_fields_passes_the_polic
     for name in policy.neutral:
         for value in schema["properties"][name]["enum"]:
             check_fields({name: value}, policy)
+
+
+def test_the_documented_message_shapes_are_what_chat_messages_takes():
+    """Every role the document lists, content as text parts or null beside tool calls, a custom
+    tool's call and the tool message answering it: tools.chat_messages takes them all."""
+    from distributed.serving.tools import chat_messages
+
+    message = openapi.CHAT["properties"]["messages"]["items"]
+    roles = message["properties"]["role"]["enum"]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    custom = {"id": "c2", "type": "custom", "custom": {"name": "g", "input": "x"}}
+    messages = [{"role": role, "content": [{"type": "text", "text": role}]} for role in roles if role != "tool"]
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call, custom], "refusal": None},
+                 {"role": "tool", "content": "ok", "tool_call_id": "c1", "name": "f"}]
+    assert set(message["properties"]) >= {key for m in messages for key in m}
+    assert [m["role"] for m in chat_messages(messages)] == [m["role"] for m in messages]

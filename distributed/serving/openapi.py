@@ -92,8 +92,11 @@ _OLLAMA = {"model": _TEXT, "stream": _BOOL, "format": {"oneOf": [{"const": "json
            "options": _OLLAMA_OPTIONS, "keep_alive": {"oneOf": [_TEXT, _NUMBER]}, "think": _BOOL}
 _OLLAMA_CHAT = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
     **_OLLAMA, "messages": {"type": "array", "minItems": 1, "items": {
-        "type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
-            "role": {"enum": ["system", "user", "assistant", "tool"]}, "content": _TEXT}}},
+        "type": "object", "required": ["role"], "additionalProperties": False, "properties": {  # ollama_api._messages
+            "role": {"enum": ["system", "user", "assistant", "tool"]}, "content": _TEXT, "thinking": _TEXT,
+            "tool_calls": {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
+                "function": {"type": "object", "required": ["name"], "properties": {"name": _TEXT, "arguments": _OBJECT}}}}},
+            "tool_name": _TEXT, "images": {"type": "null", "description": "refused unless empty: a text-only model"}}}},
     "tools": {"type": "array", "items": _FUNCTION_TOOL}}}
 _OLLAMA_GENERATE = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
     **_OLLAMA, "prompt": {"type": "string", "minLength": 1}, "system": _TEXT, "raw": _BOOL}}

@@ -60,3 +60,17 @@ def test_the_documented_message_shapes_are_what_chat_messages_takes():
                  {"role": "tool", "content": "ok", "tool_call_id": "c1", "name": "f"}]
     assert set(message["properties"]) >= {key for m in messages for key in m}
     assert [m["role"] for m in chat_messages(messages)] == [m["role"] for m in messages]
+
+
+def test_the_documented_ollama_messages_are_what_ollama_takes():
+    """A tool call and the tool message answering it by name, thinking on an assistant message:
+    Ollama's adapter takes every documented key."""
+    message = openapi.OLLAMA_CHAT["properties"]["messages"]["items"]
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "thinking": "t",
+                 "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+                {"role": "tool", "content": "ok", "tool_name": "f"}, {"role": "system", "content": "s", "images": None}]
+    assert set(message["properties"]) == {key for m in messages for key in m}
+    ignored = []
+    out = ollama_api._messages(messages, thinking=False, ignored=ignored)
+    assert out[2]["tool_call_id"] == out[1]["tool_calls"][0]["id"] and ignored == ["messages.thinking"]

@@ -66,8 +66,13 @@ _RESPONSES = {"type": "object", "required": ["input"], "additionalProperties": F
     "max_output_tokens": {"type": "integer", "minimum": 1}, "tools": {"type": "array", "items": _OBJECT},
     "tool_choice": {"oneOf": [_TEXT, _OBJECT]}, "text": _OBJECT, "store": _BOOL,
     "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"], "stream": _BOOL}}
-_BLOCKS = {"oneOf": [_TEXT, {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
-    "type": {"enum": ["text", "tool_use", "tool_result", "thinking"]}, "text": _TEXT}}}]}
+# A content block: its type and the keys anthropic_api.BLOCK_KEYS lets blocks of some type carry.
+_BLOCK_KEY_TYPES = {"text": _TEXT, "id": _TEXT, "name": _TEXT, "input": _OBJECT, "thinking": _TEXT, "signature": _TEXT,
+                    "data": _TEXT, "tool_use_id": _TEXT, "is_error": _BOOL}
+_BLOCK = {"type": "object", "required": ["type"], "additionalProperties": False, "properties": {
+    "type": {"enum": list(anthropic_api.BLOCK_KEYS)}, "cache_control": _OBJECT,
+    **{key: _BLOCK_KEY_TYPES.get(key, {}) for keys in anthropic_api.BLOCK_KEYS.values() for key in keys}}}
+_BLOCKS = {"oneOf": [_TEXT, {"type": "array", "items": _BLOCK}]}
 _ANTHROPIC_PROMPT = {
     "model": _TEXT, "system": _BLOCKS,
     "messages": {"type": "array", "minItems": 1, "items": {

@@ -74,3 +74,16 @@ def test_the_documented_ollama_messages_are_what_ollama_takes():
     ignored = []
     out = ollama_api._messages(messages, thinking=False, ignored=ignored)
     assert out[2]["tool_call_id"] == out[1]["tool_calls"][0]["id"] and ignored == ["messages.thinking"]
+
+
+def test_the_documented_anthropic_blocks_are_what_messages_takes():
+    """A block of every documented type, with the keys the document gives it: the Messages
+    adapter's own block check takes each."""
+    block = openapi.MESSAGES["properties"]["system"]["oneOf"][1]["items"]
+    examples = {"text": {"text": "x"}, "tool_use": {"id": "i", "name": "n", "input": {}},
+                "thinking": {"thinking": "t", "signature": "s"}, "redacted_thinking": {"data": "d"},
+                "tool_result": {"tool_use_id": "i", "content": "r", "is_error": False}}
+    assert set(block["properties"]["type"]["enum"]) == set(examples)
+    for kind, keys in examples.items():
+        assert set(keys) <= set(block["properties"])
+        assert anthropic_api._blocks([{"type": kind, **keys, "cache_control": {"type": "ephemeral"}}], "content")

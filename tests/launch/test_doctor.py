@@ -271,11 +271,13 @@ def test_shaped_links_are_measured_as_set_and_turn_the_advice(hosts, cache, line
     tcp, links = list(measured[slow]["tcp"].values()), measured[slow]["links"]
     # The link as set: the probes' own TCP, fastest of its round trips (the median adds what other
     # load on this machine adds). The ring backend's figures add its ranks' own scheduling, which
-    # on this busy 2-core machine can be several ms: bounded below by the link, and its bulk rate.
+    # on this busy 2-core machine can be several ms, and their bulk rate is their share of the two
+    # cores (a fresh clone's suite measured 68.8 Mbit/s through this 100 Mbit/s line while its TCP
+    # probe measured the line as set): bounded by the link, the round trip below and the rate above.
     assert all(within(t["rtt_min_ms"], 10.0) and within(t["mbit_s"], 100.0) for t in tcp), tcp
     frame_ms = 2 * FRAME_BYTES * 8 / 100e6 * 1e3  # a decode step's frame each way at 100 Mbit/s
     pair = links["pairs"][0]
-    assert pair["rtt_min_ms"] > 0.8 * (10.0 + frame_ms) and within(pair["mbit_s"], 100.0), links
+    assert pair["rtt_min_ms"] > 0.8 * (10.0 + frame_ms) and 50.0 <= pair["mbit_s"] <= 120.0, links
     # A memory bus on which halving each host's reads saves the geometric mean of what the two
     # links cost tensor 2 beyond the pipeline: the speed model then advises tensor 2 over the
     # bridge and the pipeline over the shaped line. The planner reads the fastest trips (a fresh

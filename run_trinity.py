@@ -3,10 +3,12 @@ pip installs it as the module `run_trinity`, so `run-trinity` (its console scrip
 `python -m run_trinity` run it from any directory."""
 
 from distributed.startup.lifecycle import block_stop_signals
+from distributed.startup.light_imports import defer_package_init
 
 # Before anything starts a thread (numpy's BLAS, MLX, gRPC), so that a thread of
 # ours takes stop signals even while the main thread is blocked inside MLX.
 block_stop_signals()
+defer_package_init("mlx_lm")  # ranks other than 0 never import transformers
 
 from distributed.cli import main  # noqa: E402
 

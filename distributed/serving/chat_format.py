@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from jinja2 import TemplateError
-from mlx_lm.generate import TextStateMachine
 
 from ..runtime.request import GenerationRequest, RequestError
 
@@ -198,6 +197,9 @@ class ReplySplitter:
         if tools:
             transitions["normal"].append((self.start, "tool"))
             transitions["tool"] = [(self.end, "normal")] if self.end else []
+        from mlx_lm.generate import TextStateMachine  # its module imports transformers: rank 0 alone gets here
+
+        self._machine = TextStateMachine
         self._sm = TextStateMachine(transitions) if self.thinks or tools else None
         initial = "reasoning" if prompt_opens_reasoning(tokenizer, prompt_ids) else "normal"
         self._state = self._sm.make_state(initial) if self._sm else None
@@ -214,14 +216,14 @@ class ReplySplitter:
         """New generated text -> what to show of it now (a marker's possible start is held back)."""
         if self._sm is None:
             return Split("", text, [])
-        self._state, segments = TextStateMachine.split(self._state, text)
+        self._state, segments = self._machine.split(self._state, text)
         return self._take(segments, final=False)
 
     def finish(self) -> Split:
         """The end of the generation: what was held back, and a call left open."""
         if self._sm is None:
             return Split("", "", [])
-        self._state, held, state = TextStateMachine.flush(self._state)
+        self._state, held, state = self._machine.flush(self._state)
         return self._take([(state, held)], final=True)
 
     def _take(self, segments, final: bool) -> Split:

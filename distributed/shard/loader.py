@@ -16,7 +16,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import afmoe
-from mlx_lm.utils import infer_quant_config
 
 from .. import TrinityError
 from .config import model_args, read_config
@@ -146,6 +145,8 @@ def _quantize(stage: Stage, quantization: dict, weights: Dict[str, mx.array]):
             return override
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
             return False
+        from mlx_lm.utils import infer_quant_config  # its module imports transformers: only when quantizing
+
         return infer_quant_config(path, module, weights)
 
     nn.quantize(

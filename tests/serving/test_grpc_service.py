@@ -18,6 +18,7 @@ import grpc
 import jsonschema
 import mlx.core as mx
 import pytest
+from pathlib import Path
 from mlx_lm.sample_utils import make_logits_processors
 
 from conftest import run_json
@@ -155,6 +156,18 @@ def test_model_info_has_the_rank_map(server, hf_checkpoint):
     # No --max-batch: as many 2048-token (--max-context) sequences as fit on the tightest rank, said at start.
     assert 1 <= info.max_batch <= MAX_BATCH
     assert f"max batch: {info.max_batch}: {info.max_batch} sequences of 2048 tokens (rank " in server.output(100000)
+
+
+def loaded_libraries(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.parametrize("server", [c for c in CONFIGS if CONFIGS[c][0] > 1], indirect=True)
+def test_only_rank_0_loads_the_tokenizer_libraries(server):
+    # transformers brings in the `tokenizers` extension; ranks other than 0 import mlx-lm's model code
+    # alone (distributed/startup/light_imports.py), while rank 0 tokenizes.
+    tokenizers = ["tokenizers.abi3" in loaded_libraries(server.rank_pid(r)) for r in range(CONFIGS[server.name][0])]
+    assert tokenizers == [True] + [False] * (len(tokenizers) - 1)
 
 
 def test_reflection_only_client(server, reference):

@@ -10,11 +10,15 @@
 #           build (Python), launch (mx.async_eval) and wait, as mlx-lm runs it and with packed experts
 # load:     python -m bench load at 1 / 8 / 64 streams, mlx-lm against the runner, then the runner
 #           with --itl-target-ms 150 (rank 0's loop per step is printed for each)
+# dense:    the routed experts on weights dequantized per call (Experts.run_dense, off by default):
+#           one MoE layer for 64-4,096 tokens, then, from the fewest tokens where it wins at every larger
+#           count, the runner with it on (a copy of the checkout in /tmp/dense) against mlx-lm and
+#           against this checkout as the baseline, 1 / 8 / 64 streams and a 2,048-token prompt alone
 #
 # Everything writes under $OUT (or /tmp/out). Time on a fresh machine: the checkpoint about 50 s, the
 # first model run compiles kernels for 100-200 s, `load` about 360 s; `all` does not fit one 10-minute
-# call on a fresh machine: run `moe anatomy` in one call and `load` in the next (the machine must stay
-# warm: /tmp/mini and the kernel cache live in /tmp).
+# call on a fresh machine: run `moe anatomy` in one call and `load` in the next, `dense` in its own
+# (the machine must stay warm: /tmp/mini and the kernel cache live in /tmp).
 #
 # Python packages: the device's python3 lacks MLX (CUDA), mlx-lm, pydantic and others; install the
 # wheels under /tmp/site first and export PYTHONPATH and LD_LIBRARY_PATH as the device notes say
@@ -37,6 +41,20 @@ for part in $what; do
             pgrep -af run_trinity || true  # a ring left by an earlier call holds memory and ports
             timeout -s INT 540 python3 -m bench load --make-mini /tmp/mini --streams 1,8,64 --prompt-lens 128 \
                 --max-tokens 128 --ranks 1 --check 1 --against "--itl-target-ms 150" --blas reference \
-                --out "$OUT/load.json" 2>&1 | tail -30 ;;
+                --out "$OUT/load.json" 2>&1 | tail -30 ;;&
+        dense)
+            timeout 150 python3 scripts/moe_kernels.py --rows 64,128,256,512,1024,2048,4096 --reps 10 \
+                --variants sorted,packed,dense_sorted,dense_packed,dequantize --json "$OUT/moe_dense.json"
+            from=$(python3 scripts/moe_kernels.py --dense-from "$OUT/moe_dense.json")
+            echo "dense_sorted wins from $from tokens (0: nowhere)"
+            [ "$from" -gt 0 ] || continue
+            rm -rf /tmp/dense && mkdir -p /tmp/dense && cp -r distributed bench scripts run_trinity.py /tmp/dense/
+            sed -i "s/^CUDA_DENSE_TOKENS = range(0)/CUDA_DENSE_TOKENS = range($from, 1 << 31)/" \
+                /tmp/dense/distributed/shard/experts.py
+            grep -n "^CUDA_DENSE_TOKENS" /tmp/dense/distributed/shard/experts.py
+            here=$PWD
+            (cd /tmp/dense && PYTHONPATH="/tmp/site:/tmp/dense" timeout -s INT 420 python3 -m bench load \
+                --make-mini /tmp/mini --streams 1,8,64 --prompt-lens 128 --max-tokens 128 --ranks 1 --check 1 \
+                --long 2048 --baseline "$here" --blas reference --out "$OUT/load_dense.json" 2>&1 | tail -30) ;;
     esac
 done

@@ -6,11 +6,16 @@ rows of one decode step, by the way the rows reach the experts' weights (issue 5
 - `unsorted`: the same without sorting;
 - `packed`:   each expert's rows packed into a (experts, capacity, hidden) block, capacity = B (no host
               sync: a row can choose an expert once), one batched gather_qmm per projection over all
-              experts; more arithmetic on empty places, every expert's weights read once.
+              experts; more arithmetic on empty places, every expert's weights read once
+              (distributed/shard/experts.py, Experts.run_packed);
+- `dense_sorted`: the sorted pairs on the weights dequantized to bf16 for the call, one gather_mm per
+              projection (Experts.run_dense);
+- `dense_packed`: the packed block on dequantized weights, one batched matmul per projection;
+- `dequantize`: dequantizing the three projections alone.
 
 Milliseconds per layer call, median of --reps after warm-up, with the largest difference from `sorted`.
 
-    PYTHONPATH=. python scripts/moe_kernels.py --rows 1,8,16,32,64,128 [--reps 50]
+    PYTHONPATH=. python scripts/moe_kernels.py --rows 1,8,16,32,64,128 [--reps 50] [--variants sorted,packed,...]
 """
 
 import argparse
@@ -20,20 +25,21 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU
+
+from distributed.shard.experts import Experts, dequantized
 
 
-def layer(hidden: int, inner: int, experts: int, dtype) -> SwitchGLU:
-    glu = SwitchGLU(hidden, inner, experts)
+def layer(hidden: int, inner: int, experts: int, dtype) -> Experts:
+    glu = Experts(hidden, inner, experts)
     glu.update(nn.utils.tree_map(lambda a: a.astype(dtype), glu.parameters()))
     nn.quantize(glu, group_size=64, bits=4)
     mx.eval(glu.parameters())
     return glu
 
 
-def project(proj, x, idx, sorted_indices=False):
+def project(proj, x, idx):
     return mx.gather_qmm(x, proj["weight"], proj["scales"], proj.get("biases"), rhs_indices=idx, transpose=True,
-                         group_size=proj.group_size, bits=proj.bits, sorted_indices=sorted_indices)
+                         group_size=proj.group_size, bits=proj.bits)
 
 
 def unsorted(glu, x, inds):
@@ -42,28 +48,37 @@ def unsorted(glu, x, inds):
     return project(glu.down_proj, h, inds).squeeze(-2)
 
 
-def packed(glu, x, inds):
-    """Rows packed per expert: pair p = (row p // k, expert inds.flat[p]) goes to place (expert, rank of p
-    among that expert's pairs); empty places hold zeros and are never read back."""
+def dense_packed(glu, x, inds):
+    """Experts.run_packed's block on dequantized weights: one batched matmul per projection."""
     B, k = inds.shape
     E = glu.up_proj.num_experts
     flat = inds.flatten()
     order = mx.argsort(flat)
     sorted_e = flat[order]
     counts = mx.zeros((E,), mx.int32).at[flat].add(1)
-    starts = mx.cumsum(counts) - counts
-    rank = mx.arange(B * k) - starts[sorted_e]  # place within its expert's block
-    place = sorted_e * B + rank
-    block = mx.zeros((E * B, x.shape[-1]), x.dtype).at[place].add(x[order // k])
-    block = block.reshape(E, B, -1)
-    experts = mx.arange(E)
-    h = glu.activation(project(glu.up_proj, block, experts), project(glu.gate_proj, block, experts))
-    out = project(glu.down_proj, h, experts).reshape(E * B, -1)
-    back = mx.zeros((B * k,), mx.int32).at[order].add(place)  # pair -> its place
+    place = sorted_e * B + (mx.arange(B * k) - (mx.cumsum(counts) - counts)[sorted_e])
+    block = mx.zeros((E * B, x.shape[-1]), x.dtype).at[place].add(x[order // k]).reshape(E, B, -1)
+    h = glu.activation(block @ dequantized(glu.up_proj), block @ dequantized(glu.gate_proj))
+    out = (h @ dequantized(glu.down_proj)).reshape(E * B, -1)
+    back = mx.zeros((B * k,), mx.int32).at[order].add(place)
     return out[back].reshape(B, k, -1)
 
 
-VARIANTS = {"sorted": lambda glu, x, inds: glu(x, inds), "unsorted": unsorted, "packed": packed}
+def way(packed=range(0), dense=range(0)):
+    """The Experts layer with these token ranges for one call (restored after)."""
+    def run(glu, x, inds):
+        glu.packed, glu.dense = packed, dense
+        try:
+            return glu(x, inds)
+        finally:
+            glu.packed = glu.dense = range(0)
+    return run
+
+
+EVERY = range(1, 1 << 31)
+VARIANTS = {"sorted": way(), "unsorted": unsorted, "packed": way(packed=EVERY), "dense_sorted": way(dense=EVERY),
+            "dense_packed": dense_packed,
+            "dequantize": lambda glu, x, inds: [dequantized(p) for p in (glu.up_proj, glu.gate_proj, glu.down_proj)]}
 
 
 def timed(fn, reps: int) -> float:
@@ -77,6 +92,18 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def dense_from(results: list) -> int:
+    """The fewest rows from which dense_sorted beats what runs now (packed to 2,048 rows, then sorted)
+    at every larger count measured; 0: nowhere."""
+    start = 0
+    for r in sorted(results, key=lambda r: -r["rows"]):
+        now = r["packed_ms"] if r["rows"] <= 2048 else r["sorted_ms"]
+        if r["dense_sorted_ms"] >= now:
+            break
+        start = r["rows"]
+    return start
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="1,8,16,32,64,128")
@@ -86,10 +113,16 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--variants", default="sorted,packed")
     p.add_argument("--json")
+    p.add_argument("--dense-from", metavar="JSON", help="print dense_from() of an earlier --json, and exit")
     args = p.parse_args()
+    if args.dense_from:
+        with open(args.dense_from) as f:
+            return print(dense_from(json.load(f)))
     dtype = getattr(mx, args.dtype)
     glu = layer(args.hidden, args.inner, args.experts, dtype)
+    variants = {n: VARIANTS[n] for n in args.variants.split(",")}
     out = []
     for rows in map(int, args.rows.split(",")):
         x = mx.random.normal((rows, args.hidden), key=mx.random.key(rows)).astype(dtype)
@@ -97,9 +130,11 @@ def main() -> None:
         inds = mx.argpartition(-scores, kth=args.k - 1, axis=-1)[:, :args.k].astype(mx.uint32)
         reference = VARIANTS["sorted"](glu, x, inds)
         r = {"rows": rows, "device": str(mx.default_device())}
-        for name, fn in VARIANTS.items():
+        for name, fn in variants.items():
             r[f"{name}_ms"] = round(timed(lambda: fn(glu, x, inds), args.reps), 3)
             got = fn(glu, x, inds)
+            if name == "dequantize":
+                continue
             r[f"{name}_max_diff"] = float(mx.abs(got.astype(mx.float32) - reference.astype(mx.float32)).max())
         print(json.dumps(r), flush=True)
         out.append(r)

@@ -13,39 +13,77 @@ outputs on CPU and GPU).
 
 So `Experts` packs on CUDA from 64 tokens to a prefill chunk's 2,048 and keeps mlx-lm's path
 everywhere else (Metal's gather_qmm has its own kernel for sorted pairs; not measured here).
+
+For long chunks it can also run mlx-lm's sorted pairs on the weights dequantized for the call
+(`dense`), one bf16 gather_mm per projection: that path is off until a GPU has measured it
+(CUDA_DENSE_TOKENS; bench/gpu_step.sh dense measures both sides in one invocation).
 """
 
 import mlx.core as mx
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, _gather_sort, _scatter_unsort
 
 # Token counts packed per expert on a CUDA device (measured on an H100: scripts/moe_kernels.py).
 CUDA_PACKED_TOKENS = range(64, 2049)  # 2,048: a prefill chunk
+# Token counts run on weights dequantized for the call: none until measured on a GPU (bench/gpu_step.sh
+# dense). Trinity-Mini's 4-bit qmm reached about 8 TFLOP/s at 2,048 tokens on an H100; a bf16 product
+# on dequantized weights may go much faster there, at the cost of dequantizing every expert per call.
+CUDA_DENSE_TOKENS = range(0)
 MOST_BLOCK_BYTES = 1 << 30  # the packed block's size at most (Trinity-Mini's at 2,048 tokens; the MLP's
 # activations beside it take as much again), so that a wider model's chunk stays on mlx-lm's path
 
 
+def on_cuda() -> bool:
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
 def packed_tokens() -> range:
     """The token counts this process runs packed: on a CUDA GPU, its default device."""
-    on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
-    return CUDA_PACKED_TOKENS if on_cuda else range(0)
+    return CUDA_PACKED_TOKENS if on_cuda() else range(0)
+
+
+def dense_tokens() -> range:
+    """The token counts this process runs on dequantized weights: on a CUDA GPU, prefill chunks."""
+    return CUDA_DENSE_TOKENS if on_cuda() else range(0)
+
+
+def dequantized(proj) -> mx.array:
+    """A projection's weights as (experts, in, out) in the activations' dtype."""
+    if not isinstance(proj, QuantizedSwitchLinear):
+        return proj.weight.swapaxes(-1, -2)
+    return mx.dequantize(proj.weight, proj.scales, proj.get("biases"), group_size=proj.group_size,
+                         bits=proj.bits, mode=proj.mode).swapaxes(-1, -2)
 
 
 class Experts(SwitchGLU):
     """mlx-lm's SwitchGLU (the same parameters and checkpoint names), with `packed`: the token counts
-    whose pairs go to the experts packed per expert rather than sorted."""
+    whose pairs go to the experts packed per expert rather than sorted, and `dense`: those run on
+    dequantized weights (dense wins where both hold)."""
 
-    def __init__(self, hidden: int, inner: int, num_experts: int, packed: range = range(0)):
+    def __init__(self, hidden: int, inner: int, num_experts: int, packed: range = range(0),
+                 dense: range = range(0)):
         super().__init__(hidden, inner, num_experts)
         self.packed = packed
+        self.dense = dense
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         k = indices.shape[-1]
         tokens = indices.size // k
+        if tokens in self.dense and "global_scale" not in self.up_proj:
+            return self.run_dense(x, indices)
         block_bytes = self.up_proj.num_experts * tokens * x.shape[-1] * x.dtype.size
         if tokens not in self.packed or block_bytes > MOST_BLOCK_BYTES:
             return super().__call__(x, indices)
         out = self.run_packed(x.reshape(tokens, -1), indices.reshape(tokens, k))
         return out.reshape(*indices.shape, -1)
+
+    def run_dense(self, x: mx.array, indices: mx.array) -> mx.array:
+        """mlx-lm's sorted pairs, each projection one gather_mm on its weights dequantized for the call."""
+        x, idx, inv_order = _gather_sort(mx.expand_dims(x, (-2, -3)), mx.stop_gradient(indices))
+        up = mx.gather_mm(x, dequantized(self.up_proj), rhs_indices=idx, sorted_indices=True)
+        gate = mx.gather_mm(x, dequantized(self.gate_proj), rhs_indices=idx, sorted_indices=True)
+        out = mx.gather_mm(self.activation(up, gate), dequantized(self.down_proj), rhs_indices=idx,
+                           sorted_indices=True)
+        return _scatter_unsort(out, inv_order, indices.shape).squeeze(-2)
 
     def run_packed(self, x: mx.array, indices: mx.array) -> mx.array:
         """(tokens, k, hidden): pair p = (token p // k, expert indices.flat[p]) computed at place

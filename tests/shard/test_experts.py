@@ -1,5 +1,6 @@
-"""Experts: a batch's tokens packed per expert give what mlx-lm's SwitchGLU gives them sorted, for
-whole and quantized weights, and a stage whose MoE layers pack every batch decodes as mlx-lm's does."""
+"""Experts: a batch's tokens packed per expert, or run on weights dequantized for the call, give what
+mlx-lm's SwitchGLU gives them sorted, for whole and quantized weights, and a stage whose MoE layers
+take either way for every batch decodes as mlx-lm's does."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -7,16 +8,17 @@ import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from distributed.runtime.caches import SlotCaches
-from distributed.shard.experts import Experts, packed_tokens
+from distributed.shard.experts import Experts, dense_tokens, packed_tokens
 from distributed.shard.loader import load_stage
 
 EVERY_COUNT = range(1, 1 << 20)
 
 
-def pair(bits):
-    """mlx-lm's SwitchGLU with random weights, and Experts holding the same ones."""
+def pair(bits, way="packed"):
+    """mlx-lm's SwitchGLU with random weights, and Experts holding the same ones, taking `way` for
+    every token count."""
     reference = SwitchGLU(64, 32, 8)
-    experts = Experts(64, 32, 8, packed=EVERY_COUNT)
+    experts = Experts(64, 32, 8, **{way: EVERY_COUNT})
     if bits:
         nn.quantize(reference, group_size=32, bits=bits)
         nn.quantize(experts, group_size=32, bits=bits)
@@ -24,10 +26,11 @@ def pair(bits):
     return reference, experts
 
 
+@pytest.mark.parametrize("way", ["packed", "dense"])
 @pytest.mark.parametrize("bits", [0, 4])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 1), (17, 1), (2, 9)])  # decode batches; a prefill chunk
-def test_packed_pairs_equal_mlx_lms_sorted_ones(bits, shape):
-    reference, experts = pair(bits)
+def test_packed_or_dense_pairs_equal_mlx_lms_sorted_ones(way, bits, shape):
+    reference, experts = pair(bits, way)
     x = mx.random.normal((*shape, 64), key=mx.random.key(shape[0]))
     scores = mx.random.uniform(shape=(*shape, 8), key=mx.random.key(7))
     inds = mx.argpartition(-scores, kth=2, axis=-1)[..., :3]
@@ -41,16 +44,17 @@ def test_a_token_count_outside_the_range_takes_mlx_lms_path():
     experts.packed = range(0)
     x, inds = mx.ones((4, 1, 64)), mx.array([[[0, 1, 2]]] * 4)
     assert mx.array_equal(experts(x, inds), reference(x, inds)).item()
-    assert packed_tokens() == range(0)  # this CPU: mlx-lm's path for every batch
+    assert packed_tokens() == dense_tokens() == range(0)  # this CPU: mlx-lm's path for every batch
 
 
-def test_a_stage_packing_every_batch_decodes_as_it_does_sorted(hf_checkpoint):
+@pytest.mark.parametrize("way", ["packed", "dense"])
+def test_a_stage_taking_either_way_for_every_batch_decodes_as_it_does_sorted(hf_checkpoint, way):
     sorted_stage = load_stage(hf_checkpoint, 0, 8, first=True)
     packed_stage = load_stage(hf_checkpoint, 0, 8, first=True)
     moe = [layer.mlp.experts for layer in packed_stage.layers if hasattr(layer.mlp, "experts")]
     assert moe, "the checkpoint has MoE layers"
     for experts in moe:
-        experts.packed = EVERY_COUNT
+        setattr(experts, way, EVERY_COUNT)
     prompt = mx.array([[(7 * i + r) % 250 + 1 for i in range(12)] for r in range(4)], dtype=mx.uint32)
     tokens = []
     for stage in (sorted_stage, packed_stage):

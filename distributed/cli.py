@@ -18,11 +18,7 @@ from .command_line import DEFAULT_PROMPT, parse_settings
 from .runtime.request import GenerationRequest, RequestError, TokenEvent
 from .runtime.scheduler import Scheduler
 from .runtime.step_budget import StepBudget
-from .serving.front_ends import start_front_ends
-from .serving.metrics import Metrics
 from .serving.options import ServeOptions, check_options, split_hosts
-from .serving.request_log import RequestLog
-from .serving.chat_format import ModelInfo, prompt_ids
 from .shard.config import model_args
 from .startup.join import join_ranks, start_rank
 from .startup.loaded import Loaded
@@ -111,6 +107,8 @@ def prompt_tokens(generation: GenerationSettings, tokenizer) -> List[int]:
     if not text:
         raise TrinityError("--prompt: the prompt is empty")
     try:
+        from .serving.chat_format import prompt_ids  # rank 0's serving modules: see FrontEnds.start
+
         return prompt_ids(tokenizer, prompt=text, chat_template=not generation.no_chat_template)
     except RequestError as e:
         raise _flag_error(e) from None
@@ -184,20 +182,27 @@ class FrontEnds:
 
     def __init__(self, options: Optional[ServeOptions]):
         self.options = options
-        self.requests = RequestLog(Metrics(restarts=launcher_restarts())) if options is not None else None
+        self.requests = None  # the access log and metrics, once started
         self.started: list = []
         self._scheduler: Optional[Scheduler] = None
 
     def start(self) -> None:
-        """Listening, NOT_SERVING until attached."""
-        if self.options is not None and not self.started:
-            self.started = start_front_ends(self.options, self.requests)
+        """Listening, NOT_SERVING until attached. Rank 0 alone starts them, so the serving modules
+        (gRPC, uvicorn, the APIs' models: about 0.25 CPU-s) are imported here, not by every rank."""
+        if self.options is None or self.started:
+            return
+        from .serving.front_ends import start_front_ends
+        from .serving.metrics import Metrics
+        from .serving.request_log import RequestLog
+
+        self.requests = RequestLog(Metrics(restarts=launcher_restarts()))
+        self.started = start_front_ends(self.options, self.requests)
 
     def running(self, scheduler: Scheduler) -> None:
         """The scheduler runs now: a failed rank aborts it."""
         self._scheduler = scheduler
 
-    def attach(self, scheduler: Scheduler, tokenizer, info: ModelInfo) -> None:
+    def attach(self, scheduler: Scheduler, tokenizer, info) -> None:
         self.requests.metrics.attach(scheduler, info)
         for front_end in self.started:
             front_end.attach(scheduler, tokenizer, info)
@@ -260,6 +265,8 @@ def start_scheduler(settings: Settings, built: Loaded, front_ends: FrontEnds,
 
 def serve(settings: Settings, built: Loaded, front_ends: FrontEnds, stop: RankStop) -> None:
     """Rank 0 with --serve: attach the scheduler to the front ends, serve until a signal."""
+    from .serving.chat_format import ModelInfo
+
     scheduler, sizes, ranks = start_scheduler(settings, built, front_ends)
     log.info(f"prefix cache: up to {sizes.prefix_cache_bytes / 2**20:.1f} MiB on any rank"
              if sizes.prefix_cache_bytes else "prefix cache: off")

@@ -21,6 +21,7 @@ import json, os, sys, threading, traceback
 from distributed.startup.lifecycle import block_stop_signals
 block_stop_signals()  # as run_trinity.py, before anything starts a thread
 from distributed.cli import main
+import distributed.serving.chat_format  # rank 0 imports it on its first prompt (cli.prompt_tokens)
 
 for line in sys.stdin:
     args, out, err, timeout = json.loads(line)

@@ -68,8 +68,8 @@ class Experts(SwitchGLU):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         k = indices.shape[-1]
         tokens = indices.size // k
-        if tokens in self.dense and "global_scale" not in self.up_proj:
-            return self.run_dense(x, indices)
+        if tokens in self.dense and not {"bias", "global_scale"} & set(self.up_proj):
+            return self.run_dense(x, indices)  # (AFMoE's experts have neither)
         block_bytes = self.up_proj.num_experts * tokens * x.shape[-1] * x.dtype.size
         if tokens not in self.packed or block_bytes > MOST_BLOCK_BYTES:
             return super().__call__(x, indices)

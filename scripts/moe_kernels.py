@@ -26,7 +26,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from distributed.shard.experts import Experts, dequantized
+from distributed.shard.experts import Experts, dequantized, pack_per_expert, unpack
 
 
 def layer(hidden: int, inner: int, experts: int, dtype) -> Experts:
@@ -50,18 +50,9 @@ def unsorted(glu, x, inds):
 
 def dense_packed(glu, x, inds):
     """Experts.run_packed's block on dequantized weights: one batched matmul per projection."""
-    B, k = inds.shape
-    E = glu.up_proj.num_experts
-    flat = inds.flatten()
-    order = mx.argsort(flat)
-    sorted_e = flat[order]
-    counts = mx.zeros((E,), mx.int32).at[flat].add(1)
-    place = sorted_e * B + (mx.arange(B * k) - (mx.cumsum(counts) - counts)[sorted_e])
-    block = mx.zeros((E * B, x.shape[-1]), x.dtype).at[place].add(x[order // k]).reshape(E, B, -1)
+    block, place = pack_per_expert(x, inds, glu.up_proj.num_experts)
     h = glu.activation(block @ dequantized(glu.up_proj), block @ dequantized(glu.gate_proj))
-    out = (h @ dequantized(glu.down_proj)).reshape(E * B, -1)
-    back = mx.zeros((B * k,), mx.int32).at[order].add(place)
-    return out[back].reshape(B, k, -1)
+    return unpack(h @ dequantized(glu.down_proj), place, inds.shape)
 
 
 def way(packed=range(0), dense=range(0)):

@@ -86,20 +86,29 @@ class Experts(SwitchGLU):
         return _scatter_unsort(out, inv_order, indices.shape).squeeze(-2)
 
     def run_packed(self, x: mx.array, indices: mx.array) -> mx.array:
-        """(tokens, k, hidden): pair p = (token p // k, expert indices.flat[p]) computed at place
-        (expert, its rank among that expert's pairs) of one (experts, tokens, hidden) block."""
-        tokens, k = indices.shape
-        experts = self.up_proj.num_experts
-        flat = mx.stop_gradient(indices).flatten()
-        order = mx.argsort(flat)
-        by_expert = flat[order]
-        counts = mx.zeros((experts,), mx.int32).at[flat].add(1)
-        first = mx.cumsum(counts) - counts  # where each expert's pairs start in `order`
-        place = by_expert * tokens + (mx.arange(tokens * k) - first[by_expert])
-        block = mx.zeros((experts * tokens, x.shape[-1]), x.dtype).at[place].add(x[order // k])
-        block = block.reshape(experts, tokens, -1)
-        every = mx.arange(experts)
+        """(tokens, k, hidden), each projection one batched gather_qmm over every expert's block."""
+        block, place = pack_per_expert(x, indices, self.up_proj.num_experts)
+        every = mx.arange(block.shape[0])
         h = self.activation(self.up_proj(block, every), self.gate_proj(block, every))
-        out = self.down_proj(h, every).reshape(experts * tokens, -1)
-        place_of_pair = mx.zeros((tokens * k,), mx.int32).at[order].add(place)
-        return out[place_of_pair].reshape(tokens, k, -1)
+        return unpack(self.down_proj(h, every), place, indices.shape)
+
+
+def pack_per_expert(x: mx.array, indices: mx.array, experts: int) -> tuple:
+    """(tokens, hidden) and their (tokens, k) experts -> the (experts, tokens, hidden) block, and each
+    pair's place in it: pair p = (token p // k, expert indices.flat[p]) sits at (expert, its rank among
+    that expert's pairs)."""
+    tokens, k = indices.shape
+    flat = mx.stop_gradient(indices).flatten()
+    order = mx.argsort(flat)
+    by_expert = flat[order]
+    counts = mx.zeros((experts,), mx.int32).at[flat].add(1)
+    first = mx.cumsum(counts) - counts  # where each expert's pairs start in `order`
+    place = by_expert * tokens + (mx.arange(tokens * k) - first[by_expert])
+    block = mx.zeros((experts * tokens, x.shape[-1]), x.dtype).at[place].add(x[order // k])
+    place_of_pair = mx.zeros((tokens * k,), mx.int32).at[order].add(place)
+    return block.reshape(experts, tokens, -1), place_of_pair
+
+
+def unpack(out: mx.array, place_of_pair: mx.array, shape: tuple) -> mx.array:
+    """A block's outputs back in pair order: (*shape, hidden)."""
+    return out.reshape(-1, out.shape[-1])[place_of_pair].reshape(*shape, -1)

@@ -43,11 +43,14 @@ thinking_delta; its `signature` is empty: nothing here signs or checks one).
 
 import json
 import uuid
-from typing import Any, Optional
+from typing import Any, List, Optional, Union
+
+from typing_extensions import Required, TypedDict
 
 from ..runtime.request import RequestError
 from .chat_format import chat_ids, place_system
 from .openai_api import Adapter, Number, adapted, chat_prompt
+from .parts import closed, open_keys
 from .protocol import ApiError, FieldPolicy, Reply, ToolCall, Typed, Usage, check_fields, parse, sse
 from .tools import chat_messages
 
@@ -80,19 +83,101 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "overloaded_error", 529: "overloaded_error"}
 
 
+@open_keys
+class Block(TypedDict, total=False):
+    """A content block: its type says which keys it may carry (BLOCK_KEYS, _blocks); null is absent."""
+
+    type: Required[str]
+    cache_control: Optional[dict]
+    text: str  # text
+    citations: Any
+    id: str  # tool_use
+    name: str
+    input: dict
+    caller: Any
+    thinking: str  # thinking
+    signature: Optional[str]
+    data: Optional[str]  # redacted_thinking
+    tool_use_id: str  # tool_result
+    content: Union[str, List["Block"]]
+    is_error: Optional[bool]
+
+
+Content = Union[str, List[Block]]
+
+
+@closed
+class Turn(TypedDict):
+    role: str  # user, assistant or system (_turn)
+    content: Content
+
+
+@open_keys
+class MessagesTool(TypedDict, total=False):
+    """A client tool (no type, or "custom"), or a server tool (only its type is read); TOOL_KEYS."""
+
+    type: Optional[str]
+    name: str
+    description: Optional[str]
+    input_schema: dict
+    strict: Optional[bool]
+
+
+@closed
+class MessagesToolChoice(TypedDict, total=False):
+    type: Required[str]  # auto, any, tool or none
+    name: str
+    disable_parallel_tool_use: Optional[bool]
+
+
+@closed
+class OutputFormat(TypedDict):
+    type: str  # json_schema
+    schema: dict
+
+
+@closed
+class OutputConfig(TypedDict, total=False):
+    format: Optional[OutputFormat]
+    effort: Optional[str]
+
+
+@closed
+class Thinking(TypedDict, total=False):
+    type: Required[str]  # enabled, adaptive or disabled
+    budget_tokens: int
+
+
+@open_keys
+class Edit(TypedDict, total=False):
+    """A context_management edit: clear_thinking_* (keep) or clear_tool_uses_* (keep, trigger,
+    exclude_tools, clear_tool_inputs); _context_edits."""
+
+    type: Required[str]
+    keep: Union[str, dict]
+    trigger: Optional[dict]
+    exclude_tools: Optional[List[str]]
+    clear_tool_inputs: Optional[bool]
+
+
+@closed
+class ContextManagement(TypedDict, total=False):
+    edits: List[Edit]
+
+
 class MessagesRequest(Typed):
     """A /v1/messages (or count_tokens) body, typed."""
 
     model: Any = None  # required
-    messages: Any = None  # turns (_turn)
-    system: Any = None  # a string or text blocks
-    tools: Any = None  # _tools
-    tool_choice: Any = None
-    output_config: Any = None
-    thinking: Any = None
-    context_management: Any = None
+    messages: Optional[List[Turn]] = None  # _turn
+    system: Optional[Content] = None  # a string or text blocks
+    tools: Optional[List[MessagesTool]] = None  # _tools
+    tool_choice: Optional[MessagesToolChoice] = None
+    output_config: Optional[OutputConfig] = None
+    thinking: Optional[Thinking] = None
+    context_management: Optional[ContextManagement] = None
     max_tokens: Optional[int] = None  # required by /v1/messages
-    stop_sequences: Any = None
+    stop_sequences: Optional[List[str]] = None
     temperature: Number = None
     top_p: Number = None
     top_k: Optional[int] = None
@@ -108,15 +193,13 @@ def _parse(body: dict, generate: bool) -> tuple:
     return parse(MessagesRequest, body), ignored
 
 
-def _blocks(content, where: str) -> list:
+def _blocks(content: Content, where: str) -> list:
     """A turn's content as blocks (a string is one text block), their keys checked."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    if not isinstance(content, list):
-        raise RequestError(where, "expected a string or a list of content blocks")
     for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if not isinstance(kind, str) or kind not in BLOCK_KEYS:  # a list or object is no type (nor hashable)
+        kind = block["type"]
+        if kind not in BLOCK_KEYS:
             raise RequestError(f"{where}[{j}].type", f"{json.dumps(kind)[:40]} blocks are not supported "
                                             "(text, thinking, tool_use and tool_result only)")
         extra = next((k for k, v in block.items() if k not in ("type", "cache_control", *BLOCK_KEYS[kind])
@@ -130,7 +213,7 @@ def _texts(content, where: str) -> list:
     """The texts of text blocks (or a string)."""
     parts = []
     for j, block in enumerate(_blocks(content, where)):
-        if block["type"] != "text" or not isinstance(block.get("text"), str):
+        if block["type"] != "text" or "text" not in block:
             raise RequestError(f"{where}[{j}]", "expected a text block")
         parts.append(block["text"])
     return parts
@@ -170,44 +253,37 @@ def _turn(m, i: int, last: bool, thinking: bool, ignored: list) -> list:
     they are left out, named in the access log); a user's tool_result blocks become `tool`
     messages, in their order; a system entry (as Claude Code sends reminders) a system message."""
     where = f"messages[{i}]"
-    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+    if m["role"] not in ("user", "assistant", "system"):
         raise RequestError(f"{where}.role", "expected \"user\", \"assistant\" or \"system\"")
     if m["role"] == "system":
-        extra = next((k for k in m if k not in ("role", "content")), None)
-        if extra is not None:
-            raise RequestError(f"{where}.{extra}", "not supported in a message")
-        text = _unbilled(_texts(m.get("content"), f"{where}.content"), "messages.system", ignored)
+        text = _unbilled(_texts(m["content"], f"{where}.content"), "messages.system", ignored)
         return [{"role": "system", "content": text}] if text is not None else []
-    extra = next((k for k in m if k not in ("role", "content")), None)
-    if extra is not None:
-        raise RequestError(f"{where}.{extra}", "not supported in a message")
     if m["role"] == "assistant" and last:
         raise RequestError(where, "a last assistant turn (prefill) is not supported")
     out, text, calls, reasoning = [], [], [], []
-    for j, block in enumerate(_blocks(m.get("content"), f"{where}.content")):
+    for j, block in enumerate(_blocks(m["content"], f"{where}.content")):
         at = f"{where}.content[{j}]"
         if block["type"] == "text":
-            if not isinstance(block.get("text"), str):
-                raise RequestError(f"{at}.text", "expected a string")
+            if "text" not in block:
+                raise RequestError(f"{at}.text", "required")
             text.append(block["text"])
         elif m["role"] == "assistant" and block["type"] == "tool_use":
-            if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
-                    and isinstance(block.get("input"), dict)):
+            if not all(key in block for key in ("id", "name", "input")):
                 raise RequestError(at, "a tool_use block needs a string id and name and an input object")
             calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"], "arguments": block["input"]}})
         elif m["role"] == "assistant" and block["type"] == "redacted_thinking":
             ignored.append("messages.redacted_thinking")  # another model's, unreadable: left out
         elif m["role"] == "assistant" and block["type"] == "thinking":
-            if not isinstance(block.get("thinking"), str):
-                raise RequestError(f"{at}.thinking", "expected a string")
+            if "thinking" not in block:
+                raise RequestError(f"{at}.thinking", "required")
             if not thinking:
                 ignored.append("messages.thinking")  # the template has no place for it
                 continue
             reasoning.append(block["thinking"])  # its signature is not checked: nothing here signs
         elif m["role"] == "user" and block["type"] == "tool_result":
-            if not isinstance(block.get("tool_use_id"), str) or not isinstance(block.get("is_error", False), bool):
-                raise RequestError(at, "a tool_result block needs a string tool_use_id (and is_error a boolean)")
+            if "tool_use_id" not in block:
+                raise RequestError(at, "a tool_result block needs a string tool_use_id")
             if text:  # text before a result stays before it
                 out.append({"role": "user", "content": "".join(text)})
                 text = []
@@ -227,25 +303,19 @@ def _turn(m, i: int, last: bool, thinking: bool, ignored: list) -> list:
     return out
 
 
-def _tools(tools, ignored: list) -> list:
+def _tools(tools: List[MessagesTool], ignored: list) -> list:
     """Client tools as function tools; server tools (web_search, bash, …: none runs here) are left
     out of the prompt and named in the access log."""
-    if not isinstance(tools, list):
-        raise RequestError("tools", "expected a list of tools")
     out = []
     for k, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise RequestError(f"tools[{k}]", "expected a tool object")
         kind = tool.get("type")
-        if isinstance(kind, str) and kind != "custom":
+        if kind not in (None, "custom"):
             ignored.append(f"tools.{kind}")
             continue
-        if kind not in (None, "custom"):
-            raise RequestError(f"tools[{k}].type", "expected a string")
         extra = next((key for key, v in tool.items() if key not in TOOL_KEYS and v is not None), None)
         if extra is not None:
             raise RequestError(f"tools[{k}].{extra}", "not supported in a tool")
-        if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+        if "name" not in tool or "input_schema" not in tool:
             raise RequestError(f"tools[{k}]", "a tool needs a string name and an input_schema object")
         function = {"name": tool["name"], "parameters": tool["input_schema"]}
         if tool.get("description") is not None:
@@ -256,14 +326,13 @@ def _tools(tools, ignored: list) -> list:
     return out
 
 
-def _tool_choice(choice, chat: dict) -> None:
-    kind = choice.get("type") if isinstance(choice, dict) else None
+def _tool_choice(choice: MessagesToolChoice, chat: dict) -> None:
+    kind = choice["type"]
     if kind not in ("auto", "any", "tool", "none"):
         raise RequestError("tool_choice", "expected {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}")
-    extra = next((k for k in choice if k not in ("type", "name", "disable_parallel_tool_use")), None)
-    if extra is not None or (kind != "tool" and "name" in choice):
-        raise RequestError(f"tool_choice.{extra or 'name'}", f"not supported with type {kind!r}")
-    if kind == "tool" and not isinstance(choice.get("name"), str):
+    if kind != "tool" and "name" in choice:
+        raise RequestError("tool_choice.name", f"not supported with type {kind!r}")
+    if kind == "tool" and "name" not in choice:
         raise RequestError("tool_choice.name", "the tool to use, a string")
     named = {"type": "function", "function": {"name": choice.get("name")}}
     chat["tool_choice"] = named if kind == "tool" else CHOICES[kind]
@@ -271,36 +340,29 @@ def _tool_choice(choice, chat: dict) -> None:
         chat["parallel_tool_calls"] = False
 
 
-def _output_config(config, chat: dict, ignored: list) -> None:
-    if not isinstance(config, dict) or any(k not in ("format", "effort") for k in config):
-        raise RequestError("output_config", "expected {\"format\": …, \"effort\": …}")
+def _output_config(config: OutputConfig, chat: dict, ignored: list) -> None:
     if config.get("effort") is not None:
-        if not isinstance(config["effort"], str):
-            raise RequestError("output_config.effort", "expected a string")
         ignored.append("output_config.effort")  # the chat template has no effort knob
     form = config.get("format")
     if form is not None:
-        if not isinstance(form, dict) or form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict) \
-                or len(form) != 2:
+        if form["type"] != "json_schema":
             raise RequestError("output_config.format", "expected {\"type\": \"json_schema\", \"schema\": {…}}")
         chat["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "output", "schema": form["schema"], "strict": True}}
 
 
-def _thinking(config, thinking: bool, chat: dict, ignored: list, max_tokens=None) -> None:
+def _thinking(config: Thinking, thinking: bool, chat: dict, ignored: list, max_tokens=None) -> None:
     """`thinking`: where the checkpoint thinks, enabled or adaptive (its thinking blocks come
     back) or disabled (the chat template is told enable_thinking false); elsewhere it changes
     nothing (the model does not think: no thinking blocks come back) and is named in the log."""
-    kind = config.get("type") if isinstance(config, dict) else None
+    kind = config["type"]
     if kind not in ("enabled", "adaptive", "disabled"):
         raise RequestError("thinking", "expected {\"type\": \"enabled\" | \"adaptive\" | \"disabled\"}")
-    extra = next((k for k in config if k not in ("type", "budget_tokens") or (k == "budget_tokens" and kind != "enabled")), None)
-    if extra is not None:
-        raise RequestError(f"thinking.{extra}", f"not supported with type {kind!r}")
+    if kind != "enabled" and "budget_tokens" in config:
+        raise RequestError("thinking.budget_tokens", f"not supported with type {kind!r}")
     if kind == "enabled":
-        budget = config.get("budget_tokens")
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024 \
-                or (max_tokens is not None and budget >= max_tokens):
+        budget = config.get("budget_tokens", 0)
+        if budget < 1024 or (max_tokens is not None and budget >= max_tokens):
             raise RequestError("thinking.budget_tokens", "expected an integer of at least 1024, below max_tokens")
     if not thinking:
         if kind != "disabled":
@@ -328,17 +390,15 @@ def _context_edits(config, messages: list, count, ignored: list) -> None:
     (input tokens, default 100,000) replaces the results (and with clear_tool_inputs the inputs) of
     all but the last `keep` tool uses (default 3) with a placeholder, tools in exclude_tools kept.
     `count(messages)`: the prompt's tokens."""
-    if not isinstance(config, dict) or any(k != "edits" for k in config) or not isinstance(config.get("edits", []), list):
-        raise RequestError("context_management", "expected {\"edits\": [...]}")
     for k, edit in enumerate(config.get("edits", [])):
         where = f"context_management.edits[{k}]"
-        kind = edit.get("type") if isinstance(edit, dict) else None
-        if isinstance(kind, str) and kind.startswith("clear_thinking_"):
+        kind = edit["type"]
+        if kind.startswith("clear_thinking_"):
             keep = _keep(edit, where, "thinking_turns", {"type": "thinking_turns", "value": 1})
             thought = [m for m in messages if m["role"] == "assistant" and m.get("reasoning_content")]
             for m in thought[: len(thought) - keep] if keep is not None else []:
                 del m["reasoning_content"]
-        elif isinstance(kind, str) and kind.startswith("clear_tool_uses_"):
+        elif kind.startswith("clear_tool_uses_"):
             keep = _keep(edit, where, "tool_uses", {"type": "tool_uses", "value": DEFAULT_KEEP_TOOL_USES})
             trigger = edit.get("trigger") or {"type": "input_tokens", "value": DEFAULT_TRIGGER}
             if not isinstance(trigger, dict) or trigger.get("type") not in ("input_tokens", "tool_uses") \
@@ -366,7 +426,7 @@ def _prompt(request: MessagesRequest, tokenizer, max_tokens=None, ignored=None) 
     thinking = tokenizer.has_thinking
     ignored = [] if ignored is None else ignored
     messages = request.messages
-    if not isinstance(messages, list) or not messages:
+    if not messages:
         raise RequestError("messages", "expected a non-empty list of turns")
     out = []
     if request.system is not None:
@@ -383,7 +443,7 @@ def _prompt(request: MessagesRequest, tokenizer, max_tokens=None, ignored=None) 
         if tools:
             chat["tools"] = tools
     choice = request.tool_choice
-    if choice is not None and (chat.get("tools") or not isinstance(choice, dict) or choice.get("type") != "auto"):
+    if choice is not None and (chat.get("tools") or choice["type"] != "auto"):
         _tool_choice(choice, chat)  # "auto" with only server tools left: nothing to choose; "any": a 400 (no tools)
     if request.output_config is not None:
         _output_config(request.output_config, chat, ignored)
@@ -408,7 +468,7 @@ def parse_request(body: dict, info, tokenizer) -> tuple:
             chat[name] = getattr(request, name)
     stops = request.stop_sequences
     if stops:
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        if not all(stops):
             raise RequestError("stop_sequences", "expected a list of non-empty strings")
         chat["stop"] = stops
     return request, adapted(chat, info, ignored, param)

@@ -31,10 +31,13 @@ import time
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional, Union
+
+from typing_extensions import Required, TypedDict
 
 from ..runtime.request import RequestError
 from .openai_api import Adapter, adapted
+from .parts import ContentPart, Tool, closed, open_keys
 from .protocol import ApiError, FieldPolicy, Reply, ToolCall, Typed, check_fields, ndjson, parse
 
 # Ollama option -> the chat-completions field(s) it becomes (repeat_last_n: llama.cpp's one window for all penalties).
@@ -67,20 +70,41 @@ MANAGEMENT = ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/embed"
 NEVER = "9999-12-31T23:59:59Z"  # ps's expires_at: the model is never unloaded
 
 
+@open_keys
+class OllamaFunction(TypedDict, total=False):
+    name: Required[str]
+    arguments: dict
+
+
+@open_keys
+class OllamaCall(TypedDict):
+    function: OllamaFunction
+
+
+@closed
+class OllamaMessage(TypedDict, total=False):
+    role: str
+    content: Union[str, List[ContentPart], None]
+    tool_calls: Optional[List[OllamaCall]]
+    tool_name: Optional[str]  # a tool message: the tool whose call it answers
+    images: Optional[list]  # refused where not empty
+    thinking: Optional[str]  # an assistant's earlier reasoning
+
+
 class OllamaRequest(Typed):
     """What /api/chat and /api/generate bodies share, typed."""
 
     model: Any = None  # the served id (_model)
     stream: bool = True
-    format: Any = None  # "json" or a JSON schema (_format)
-    options: Any = None  # _options
-    keep_alive: Any = None
-    think: Any = None  # true, false or an effort level
+    format: Union[str, dict, None] = None  # "json" or a JSON schema (_format)
+    options: Optional[dict] = None  # _options
+    keep_alive: Union[int, float, str, None] = None  # a duration: never unloaded here
+    think: Union[bool, str, None] = None  # true, false or an effort level
 
 
 class OllamaChat(OllamaRequest):
-    messages: Any = None  # _messages
-    tools: Any = None  # given as they are (Ollama's are OpenAI's)
+    messages: Optional[List[OllamaMessage]] = None  # _messages
+    tools: Optional[List[Tool]] = None  # given as they are (Ollama's are OpenAI's)
 
 
 class OllamaGenerate(OllamaRequest):
@@ -176,11 +200,9 @@ def _not_here(path: str):
 # ---- requests: an Ollama body as a chat-completions (or, raw, a completions) body
 
 
-def _options(options, info, ignored: list) -> dict:
+def _options(options: Optional[dict], info, ignored: list) -> dict:
     if options is None:
         return {}
-    if not isinstance(options, dict):
-        raise RequestError("options", "expected an object")
     out = {}
     for name, value in options.items():
         where = f"options.{name}"
@@ -223,13 +245,11 @@ def _parse(body: dict, chat: bool, info, thinking: bool, ignored: list):
     ignored += check_fields(body, POLICIES[chat])
     request = parse(OllamaChat if chat else OllamaGenerate, body)
     think = request.think
-    if think is not None and not isinstance(think, bool) and think not in ("low", "medium", "high"):
+    if isinstance(think, str) and think not in ("low", "medium", "high"):
         raise RequestError("think", "expected true, false, \"low\", \"medium\" or \"high\"")
     if isinstance(think, str) or (think and not thinking):
         ignored.append("think")  # effort levels: the template has no knob; where the model does not think: none
     if request.keep_alive is not None:
-        if not isinstance(request.keep_alive, (int, float, str)):
-            raise RequestError("keep_alive", "expected a duration (a number of seconds or a string such as \"5m\")")
         ignored.append("keep_alive")  # never unloaded
     _model(request.model, info)
     return request
@@ -243,39 +263,29 @@ def _common(request: OllamaRequest, info, thinking: bool, ignored: list) -> dict
 
 def _messages(messages, thinking: bool, ignored: list) -> list:
     """Ollama messages as OpenAI's: tool calls get ids, and tool results the id of the call they answer."""
-    if not isinstance(messages, list) or not messages:
+    if not messages:
         raise RequestError("messages", "expected a non-empty list of messages")
     out, pending = [], []  # pending: (id, name) of calls not answered yet
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise RequestError(where, "expected an object")
-        extra = next((k for k in m if k not in ("role", "content", "tool_calls", "tool_name", "images", "thinking")), None)
-        if extra is not None:
-            raise RequestError(f"{where}.{extra}", "unknown field")
         if m.get("images"):
             raise RequestError(f"{where}.images", REFUSED["images"])
         calls = m.get("tool_calls") or []
         message = {"role": m.get("role"), "content": m.get("content", None if calls else "")}
         if m.get("thinking"):
-            if m.get("role") != "assistant" or not isinstance(m["thinking"], str):
-                raise RequestError(f"{where}.thinking", "only assistant messages carry thinking, a string")
+            if m.get("role") != "assistant":
+                raise RequestError(f"{where}.thinking", "only assistant messages carry thinking")
             if thinking:
                 message["reasoning_content"] = m["thinking"]
             else:
                 ignored.append("messages.thinking")  # the template has no place for it
-        for k, call in enumerate(calls if isinstance(calls, list) else [None]):
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                    or not isinstance(function.get("arguments", {}), dict):
-                raise RequestError(f"{where}.tool_calls[{k}]", "expected {\"function\": {\"name\": …, \"arguments\": {…}}}")
+        for k, call in enumerate(calls):
+            function = call["function"]
             pending.append((f"call_{i}_{k}", function["name"]))
             message.setdefault("tool_calls", []).append({"id": pending[-1][0], "type": "function", "function": {
                 "name": function["name"], "arguments": function.get("arguments", {})}})
         if m.get("role") == "tool":
             name = m.get("tool_name")
-            if not isinstance(name, (str, type(None))):
-                raise RequestError(f"{where}.tool_name", "expected a string")
             match = next((c for c in pending if name is None or c[1] == name), None)
             if match:
                 pending.remove(match)

@@ -36,6 +36,7 @@ from typing import Any, Callable, List, Optional, Union
 from ..runtime.request import MAX_TOP_LOGPROBS, GenerationRequest, RequestError
 from .chat_format import ModelInfo, build_request, chat_ids, prompt_ids
 from .constraints import allowed_tools, forced_tools, response_grammar, strict_calls_grammar, tool_call_grammar
+from .parts import Message, ResponseFormat, Tool, ToolChoice
 from .protocol import ApiError, Choice, Delta, FieldPolicy, Reply, ToolCall, Typed, check_fields, parse
 from .tools import chat_messages, custom_names, request_tools
 
@@ -120,14 +121,14 @@ class CompletionRequest(Typed):
 class ChatRequest(CompletionRequest):
     """A /v1/chat/completions body, typed (or what an API served over chat made of its own)."""
 
-    messages: Any = None  # tools.chat_messages reads them
+    messages: Optional[List[Message]] = None  # tools.chat_messages reads them
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    tools: Any = None  # tools.request_tools
-    tool_choice: Any = None
+    tools: Optional[List[Tool]] = None  # tools.request_tools
+    tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: bool = True
-    response_format: Any = None  # constraints.response_grammar
+    response_format: Optional[ResponseFormat] = None  # constraints.response_grammar
     chat_template_kwargs: dict = {}
 
 

@@ -15,6 +15,8 @@ import copy
 from importlib import metadata
 from typing import Optional
 
+from pydantic.json_schema import models_json_schema
+
 from . import anthropic_api, ollama_api, openai_api, responses_api
 from .chat_format import ROLES
 from .protocol import FieldPolicy
@@ -110,11 +112,19 @@ _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", 
                type(None): "null"}
 
 
+# The typed request models' JSON schemas, their parts (parts.py and each API's) under
+# components/schemas, named apart where two APIs' parts share a class name.
+_MODELS = (openai_api.CompletionRequest, openai_api.ChatRequest, responses_api.ResponsesRequest,
+           anthropic_api.MessagesRequest, ollama_api.OllamaChat, ollama_api.OllamaGenerate)
+_REFS, _SCHEMAS = models_json_schema([(m, "validation") for m in _MODELS], ref_template="#/components/schemas/{model}")
+_SCHEMAS = _SCHEMAS["$defs"]
+
+
 def body_schema(written: dict, policy: FieldPolicy, model: Optional[type] = None) -> dict:
     """A request body's schema: `written` (the hand-written one: its required fields and the
     properties it describes) with every other field `policy` takes, described by `model`'s typed
-    field where it has one, else by the policy."""
-    typed = model.model_json_schema().get("properties", {}) if model is not None else {}
+    field where it has one (its parts by reference), else by the policy."""
+    typed = _SCHEMAS[_REFS[model, "validation"]["$ref"].rsplit("/", 1)[1]]["properties"] if model is not None else {}
     properties = {}
     for name in policy.accepted:
         properties[name] = {k: v for k, v in typed.get(name, {}).items() if k != "title"}
@@ -204,5 +214,5 @@ def document() -> dict:
         "info": {"title": "trinity-pipeline", "version": version,
                  "description": "OpenAI-, Anthropic- and Ollama-compatible HTTP API of a trinity-pipeline server"},
         "paths": paths,
-        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}, "schemas": _SCHEMAS},
     })

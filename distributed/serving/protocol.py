@@ -20,7 +20,6 @@ routing and dependency layers would also add modules to every request's path.
 
 import json
 import time
-import typing
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -89,23 +88,45 @@ class Typed(BaseModel):
 
 def parse(model: type, body: dict, **extra):
     """`body` as `model` (a Typed), with `extra` fields set by the server; a value of the wrong
-    JSON type is a RequestError naming its field: "expected int or number, got \"x\"". Null is
-    the field's default."""
+    JSON type is a RequestError naming where it is: "messages[2].content: expected a string or a
+    list, got 5". Null is a top-level field's default."""
     given = {k: v for k, v in body.items() if v is not None and k in model.model_fields}
     try:
         return model.model_validate({**given, **extra})
     except ValidationError as e:
-        name = str(e.errors()[0]["loc"][0])
-        annotation = model.model_fields[name].annotation
-        raise RequestError(name, f"expected {_names(_kinds(annotation))}, got {json.dumps(given[name])[:40]}") from None
+        raise _failure(e.errors()) from None
 
 
-def _kinds(annotation) -> tuple:
-    """The JSON types an annotation takes: Optional[Union[int, float]] -> (int, float)."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Union:
-        return tuple(k for a in typing.get_args(annotation) for k in _kinds(a) if k is not type(None))
-    return (origin or annotation,)
+# pydantic's error types -> what the value should have been
+_EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+             "list_type": "a list", "dict_type": "an object", "model_type": "an object", "none_required": "null"}
+
+
+def _failure(errors: List[dict]) -> RequestError:
+    """The first of pydantic's errors as a RequestError. In a union (a string or a list, say),
+    each branch fails apart: the one that took the value's JSON kind got deepest, so the deepest
+    place is named; where none went deeper, what each branch takes."""
+    deepest = max(errors, key=lambda e: len(_place(e["loc"])))
+    place = _place(deepest["loc"])
+    same = [e for e in errors if _place(e["loc"]) == place]
+    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in place).lstrip(".")
+    kind, got = deepest["type"], json.dumps(deepest.get("input"), default=str)[:40]
+    if kind == "missing":
+        return RequestError(field, "required")
+    if kind == "extra_forbidden":
+        return RequestError(field, "not supported here")
+    if kind == "literal_error":
+        return RequestError(field, f"expected {deepest['ctx']['expected']}, got {got}")
+    words = list(dict.fromkeys(_EXPECTED[e["type"]] for e in same if e["type"] in _EXPECTED))
+    return RequestError(field, f"expected {' or '.join(words)}, got {got}" if words else deepest["msg"])
+
+
+def _place(loc: tuple) -> tuple:
+    """An error's location without pydantic's union branch labels (str, list[Part], Part)."""
+    return tuple(p for p in loc if isinstance(p, int) or not ("[" in p or p[:1].isupper() or p in _LABELS))
+
+
+_LABELS = ("str", "int", "float", "bool", "dict", "list", "none")
 
 
 def _names(kinds: tuple) -> str:

@@ -30,11 +30,14 @@ import json
 import time
 import uuid
 from functools import partial
-from typing import Any, Optional
+from typing import Any, List, Optional, Union
+
+from typing_extensions import Required, TypedDict
 
 from ..runtime.request import RequestError
 from .chat_format import place_system
 from .openai_api import Adapter, Number, adapted
+from .parts import closed, open_keys
 from .protocol import FieldPolicy, Reply, ToolCall, Typed, check_fields, parse, sse
 from .sealed import Sealer
 from .tools import CUSTOM_INPUT, custom_function, custom_input
@@ -55,42 +58,121 @@ ENCRYPTED = "reasoning.encrypted_content"
 NAMESPACE_SEP = "__"  # a namespace tool's function name: NAMESPACE__NAME (as MCP tools are named)
 
 
+@open_keys
+class Part(TypedDict, total=False):
+    """A text part of a message or output (input_text, output_text, text), or of a reasoning item
+    (reasoning_text, summary_text)."""
+
+    type: Required[str]
+    text: str
+
+
+@open_keys
+class Item(TypedDict, total=False):
+    """An `input` item; its `type` (default message) says which keys it needs (_input)."""
+
+    type: str
+    role: str  # message
+    content: Union[str, List[Part], None]  # message, reasoning
+    summary: Optional[List[Part]]  # reasoning
+    encrypted_content: Optional[str]  # reasoning
+    call_id: str  # function_call, custom_tool_call and their outputs
+    name: str
+    namespace: Optional[str]
+    arguments: str  # function_call
+    input: str  # custom_tool_call
+    output: Union[str, List[Part]]  # the outputs
+
+
+@closed
+class ResponsesCustomFormat(TypedDict, total=False):
+    type: Required[str]  # text or grammar
+    syntax: str
+    definition: str
+
+
+@open_keys
+class ResponsesTool(TypedDict, total=False):
+    """A function, custom or namespace tool (_tools; a namespace's tools are functions by
+    default), or a hosted one (web_search, …: only its type is read)."""
+
+    type: str
+    name: str
+    description: Optional[str]
+    parameters: Optional[dict]
+    strict: Optional[bool]
+    format: Optional[ResponsesCustomFormat]  # custom
+    tools: List["ResponsesTool"]  # namespace
+
+
+@open_keys
+class ResponsesToolChoice(TypedDict, total=False):
+    type: Required[str]  # function, custom or allowed_tools
+    name: str
+    namespace: Optional[str]
+    mode: str  # allowed_tools
+
+
+@closed
+class TextFormat(TypedDict, total=False):
+    type: Required[str]  # text, json_object or json_schema
+    name: str
+    schema: dict
+    strict: Optional[bool]
+    description: Optional[str]
+
+
+@closed
+class TextOptions(TypedDict, total=False):
+    format: Optional[TextFormat]
+    verbosity: Optional[str]
+
+
+@closed
+class ReasoningOptions(TypedDict, total=False):
+    effort: Optional[str]
+    summary: Optional[str]
+    generate_summary: Optional[str]
+
+
+@closed
+class StreamOptions(TypedDict, total=False):
+    include_obfuscation: Optional[bool]
+
+
 class ResponsesRequest(Typed):
     """A /v1/responses body, typed; the reply repeats some of it (ResponsesReply)."""
 
     model: Any = None
-    input: Any = None  # a string or items (_input)
+    input: Union[str, List[Item], None] = None  # _input
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = None
     temperature: Number = 1.0
     top_p: Number = 1.0
-    tools: Any = None  # _tools
-    tool_choice: Any = "auto"
+    tools: Optional[List[ResponsesTool]] = None  # _tools
+    tool_choice: Union[str, ResponsesToolChoice] = "auto"
     parallel_tool_calls: bool = True
-    text: Any = None  # {"format", "verbosity"}: _format
+    text: Optional[TextOptions] = None  # _format
     stream: bool = False
     store: Any = None
-    truncation: Any = None
+    truncation: Optional[str] = None
     service_tier: Any = None
-    stream_options: Any = None
-    reasoning: Any = None  # {"effort", "summary"}
-    include: Any = None
+    stream_options: Optional[StreamOptions] = None
+    reasoning: Optional[ReasoningOptions] = None
+    include: Optional[List[str]] = None
     metadata: Any = None
 
 
 def _content(content, where: str) -> str:
+    """A message's content or an output (a string, or its text parts joined)."""
+    if content is None:
+        raise RequestError(where, "expected a string or a list of text parts")
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise RequestError(where, "expected a string or a list of text parts")
-    parts = []
     for k, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else None
-            raise RequestError(f"{where}[{k}]", f"only text parts are supported, got {kind!r}")
-        parts.append(part["text"])
-    return "".join(parts)
+        if part["type"] not in ("input_text", "output_text", "text") or "text" not in part:
+            raise RequestError(f"{where}[{k}]", f"only text parts are supported, got {part['type']!r}")
+    return "".join(part["text"] for part in content)
 
 
 def _reasoning(item: dict, where: str, ignored: list, sealer: Sealer):
@@ -102,8 +184,8 @@ def _reasoning(item: dict, where: str, ignored: list, sealer: Sealer):
             return text
         ignored.append("input.reasoning.encrypted_content")  # another server's (or key's): left out
     parts = item.get("content") or item.get("summary") or []
-    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") in ("reasoning_text", "summary_text", "text")
-                                              and isinstance(p.get("text"), str) for p in parts):
+    if isinstance(parts, str) or not all(p["type"] in ("reasoning_text", "summary_text", "text") and "text" in p
+                                         for p in parts):
         raise RequestError(f"{where}.content", "expected reasoning_text parts")
     return "".join(p["text"] for p in parts) if parts else None
 
@@ -124,12 +206,12 @@ def _input(items, thinking: bool, ignored: list, sealer: Sealer) -> list:
     message (its reasoning_content) that the next message or calls complete."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
+    if not items:
         raise RequestError("input", "expected a string or a non-empty list of items")
     out = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
+        kind = item.get("type", "message")
         if kind == "message":
             if item.get("role") not in ("user", "assistant", "system", "developer"):
                 raise RequestError(f"{where}.role", "expected user, assistant, system or developer")
@@ -146,15 +228,15 @@ def _input(items, thinking: bool, ignored: list, sealer: Sealer) -> list:
             out.append({"role": "assistant", "content": None, "reasoning_content": text})
         elif kind in ("function_call", "custom_tool_call"):
             value = "arguments" if kind == "function_call" else "input"
-            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", value)):
+            if not all(k in item for k in ("call_id", "name", value)):
                 raise RequestError(where, f"a {kind} item needs call_id, name and {value} (strings)")
             name = item["name"]
-            if isinstance(item.get("namespace"), str) and item["namespace"]:
+            if item.get("namespace"):
                 name = item["namespace"] + NAMESPACE_SEP + name
             arguments = item["arguments"] if kind == "function_call" else json.dumps({CUSTOM_INPUT: item["input"]})
             _call_message(out, {"id": item["call_id"], "type": "function", "function": {"name": name, "arguments": arguments}})
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            if not isinstance(item.get("call_id"), str):
+            if "call_id" not in item:
                 raise RequestError(f"{where}.call_id", "expected the call_id of the call it answers")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _content(item.get("output", ""), f"{where}.output")})
@@ -173,7 +255,7 @@ def _reasoning_only(message: dict) -> bool:
 def _function(tool: dict, where: str, forced: bool, name=None) -> dict:
     extra = next((key for key in tool if key not in ("type", "name", "description", "parameters", "strict",
                                                         "defer_loading")), None)
-    if extra is not None or not isinstance(tool.get("name"), str):
+    if extra is not None or "name" not in tool:
         raise RequestError(where + (f".{extra}" if extra else ""), "expected {type, name, description, parameters}")
     function = {"name": name or tool["name"], "description": tool.get("description") or "",
                 "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
@@ -183,15 +265,15 @@ def _function(tool: dict, where: str, forced: bool, name=None) -> dict:
 def _custom(tool: dict, where: str) -> dict:
     """A custom (free-form) tool as its function of one string (tools.custom_function)."""
     extra = next((key for key in tool if key not in ("type", "name", "description", "format")), None)
-    if extra is not None or not isinstance(tool.get("name"), str):
+    if extra is not None or "name" not in tool:
         raise RequestError(where + (f".{extra}" if extra else ""), "expected {type, name, description, format}")
     form = tool.get("format") or {"type": "text"}
-    if not isinstance(form, dict) or form.get("type") not in ("text", "grammar"):
+    if form["type"] not in ("text", "grammar"):
         raise RequestError(f"{where}.format", "expected {\"type\": \"text\"} or {\"type\": \"grammar\", \"syntax\", \"definition\"}")
     grammar = None
     if form["type"] == "grammar":
         grammar = form.get("syntax"), form.get("definition")
-        if grammar[0] not in ("lark", "regex") or not isinstance(grammar[1], str):
+        if grammar[0] not in ("lark", "regex") or grammar[1] is None:
             raise RequestError(f"{where}.format", "a grammar needs syntax \"lark\" or \"regex\" and a string definition")
     return custom_function(tool["name"], tool.get("description") or "", grammar, f"{where}.format.definition")
 
@@ -200,12 +282,10 @@ def _tools(tools, forced: bool, ignored: list) -> tuple:
     """(function tools for the chat template, how their calls map back: function name -> (kind,
     namespace, name)). Namespaces are flattened (NAMESPACE__NAME); hosted tools this server cannot
     run (web_search, file_search, …) are left out of the prompt and named in the access log."""
-    if not isinstance(tools, list):
-        raise RequestError("tools", "expected a list of tools")
     out, names = [], {}
     for k, tool in enumerate(tools):
         where = f"tools[{k}]"
-        kind = tool.get("type") if isinstance(tool, dict) else None
+        kind = tool.get("type")
         if kind == "function":
             out.append(_function(tool, where, forced))
             names[tool["name"]] = ("function", None, tool["name"])
@@ -213,17 +293,17 @@ def _tools(tools, forced: bool, ignored: list) -> tuple:
             out.append(_custom(tool, where))
             names[tool["name"]] = ("custom", None, tool["name"])
         elif kind == "namespace":
-            if not isinstance(tool.get("name"), str) or not isinstance(tool.get("tools"), list):
+            if "name" not in tool or "tools" not in tool:
                 raise RequestError(where, "a namespace needs a name and a list of tools")
             for j, inner in enumerate(tool["tools"]):
-                inner_kind = inner.get("type", "function") if isinstance(inner, dict) else None
+                inner_kind = inner.get("type", "function")
                 if inner_kind != "function":
                     ignored.append(f"tools.namespace.{inner_kind}")
                     continue
                 flat = tool["name"] + NAMESPACE_SEP + str(inner.get("name"))
                 out.append(_function(inner, f"{where}.tools[{j}]", forced, flat))
                 names[flat] = ("function", tool["name"], inner["name"])
-        elif isinstance(kind, str):
+        elif kind is not None:
             ignored.append(f"tools.{kind}")  # a hosted tool: none runs here
         else:
             raise RequestError(f"{where}.type", "expected a tool type")
@@ -233,22 +313,20 @@ def _tools(tools, forced: bool, ignored: list) -> tuple:
 def _tool_choice(choice, names: dict):
     if choice in (None, "auto", "none", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") in ("function", "custom") and isinstance(choice.get("name"), str):
+    if isinstance(choice, dict) and choice["type"] in ("function", "custom") and "name" in choice:
         name = choice["name"]
         if choice.get("namespace"):
             name = f"{choice['namespace']}{NAMESPACE_SEP}{name}"
         return {"type": "function", "function": {"name": name}}
-    if isinstance(choice, dict) and choice.get("type") == "allowed_tools" and choice.get("mode") in ("auto", "required"):
+    if isinstance(choice, dict) and choice["type"] == "allowed_tools" and choice.get("mode") in ("auto", "required"):
         return choice["mode"]  # every tool given stays allowed (the template shows them all)
     raise RequestError("tool_choice", "expected \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": …}")
 
 
-def _format(text, ignored: list):
-    """`text.format` as chat's response_format."""
+def _format(text: Optional[dict], ignored: list):
+    """`text` {format, verbosity} (TextOptions): its format as chat's response_format."""
     if text is None:
         return None
-    if not isinstance(text, dict) or next((k for k in text if k not in ("format", "verbosity")), None):
-        raise RequestError("text", "expected {\"format\": {…}}")
     if text.get("verbosity") is not None:
         if text["verbosity"] not in ("low", "medium", "high"):
             raise RequestError("text.verbosity", "expected low, medium or high")
@@ -256,30 +334,18 @@ def _format(text, ignored: list):
     form = text.get("format")
     if form is None or form == {"type": "text"}:
         return None
-    if not isinstance(form, dict) or form.get("type") not in ("json_object", "json_schema"):
+    if form["type"] not in ("json_object", "json_schema"):
         raise RequestError("text.format", "expected text, json_object or json_schema")
     if form["type"] == "json_object":
         return {"type": "json_object"}
-    spec = {k: form[k] for k in ("name", "schema", "strict", "description") if k in form}
-    extra = next((k for k in form if k not in ("type", "name", "schema", "strict", "description")), None)
-    if extra is not None:
-        raise RequestError(f"text.format.{extra}", "not supported")
-    return {"type": "json_schema", "json_schema": spec}
+    return {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
 
 
-def _reasoning_options(reasoning, tokenizer, ignored: list, out: dict) -> None:
+def _reasoning_options(reasoning: Optional[dict], tokenizer, ignored: list, out: dict) -> None:
     """`reasoning` {effort, summary}: where the checkpoint thinks, effort "none" tells the chat
     template enable_thinking false; every other value changes nothing here (the template has no
     effort knob, and the reasoning comes whole, not summarised)."""
-    if reasoning is None:
-        return
-    if not isinstance(reasoning, dict):
-        raise RequestError("reasoning", "expected {\"effort\": …, \"summary\": …}")
-    for key, value in reasoning.items():
-        if key not in ("effort", "summary", "generate_summary"):
-            raise RequestError(f"reasoning.{key}", "unknown field")
-        if value is not None and not isinstance(value, str):
-            raise RequestError(f"reasoning.{key}", "expected a string")
+    for key, value in (reasoning or {}).items():
         if value is None:
             continue
         if key == "effort" and value == "none" and tokenizer.has_thinking:
@@ -288,15 +354,11 @@ def _reasoning_options(reasoning, tokenizer, ignored: list, out: dict) -> None:
             ignored.append(f"reasoning.{key}")
 
 
-def _include(include, ignored: list) -> set:
-    if include is None:
-        return set()
-    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
-        raise RequestError("include", "expected a list of strings")
-    for name in include:
+def _include(include: Optional[List[str]], ignored: list) -> set:
+    for name in include or []:
         if name != ENCRYPTED:
             ignored.append(f"include.{name}")  # data of tools that never run here, or logprobs (chat has them)
-    return set(include)
+    return set(include or [])
 
 
 def _hints(request: ResponsesRequest, ignored: list) -> None:
@@ -309,12 +371,8 @@ def _hints(request: ResponsesRequest, ignored: list) -> None:
         ignored.append("truncation")  # a request that does not fit is refused rather than cut
     if request.service_tier is not None:
         ignored.append("service_tier")
-    options = request.stream_options
-    if options is not None:
-        if not isinstance(options, dict) or any(k != "include_obfuscation" for k in options):
-            raise RequestError("stream_options", "only include_obfuscation")
-        if options.get("include_obfuscation"):
-            ignored.append("stream_options.include_obfuscation")
+    if (request.stream_options or {}).get("include_obfuscation"):
+        ignored.append("stream_options.include_obfuscation")
 
 
 def parse_request(body: dict, info, tokenizer, sealer: Sealer) -> tuple:

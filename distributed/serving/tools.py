@@ -24,33 +24,33 @@ CUSTOM_FORM = "expected {\"type\": \"text\"} or {\"type\": \"grammar\", \"gramma
 
 
 def _text(content, where: str) -> str:
-    """A message's content: a string, or a list of text parts joined."""
+    """A message's content (parts.Message: a string, or text parts joined)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        other = next((p.get("type") for p in content if p.get("type") != "text" or not isinstance(p.get("text"), str)), 0)
-        if other == 0:
-            return "".join(p["text"] for p in content)
+    if content is None:
+        raise RequestError(where, "expected a string or a list of text parts")
+    other = next((p["type"] for p in content if p["type"] != "text" or not isinstance(p.get("text"), str)), 0)
+    if other != 0:
         raise RequestError(where, f"only text parts are supported, got a part of type {other!r}")
-    raise RequestError(where, "expected a string or a list of text parts")
+    return "".join(p["text"] for p in content)
 
 
-def _tool_calls(calls, where: str) -> List[dict]:
-    """An assistant message's tool_calls, arguments decoded from JSON for the template; a custom
-    tool's call is the template's call of its function with {"input": …}."""
+def _tool_calls(calls: List[dict], where: str) -> List[dict]:
+    """An assistant message's tool_calls (parts.CallItem), arguments decoded from JSON for the
+    template; a custom tool's call is the template's call of its function with {"input": …}."""
     out = []
-    for k, call in enumerate(calls if isinstance(calls, list) else [None]):
-        kind = call.get("type", "function") if isinstance(call, dict) else None
-        if kind == "custom":
-            custom = call.get("custom")
-            if not isinstance(custom, dict) or not isinstance(custom.get("name"), str) or not isinstance(custom.get("input"), str):
-                raise RequestError(f"{where}[{k}]", "expected {\"type\": \"custom\", \"custom\": {\"name\": …, \"input\": …}}")
+    for k, call in enumerate(calls):
+        kind = call.get("type", "function")
+        if kind == "custom" and "custom" in call:
+            custom = call["custom"]
             function = {"name": custom["name"], "arguments": {CUSTOM_INPUT: custom["input"]}}
             out.append({**{key: v for key, v in call.items() if key != "custom"}, "type": "function", "function": function})
             continue
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or kind != "function":
+        if kind == "custom":
+            raise RequestError(f"{where}[{k}]", "expected {\"type\": \"custom\", \"custom\": {\"name\": …, \"input\": …}}")
+        if "function" not in call or kind != "function":
             raise RequestError(f"{where}[{k}]", "expected {\"type\": \"function\", \"function\": {\"name\": …, \"arguments\": …}}")
+        function = call["function"]
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
             try:
@@ -64,19 +64,17 @@ def _tool_calls(calls, where: str) -> List[dict]:
 NO_THINKING = "this model's tokenizer has no think tokens, so its chat template has no place for reasoning"
 
 
-def chat_messages(messages, thinking: bool = False) -> List[dict]:
-    """OpenAI messages as chat templates take them; RequestError names what is wrong.
-    `thinking`: the tokenizer has think tokens, so assistant messages may carry reasoning_content."""
-    if not isinstance(messages, list) or not messages:
+def chat_messages(messages: Optional[List[dict]], thinking: bool = False) -> List[dict]:
+    """Messages (parts.Message, typed where the body was parsed) as chat templates take them;
+    RequestError names what is wrong. `thinking`: the tokenizer has think tokens, so assistant
+    messages may carry reasoning_content."""
+    if not messages:
         raise RequestError("messages", "expected a non-empty list of messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"{where}.role", "each message needs a string role")
         check_role(i, m["role"])
-        known = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", *EMPTY_KEYS}
-        extra = next((k for k in m if k not in known or (k in EMPTY_KEYS and m[k])), None)
+        extra = next((k for k in EMPTY_KEYS if m.get(k)), None)
         if extra is not None:
             raise RequestError(f"{where}.{extra}", "not supported in a message")
         message = {"role": m["role"]}
@@ -87,17 +85,12 @@ def chat_messages(messages, thinking: bool = False) -> List[dict]:
         if m.get("content") is not None or "tool_calls" not in message:
             message["content"] = _text(m.get("content"), f"{where}.content")
         if m.get("reasoning_content"):
-            reasoning = m["reasoning_content"]
-            if m["role"] != "assistant" or not isinstance(reasoning, str):
-                raise RequestError(f"{where}.reasoning_content", "only assistant messages carry reasoning, a string")
+            if m["role"] != "assistant":
+                raise RequestError(f"{where}.reasoning_content", "only assistant messages carry reasoning")
             if not thinking:
                 raise RequestError(f"{where}.reasoning_content", NO_THINKING)
-            message["reasoning_content"] = reasoning
-        for key in ("name", "tool_call_id"):
-            if m.get(key) is not None:
-                if not isinstance(m[key], str):
-                    raise RequestError(f"{where}.{key}", "expected a string")
-                message[key] = m[key]
+            message["reasoning_content"] = m["reasoning_content"]
+        message.update({key: m[key] for key in ("name", "tool_call_id") if m.get(key) is not None})
         if m["role"] == "tool" and "tool_call_id" not in message:
             raise RequestError(f"{where}.tool_call_id", "a tool message needs the id of the call it answers")
         out.append(message)
@@ -135,20 +128,17 @@ def custom_input(arguments: str) -> str:
 
 
 def _custom_tool(tool: dict, where: str) -> dict:
-    """Chat completions' {"type": "custom", "custom": {name, description, format}} as its function."""
-    custom = tool.get("custom")
+    """Chat completions' {"type": "custom", "custom": {name, description, format}} (parts.CustomSpec)
+    as its function."""
     extra = next((key for key in tool if key not in ("type", "custom")), None)
-    if extra is not None or not isinstance(custom, dict) or not isinstance(custom.get("name"), str):
+    if extra is not None or "custom" not in tool:
         raise RequestError(where + (f".{extra}" if extra else ""), "expected {\"type\": \"custom\", \"custom\": {\"name\": …}}")
-    extra = next((key for key in custom if key not in ("name", "description", "format")), None)
-    if extra is not None or not isinstance(custom.get("description") or "", str):
-        raise RequestError(f"{where}.custom.{extra or 'description'}", "expected {name, description, format}")
+    custom = tool["custom"]
     form = custom.get("format") or {"type": "text"}
-    if not isinstance(form, dict) or form.get("type") not in ("text", "grammar"):
+    if form["type"] not in ("text", "grammar"):
         raise RequestError(f"{where}.custom.format", CUSTOM_FORM)
     grammar = form.get("grammar") if form["type"] == "grammar" else None
-    if form["type"] == "grammar" and not (isinstance(grammar, dict) and grammar.get("syntax") in ("lark", "regex")
-                                          and isinstance(grammar.get("definition"), str)):
+    if form["type"] == "grammar" and (grammar is None or grammar["syntax"] not in ("lark", "regex")):
         raise RequestError(f"{where}.custom.format.grammar", "expected {\"syntax\": \"lark\" or \"regex\", "
                                                             "\"definition\": …}")
     return custom_function(custom["name"], custom.get("description") or "",
@@ -156,38 +146,29 @@ def _custom_tool(tool: dict, where: str) -> dict:
                            f"{where}.custom.format.grammar.definition")
 
 
-def custom_names(tools) -> frozenset:
+def custom_names(tools: Optional[List[dict]]) -> frozenset:
     """The names of a (valid) request's custom tools, whose calls come back as custom calls."""
-    tools = tools if isinstance(tools, list) else []
-    return frozenset(t["custom"]["name"] for t in tools if isinstance(t, dict) and t.get("type") == "custom")
+    return frozenset(t["custom"]["name"] for t in tools or [] if t["type"] == "custom")
 
 
-def request_tools(tools, choice, tokenizer) -> Optional[List[dict]]:
-    """A request's `tools` to give the chat template, custom ones as their functions (None: none,
-    or `choice`, its tool_choice, "none")."""
-    if not (choice is None or choice in ("none", "auto", "required") or isinstance(choice, dict)):
+def request_tools(tools: Optional[List[dict]], choice, tokenizer) -> Optional[List[dict]]:
+    """A request's `tools` (parts.Tool) to give the chat template, custom ones as their functions
+    (None: none, or `choice`, its tool_choice, "none")."""
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
         raise RequestError("tool_choice", f"expected \"none\", \"auto\", \"required\" or a function, "
                                           f"got {json.dumps(choice)[:60]}")
     if not tools:
         if choice is not None and choice != "none":
             raise RequestError("tool_choice", "needs tools")
-        if tools is not None and not isinstance(tools, list):
-            raise RequestError("tools", "expected a list of tools")
         return None
-    if not isinstance(tools, list):
-        raise RequestError("tools", "expected a list of tools")
     out = []
     for k, tool in enumerate(tools):
-        if isinstance(tool, dict) and tool.get("type") == "custom":
+        if tool["type"] == "custom":
             out.append(_custom_tool(tool, f"tools[{k}]"))
             continue
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
-                or not isinstance(function.get("name"), str):
+        if tool["type"] != "function" or "function" not in tool:
             raise RequestError(f"tools[{k}]", "expected {\"type\": \"function\", \"function\": {\"name\": …}} "
                                               "or {\"type\": \"custom\", \"custom\": {\"name\": …}}")
-        if not isinstance(function.get("strict", False), (bool, type(None))):
-            raise RequestError(f"tools[{k}].function.strict", "expected a boolean")
         out.append(tool)
     if choice == "none":
         return None  # the model answers in text: no tools in its prompt, nothing parsed

@@ -197,6 +197,48 @@ def test_tools_that_are_not_objects_are_400(served):
         no_traceback(reply)
 
 
+HI = [{"role": "user", "content": "hi"}]
+NESTED = [  # (route, body, where the 400 says the fault is, what its message says)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "a string or a list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]},
+     "messages[0].content[0].text", "a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}]},
+     "messages[0].tool_calls[0].function.name", "a string"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]},
+     "tools[0].function.strict", "a boolean"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+     "response_format.json_schema.schema", "an object"),
+    ("/v1/responses", {"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": None}]}]},
+     "input[0].content[0].text", "a string"),
+    ("/v1/responses", {"input": "hi", "reasoning": {"effort": 1}}, "reasoning.effort", "a string"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}, "x": 1}}},
+     "text.format.x", "not supported"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "text", "text": ["a"]}]}]},
+     "messages[0].content[0].text", "a string"),
+    ("/v1/messages", {"messages": HI, "thinking": {"type": "enabled", "budget_tokens": "2048"}},
+     "thinking.budget_tokens", "an integer"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi", "name": "x"}]}, "messages[0].name", "not supported"),
+    ("/api/chat", {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f",
+                                                                                               "arguments": "{}"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "an object"),
+    ("/api/chat", {"messages": HI, "think": 1}, "think", "a boolean or a string"),
+]
+
+
+@pytest.mark.parametrize("route, body, where, says", NESTED, ids=[f"{r}:{w}" for r, _, w, _ in NESTED])
+def test_a_nested_part_of_the_wrong_type_is_400_naming_where(served, route, body, where, says):
+    """Each API's body is typed down to its parts (parts.py and each API's own): the 400 names
+    the place, however deep, in the API's own terms, and the server goes on serving."""
+    extra = {"max_tokens": 4} if route == "/v1/messages" else {}
+    status, _, reply = request(served.front.port, "POST", route, {"model": "tiny", **body, **extra})
+    text = message(reply)
+    assert status == 400 and text.startswith(f"{where}: ") and says in text, (route, reply)
+    if isinstance(reply["error"], dict) and "param" in reply["error"]:
+        assert reply["error"]["param"] == where
+    no_traceback(reply)
+    assert completion(served.front.port)[0] == 200
+
+
 # ---- browser origins (no --auth-token)
 
 

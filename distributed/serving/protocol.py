@@ -103,7 +103,7 @@ _EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": 
 
 
 def _failure(errors: List[dict]) -> RequestError:
-    """The first of pydantic's errors as a RequestError. In a union (a string or a list, say),
+    """pydantic's errors as one RequestError naming a place. In a union (a string or a list, say)
     each branch fails apart: the one that took the value's JSON kind got deepest, so the deepest
     place is named; where none went deeper, what each branch takes."""
     deepest = max(errors, key=lambda e: len(_place(e["loc"])))

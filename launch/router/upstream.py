@@ -41,6 +41,10 @@ class Closed(Exception):
     """No ring will serve again (the launcher gave up, or stops); the reason is the message."""
 
 
+class Retargeted(Exception):
+    """A call went to the channel retarget() had just closed."""
+
+
 class Upstream:
     def __init__(self, address: str, token: Optional[str] = None,
                  on_up: Callable[[int, Optional[float]], None] = lambda epoch, down_for: None,
@@ -81,8 +85,10 @@ class Upstream:
         while self.closed is None:
             asked = time.monotonic()
             try:
-                up = self._health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S).status == SERVING
+                up = self.ask(self._health)
                 late = 0
+            except Retargeted:
+                continue  # asked on the channel retarget() just closed: ask the new one
             except grpc.RpcError as e:
                 # No answer in time: a rank 0 busy with a long prefill on a loaded host answers late, a frozen
                 # one never. Only LATE_CHECKS in a row end the epoch; a refusal or NOT_SERVING does at once.
@@ -94,6 +100,18 @@ class Upstream:
                 self.failed(self.epoch, "rank 0 is not serving" if late < LATE_CHECKS
                             else f"rank 0 did not answer {LATE_CHECKS} health checks in a row")
             time.sleep(POLL_UP_S if self.serving else POLL_DOWN_S)
+
+    def ask(self, health) -> bool:
+        """Whether rank 0 serves, asked through `health` (the stub the watcher read). retarget()
+        may close its channel between that read and the call, which gRPC refuses with a
+        ValueError: Retargeted then (the watcher thread died of it, and with it every epoch
+        after: a request replayed after a restart waited for ever)."""
+        try:
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S).status == SERVING
+        except ValueError:
+            if health is self._health:
+                raise
+            raise Retargeted() from None
 
     def _up(self, asked: float) -> None:
         with self._cond:

@@ -65,10 +65,13 @@ def test_tool_choice_required_is_constrained_through_the_router(router):
         assert not out.choices[0].message.content  # no stray newline beside the call
 
 
-def test_a_bad_schema_is_a_400_naming_the_field_through_the_router(router):
+def test_bad_input_is_a_400_naming_the_field_through_the_router(router):
     with pytest.raises(openai.BadRequestError) as e:
         chat(router, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}})
     assert e.value.body["param"].startswith("response_format"), e.value.body
+    with pytest.raises(openai.BadRequestError) as e:  # a nested part of the wrong type (parts.py), however deep
+        chat(router, messages=[{"role": "user", "content": [{"type": "text", "text": 7}]}])
+    assert e.value.body["param"] == "messages[0].content[0].text", e.value.body
     assert chat(router, max_tokens=2).usage.completion_tokens == 2  # and the router serves on
 
 

@@ -10,9 +10,9 @@
 #           build (Python), launch (mx.async_eval) and wait, as mlx-lm runs it and with packed experts
 # load:     python -m bench load at 1 / 8 / 64 streams, mlx-lm against the runner, then the runner
 #           with --itl-target-ms 150 (rank 0's loop per step is printed for each)
-# dense:    the routed experts on weights dequantized per call (Experts.run_dense, off by default):
+# dense:    the routed experts on weights dequantized per call (Experts.run_dense, on from 1,024 tokens):
 #           one MoE layer for 64-4,096 tokens, then, from the fewest tokens where it wins at every larger
-#           count, the runner with it on (a copy of the checkout in /tmp/dense) against mlx-lm and
+#           count, the runner with it from there (a copy of the checkout in /tmp/dense) against mlx-lm and
 #           against this checkout as the baseline, 1 / 8 / 64 streams and a 2,048-token prompt alone
 #
 # Everything writes under $OUT (or /tmp/out). Time on a fresh machine: the checkpoint about 50 s, the
@@ -48,8 +48,8 @@ for part in $what; do
             from=$(python3 scripts/moe_kernels.py --dense-from "$OUT/moe_dense.json")
             echo "dense_sorted wins from $from tokens (0: nowhere)"
             [ "$from" -gt 0 ] || continue
-            rm -rf /tmp/dense && mkdir -p /tmp/dense && cp -r distributed bench scripts run_trinity.py /tmp/dense/
-            sed -i "s/^CUDA_DENSE_TOKENS = range(0)/CUDA_DENSE_TOKENS = range($from, 1 << 31)/" \
+            rm -rf /tmp/dense && mkdir -p /tmp/dense && cp -r distributed launch bench scripts run_trinity.py /tmp/dense/
+            sed -i "s/^CUDA_DENSE_TOKENS = range(.*)$/CUDA_DENSE_TOKENS = range($from, 1 << 31)/" \
                 /tmp/dense/distributed/shard/experts.py
             grep -n "^CUDA_DENSE_TOKENS" /tmp/dense/distributed/shard/experts.py
             here=$PWD

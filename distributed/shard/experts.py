@@ -14,20 +14,27 @@ outputs on CPU and GPU).
 So `Experts` packs on CUDA from 64 tokens to a prefill chunk's 2,048 and keeps mlx-lm's path
 everywhere else (Metal's gather_qmm has its own kernel for sorted pairs; not measured here).
 
-For long chunks it can also run mlx-lm's sorted pairs on the weights dequantized for the call
-(`dense`), one bf16 gather_mm per projection: that path is off until a GPU has measured it
-(CUDA_DENSE_TOKENS; bench/gpu_step.sh dense measures both sides in one invocation).
+Chunks of 1,024 tokens and more run mlx-lm's sorted pairs on the weights dequantized for the call
+(`dense`), one bf16 gather_mm per projection: MLX's CUDA 4-bit gather_qmm reaches about 8 TFLOP/s
+there, a bf16 product many times that. On an H100 at Trinity-Mini's shape a 2,048-token prompt alone
+then reaches its first token in 255 ms against 790 ms, and 64 streams of 128-token prompts give
+1.19-1.33x the tokens a second (docs/benchmarks.md; CUDA_DENSE_TOKENS, MOST_DEQUANTIZED_BYTES;
+bench/gpu_step.sh dense measures it again).
 """
+
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, _gather_sort, _scatter_unsort
 
 # Token counts packed per expert on a CUDA device (measured on an H100: scripts/moe_kernels.py).
 CUDA_PACKED_TOKENS = range(64, 2049)  # 2,048: a prefill chunk
-# Token counts run on weights dequantized for the call: none until measured on a GPU (bench/gpu_step.sh
-# dense). Trinity-Mini's 4-bit qmm reached about 8 TFLOP/s at 2,048 tokens on an H100; a bf16 product
-# on dequantized weights may go much faster there, at the cost of dequantizing every expert per call.
-CUDA_DENSE_TOKENS = range(0)
+# Token counts run on weights dequantized for the call (a prefill chunk): measured on an H100 at Trinity-Mini's
+# shape (scripts/moe_kernels.py, 2026-12-08), one MoE layer: 1,024 tokens 4.9 against 12.8 ms packed, 2,048
+# tokens 5.3 against 24.9, 4,096 tokens 7.9 against 81.5; at 256 tokens packed still wins (3.9 against 4.5).
+CUDA_DENSE_TOKENS = range(1024, 1 << 31)
+MOST_DEQUANTIZED_BYTES = 2 << 30  # one layer's three projections in bf16 at most (Trinity-Mini's: 1.5 GiB),
+# held for the call beside the quantized ones: a wider model keeps the quantized path until measured
 MOST_BLOCK_BYTES = 1 << 30  # the packed block's size at most (Trinity-Mini's at 2,048 tokens; the MLP's
 # activations beside it take as much again), so that a wider model's chunk stays on mlx-lm's path
 
@@ -41,9 +48,12 @@ def packed_tokens() -> range:
     return CUDA_PACKED_TOKENS if on_cuda() else range(0)
 
 
-def dense_tokens() -> range:
-    """The token counts this process runs on dequantized weights: on a CUDA GPU, prefill chunks."""
-    return CUDA_DENSE_TOKENS if on_cuda() else range(0)
+def dense_tokens(hidden: int, inner: int, experts: int, cuda: Optional[bool] = None) -> range:
+    """The token counts this process (or one on a CUDA GPU: `cuda`) runs on dequantized weights:
+    on a CUDA GPU, prefill chunks, where a layer's experts dequantized (bf16) take
+    MOST_DEQUANTIZED_BYTES at most."""
+    fits = 3 * experts * hidden * inner * 2 <= MOST_DEQUANTIZED_BYTES
+    return CUDA_DENSE_TOKENS if (on_cuda() if cuda is None else cuda) and fits else range(0)
 
 
 def dequantized(proj) -> mx.array:

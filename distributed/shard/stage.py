@@ -41,8 +41,8 @@ class Stage(nn.Module):
         ]
         for layer in self.layers:
             if isinstance(layer.mlp, afmoe.AfmoeMoE):
-                layer.mlp.experts = Experts(args.hidden_size, args.moe_intermediate_size, args.num_experts,
-                                            packed_tokens(), dense_tokens())
+                shape = (args.hidden_size, args.moe_intermediate_size, args.num_experts)
+                layer.mlp.experts = Experts(*shape, packed_tokens(), dense_tokens(*shape))
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)

@@ -44,7 +44,15 @@ def test_a_token_count_outside_the_range_takes_mlx_lms_path():
     experts.packed = range(0)
     x, inds = mx.ones((4, 1, 64)), mx.array([[[0, 1, 2]]] * 4)
     assert mx.array_equal(experts(x, inds), reference(x, inds)).item()
-    assert packed_tokens() == dense_tokens() == range(0)  # this CPU: mlx-lm's path for every batch
+    assert packed_tokens() == dense_tokens(2048, 1024, 128) == range(0)  # this CPU: mlx-lm's path for every batch
+
+
+def test_dense_prefill_only_where_a_layer_dequantized_fits():
+    """On CUDA, Trinity-Mini's layer (128 experts of 2,048 x 1,024: 1.5 GiB in bf16) runs its prefill
+    chunks on dequantized weights; a layer four times as wide keeps the quantized path."""
+    assert 2048 in dense_tokens(2048, 1024, 128, cuda=True) and 256 not in dense_tokens(2048, 1024, 128, cuda=True)
+    assert dense_tokens(4096, 2048, 128, cuda=True) == range(0)
+    assert dense_tokens(2048, 1024, 128, cuda=False) == range(0)
 
 
 @pytest.mark.parametrize("way", ["packed", "dense"])

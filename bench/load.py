@@ -8,7 +8,8 @@ after another on the same weights, greedy.
                 --runner-arg (later flags win)
   baseline P=k  with --baseline DIR: DIR/run_trinity.py (another checkout) right after runner P=k;
                 or with --against "ARGS": this runner again with ARGS added (a flag on against off,
-                e.g. --against "--prefix-cache-bytes 0" or "--memory-limit 512M"); runner rows get "x base"
+                e.g. --against "--prefix-cache-bytes 0" or "--memory-limit 512M"); runner rows get "x base".
+                --against again: more configurations, "baseline2 P=k" and on (x base stays the first's)
 
 For each prompt length and stream count: that many distinct byte-token prompts sent at once (after an
 untimed warm-up batch of the same shape: MLX on CUDA compiles kernels per shape), --max-tokens each.
@@ -65,8 +66,8 @@ def add_arguments(p) -> None:
     p.add_argument("--runner-arg", action="append", default=[], metavar="ARG", help="more run_trinity.py arguments, "
                    "e.g. --runner-arg=--prefix-cache-bytes=0 (repeatable)")
     p.add_argument("--baseline", type=Path, metavar="DIR", help="another checkout, measured after each P")
-    p.add_argument("--against", metavar="ARGS", help="the runner again with these arguments added, after each P "
-                   "(one flag alone: --against=--prompt-lookup)")
+    p.add_argument("--against", metavar="ARGS", action="append", default=[], help="the runner again with these "
+                   "arguments added, after each P (one flag alone: --against=--prompt-lookup); repeatable")
     p.add_argument("--mlx-lm-child", metavar="SPEC", help="(the mlx-lm measurement)")
 
 
@@ -242,12 +243,14 @@ def run_mlx_lm(spec: dict, env: dict, timeout: float) -> dict:
         os.unlink(path)
 
 
-def run_runner(ranks: int, args, runner_args: list, env: dict, spec: dict, base: bool = False) -> tuple:
-    """runner P=ranks, or (base) the baseline: --baseline's checkout, or this one with --against's arguments."""
+def run_runner(ranks: int, args, runner_args: list, env: dict, spec: dict, base: int = 0) -> tuple:
+    """runner P=ranks, or (base 1, 2, ...) a baseline: --baseline's checkout, or this one with the base-th
+    --against's arguments."""
     checkout = args.baseline.resolve() if base and args.baseline else ROOT
-    extra = args.against.split() if base and args.against else []
+    extra = args.against[base - 1].split() if base and args.against else []
+    name = "runner" if not base else "baseline" if base == 1 else f"baseline{base}"
     server = Server(ranks, runner_args + extra, env, args.backend, args.timeout, args.gpu_per_rank,
-                    run=str(checkout / "run_trinity.py"), name="baseline" if base else "runner", http=True)
+                    run=str(checkout / "run_trinity.py"), name=name, http=True)
     try:
         with server:
             out = measure(spec, GrpcClient(server, args.timeout), server.label)
@@ -354,11 +357,13 @@ def main(args) -> None:
         results[BASELINE] = run_mlx_lm(spec, mlx_env, args.timeout * 4)
         keep()
     for ranks in args.ranks:
-        for base in [False] + ([True] if args.baseline or args.against else []):
+        for base in range(1 + (1 if args.baseline else len(args.against))):
             name, results[name] = run_runner(ranks, args, runner_args, env, spec, base)
             keep()
             log.info(f"{name}: {results[name].get('error', 'done').splitlines()[0]}")
     print(f"\n{model}: {args.max_tokens} tokens a stream; runner --max-batch {max_batch}, P > 1 via {args.backend}")
+    for i, extra in enumerate(args.against):
+        print(f"{'baseline' if i == 0 else f'baseline{i + 1}'}: the runner with {extra}")
     print_report(stream_rows(results, spec), results, spec)
     keep()
     print(f"wrote {out}")

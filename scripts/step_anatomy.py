@@ -5,7 +5,9 @@ graph is built and launched before the current token is read). Per step: host ms
 graph, ms inside mx.async_eval (launching its kernels), ms waiting for the token, and the wall.
 
 Variants: `mlx-lm` as it is; `fused`: the layer's elementwise tails (router scores, residual adds,
-the attention gate) compiled with mx.compile; `packed`: the routed experts as the runner runs them
+the attention gate) compiled with mx.compile; `proj`: `fused` with the projections that read the same input joined into one (attention's q, k,
+v and gate; the experts' and the shared expert's gate and up), so a step launches fewer matrix
+kernels; `packed`: the routed experts as the runner runs them
 (distributed/shard/experts.py: a batch's tokens packed per expert where the device gains from it);
 `shared-only`: the routed experts left out (what the gather_qmm kernels cost).
 
@@ -16,13 +18,17 @@ operations each (30 on an H100); run the script under other values to see what l
 """
 
 import argparse
+import copy
 import functools
+import itertools
 import json
 import statistics
 import time
 
 import mlx.core as mx
 from mlx_lm.models import afmoe
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from bench.harness import MINI, MINI_SMOKE, random_model
@@ -101,9 +107,68 @@ def fused_attention(self, x, mask=None, cache=None):
     return self.o_proj(_gated(out.transpose(0, 2, 1, 3).reshape(B, L, -1), self.gate_proj(x)))
 
 
-ORIGINAL = (afmoe.AfmoeMoE.__call__, afmoe.Attention.__call__)
-VARIANTS = {"mlx-lm": ORIGINAL, "fused": (fused_moe, fused_attention), "packed": ORIGINAL,
-            "shared-only": (shared_only_moe, ORIGINAL[1])}
+def joined(parts: list, axis: int):
+    """One linear (or switch linear) computing the parts' outputs side by side, on the same weights."""
+    out = copy.copy(parts[0])
+    for key in ("weight", "scales", "biases"):
+        if key in parts[0]:
+            out[key] = mx.concatenate([p[key] for p in parts], axis=axis)
+    return out
+
+
+def join_projections(model) -> None:
+    for layer in model.model.layers:
+        a = layer.self_attn
+        a.qkvg = joined([a.q_proj, a.k_proj, a.v_proj, a.gate_proj], 0)
+        a.splits = list(itertools.accumulate([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
+                                              a.n_kv_heads * a.head_dim]))
+        mlps = [layer.mlp] if isinstance(layer.mlp, afmoe.MLP) else [layer.mlp.shared_experts]
+        for mlp in mlps:
+            mlp.gate_up = joined([mlp.gate_proj, mlp.up_proj], 0)
+        if isinstance(layer.mlp, afmoe.AfmoeMoE):
+            e = layer.mlp.experts
+            e.gate_up = joined([e.gate_proj, e.up_proj], 1)
+    mx.eval(model.parameters())
+
+
+def joined_mlp(self, x):
+    gate, up = mx.split(self.gate_up(x), 2, axis=-1)
+    return self.down_proj(swiglu(gate, up))
+
+
+def joined_experts(self, x, indices):
+    x = mx.expand_dims(x, (-2, -3))
+    do_sort = indices.size >= 64
+    idx, inv_order = indices, None
+    if do_sort:
+        x, idx, inv_order = _gather_sort(x, indices)
+    gate, up = mx.split(self.gate_up(x, idx, sorted_indices=do_sort), 2, axis=-1)
+    x = self.down_proj(swiglu(gate, up), idx, sorted_indices=do_sort)
+    return (_scatter_unsort(x, inv_order, indices.shape) if do_sort else x).squeeze(-2)
+
+
+def joined_moe(self, x):
+    inds, weights = router_tail(self.num_experts_per_tok, self.route_scale)(self.router(x), self.expert_bias)
+    return _combine(joined_experts(self.experts, x, inds), weights, self.shared_experts(x))
+
+
+def joined_attention(self, x, mask=None, cache=None):
+    B, L, _ = x.shape
+    q, k, v, gate = mx.split(self.qkvg(x), self.splits, axis=-1)
+    q = self.q_norm(q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3))
+    k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3))
+    v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if self.rope is not None:
+        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    out = afmoe.scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+    return self.o_proj(_gated(out.transpose(0, 2, 1, 3).reshape(B, L, -1), gate))
+
+
+ORIGINAL = (afmoe.AfmoeMoE.__call__, afmoe.Attention.__call__, afmoe.MLP.__call__)
+VARIANTS = {"mlx-lm": ORIGINAL, "fused": (fused_moe, fused_attention, ORIGINAL[2]),
+            "proj": (joined_moe, joined_attention, joined_mlp), "packed": ORIGINAL,
+            "shared-only": (shared_only_moe, *ORIGINAL[1:])}
 
 
 def run(model, rows: int, context: int, steps: int) -> dict:
@@ -137,26 +202,39 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--tiny", action="store_true", help="a small shape, to try the script on a CPU")
+    p.add_argument("--rounds", type=int, default=1, help="every variant this many times, interleaved (one process "
+                   "varies less than two)")
     p.add_argument("--json")
     args = p.parse_args()
     model = load(args.model) if args.model else build(args.layers, args.tiny)
+    names = args.variants.split(",")
+    if "proj" in names:
+        join_projections(model)
     out, reference = [], {}
     originals = [layer.mlp.experts for layer in model.model.layers if isinstance(layer.mlp, afmoe.AfmoeMoE)]
-    for name in args.variants.split(","):
-        afmoe.AfmoeMoE.__call__, afmoe.Attention.__call__ = VARIANTS[name]
-        moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, afmoe.AfmoeMoE)]
-        for mlp, experts in zip(moe, originals):
-            mlp.experts = experts
-        if name == "packed":
-            packed_experts(model)
-        for rows in map(int, args.rows.split(",")):
-            run(model, rows, args.context, 4)  # kernels compiled for this shape
-            r = dict(run(model, rows, args.context, args.steps), variant=name, device=str(mx.default_device()))
-            tokens = r.pop("tokens")
-            reference.setdefault(rows, tokens)
-            r["same_tokens_as_mlx_lm"] = tokens == reference[rows]  # bf16 may differ at near-ties
-            print(json.dumps(r), flush=True)
-            out.append(r)
+    for round_ in range(args.rounds):
+        for name in names:
+            afmoe.AfmoeMoE.__call__, afmoe.Attention.__call__, afmoe.MLP.__call__ = VARIANTS[name]
+            moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, afmoe.AfmoeMoE)]
+            for mlp, experts in zip(moe, originals):
+                mlp.experts = experts
+            if name == "packed":
+                packed_experts(model)
+            for rows in map(int, args.rows.split(",")):
+                if round_ == 0:
+                    run(model, rows, args.context, 4)  # kernels compiled for this shape
+                r = dict(run(model, rows, args.context, args.steps), variant=name, round=round_,
+                         device=str(mx.default_device()))
+                tokens = r.pop("tokens")
+                reference.setdefault(rows, tokens)
+                r["same_tokens_as_mlx_lm"] = tokens == reference[rows]  # bf16 may differ at near-ties
+                print(json.dumps(r), flush=True)
+                out.append(r)
+    if args.rounds > 1:
+        for name in names:
+            for rows in map(int, args.rows.split(",")):
+                steps = [r["step_ms"] for r in out if r["variant"] == name and r["rows"] == rows]
+                print(f"{name} {rows} rows: step ms median {statistics.median(steps):.2f} of {steps}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -4,8 +4,8 @@
 #
 #   bash bench/gpu_step.sh [moe|anatomy|load|all|budget|repeat]    # from the checkout's root, MLX (CUDA) importable
 #
-# moe:      scripts/moe_kernels.py: one MoE layer for 1-2,048 tokens, mlx-lm's sorted pairs against
-#           the runner's packed ones (distributed/shard/experts.py)
+# moe:      scripts/moe_kernels.py: one MoE layer for 8-2,048 tokens, mlx-lm's sorted pairs against
+#           the runner's packed ones, and both on dequantized weights (distributed/shard/experts.py)
 # anatomy:  scripts/step_anatomy.py: a decode step of mlx-lm's model at 1 / 8 / 64 rows, split into
 #           build (Python), launch (mx.async_eval) and wait, as mlx-lm runs it, with its elementwise
 #           tails compiled (fused), with projections of one input joined (proj) and with packed
@@ -37,8 +37,8 @@ python3 -c "from pathlib import Path; from bench.harness import make_mini; make_
 for part in $what; do
     case $part in
         moe|all)
-            timeout 200 python3 scripts/moe_kernels.py --rows 1,8,32,48,64,128,512,2048 --reps 20 \
-                --json "$OUT/moe_kernels.json" ;;&
+            timeout 200 python3 scripts/moe_kernels.py --rows 8,64,128,192,256,384,512,768,1024,2048 --reps 10 \
+                --variants sorted,packed,dense_packed,dense_sorted --json "$OUT/moe_kernels.json" ;;&
         anatomy|all)
             timeout 400 python3 scripts/step_anatomy.py --model /tmp/mini --rows 1,8,64 --steps 24 --rounds 3 \
                 --variants mlx-lm,fused,proj,packed --json "$OUT/step_anatomy.json" 2>&1 | grep -v INFO ;;&

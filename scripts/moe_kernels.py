@@ -10,7 +10,8 @@ rows of one decode step, by the way the rows reach the experts' weights (issue 5
               (distributed/shard/experts.py, Experts.run_packed);
 - `dense_sorted`: the sorted pairs on the weights dequantized to bf16 for the call, one gather_mm per
               projection (Experts.run_dense);
-- `dense_packed`: the packed block on dequantized weights, one batched matmul per projection;
+- `dense_packed`: the packed block on dequantized weights, one batched matmul per projection
+              (Experts.run_packed, dense);
 - `dequantize`: dequantizing the three projections alone.
 
 Milliseconds per layer call, median of --reps after warm-up, with the largest difference from `sorted`.
@@ -26,7 +27,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from distributed.shard.experts import Experts, dequantized, pack_per_expert, unpack
+from distributed.shard.experts import Experts, dequantized
 
 
 def layer(hidden: int, inner: int, experts: int, dtype) -> Experts:
@@ -48,27 +49,20 @@ def unsorted(glu, x, inds):
     return project(glu.down_proj, h, inds).squeeze(-2)
 
 
-def dense_packed(glu, x, inds):
-    """Experts.run_packed's block on dequantized weights: one batched matmul per projection."""
-    block, place = pack_per_expert(x, inds, glu.up_proj.num_experts)
-    h = glu.activation(block @ dequantized(glu.up_proj), block @ dequantized(glu.gate_proj))
-    return unpack(h @ dequantized(glu.down_proj), place, inds.shape)
-
-
-def way(packed=range(0), dense=range(0)):
+def way(packed=range(0), dense=range(0), dense_block=range(0)):
     """The Experts layer with these token ranges for one call (restored after)."""
     def run(glu, x, inds):
-        glu.packed, glu.dense = packed, dense
+        glu.packed, glu.dense, glu.dense_block = packed, dense, dense_block
         try:
             return glu(x, inds)
         finally:
-            glu.packed = glu.dense = range(0)
+            glu.packed = glu.dense = glu.dense_block = range(0)
     return run
 
 
 EVERY = range(1, 1 << 31)
 VARIANTS = {"sorted": way(), "unsorted": unsorted, "packed": way(packed=EVERY), "dense_sorted": way(dense=EVERY),
-            "dense_packed": dense_packed,
+            "dense_packed": way(dense=EVERY, dense_block=EVERY),
             "dequantize": lambda glu, x, inds: [dequantized(p) for p in (glu.up_proj, glu.gate_proj, glu.down_proj)]}
 
 

@@ -32,7 +32,10 @@ CUDA_PACKED_TOKENS = range(64, 2049)  # 2,048: a prefill chunk
 # Token counts run on weights dequantized for the call (a prefill chunk): measured on an H100 at Trinity-Mini's
 # shape (scripts/moe_kernels.py, 2026-12-08), one MoE layer: 1,024 tokens 4.9 against 12.8 ms packed, 2,048
 # tokens 5.3 against 24.9, 4,096 tokens 7.9 against 81.5; at 256 tokens packed still wins (3.9 against 4.5).
-CUDA_DENSE_TOKENS = range(1024, 1 << 31)
+CUDA_DENSE_TOKENS = range(256, 1 << 31)
+# Of those, the counts run as the packed block (dequantized) rather than as sorted pairs: at 256 tokens
+# 3.1 against 4.5 ms, at 1,024 4.9 either way, at 2,048 7.6 against 5.3.
+CUDA_DENSE_BLOCK_TOKENS = range(0, 1024)
 MOST_DEQUANTIZED_BYTES = 2 << 30  # one layer's three projections in bf16 at most (Trinity-Mini's: 1.5 GiB),
 # held for the call beside the quantized ones: a wider model keeps the quantized path until measured
 MOST_BLOCK_BYTES = 1 << 30  # the packed block's size at most (Trinity-Mini's at 2,048 tokens; the MLP's
@@ -56,6 +59,11 @@ def dense_tokens(hidden: int, inner: int, experts: int, cuda: Optional[bool] = N
     return CUDA_DENSE_TOKENS if (on_cuda() if cuda is None else cuda) and fits else range(0)
 
 
+def dense_block_tokens() -> range:
+    """The token counts this process runs as a packed block where it runs them dequantized."""
+    return CUDA_DENSE_BLOCK_TOKENS if on_cuda() else range(0)
+
+
 def dequantized(proj) -> mx.array:
     """A projection's weights as (experts, in, out) in the activations' dtype."""
     if not isinstance(proj, QuantizedSwitchLinear):
@@ -66,24 +74,27 @@ def dequantized(proj) -> mx.array:
 
 class Experts(SwitchGLU):
     """mlx-lm's SwitchGLU (the same parameters and checkpoint names), with `packed`: the token counts
-    whose pairs go to the experts packed per expert rather than sorted, and `dense`: those run on
-    dequantized weights (dense wins where both hold)."""
+    whose pairs go to the experts packed per expert rather than sorted, `dense`: those run on
+    dequantized weights (dense wins where both hold), and `dense_block`: those of `dense` run as the
+    packed block rather than as sorted pairs."""
 
     def __init__(self, hidden: int, inner: int, num_experts: int, packed: range = range(0),
-                 dense: range = range(0)):
+                 dense: range = range(0), dense_block: range = range(0)):
         super().__init__(hidden, inner, num_experts)
         self.packed = packed
         self.dense = dense
+        self.dense_block = dense_block
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         k = indices.shape[-1]
         tokens = indices.size // k
-        if tokens in self.dense and not {"bias", "global_scale"} & set(self.up_proj):
-            return self.run_dense(x, indices)  # (AFMoE's experts have neither)
-        block_bytes = self.up_proj.num_experts * tokens * x.shape[-1] * x.dtype.size
-        if tokens not in self.packed or block_bytes > MOST_BLOCK_BYTES:
+        fits = self.up_proj.num_experts * tokens * x.shape[-1] * x.dtype.size <= MOST_BLOCK_BYTES
+        dense = tokens in self.dense and not {"bias", "global_scale"} & set(self.up_proj)  # (AFMoE's have neither)
+        if dense and not (tokens in self.dense_block and fits):
+            return self.run_dense(x, indices)
+        if not dense and (tokens not in self.packed or not fits):
             return super().__call__(x, indices)
-        out = self.run_packed(x.reshape(tokens, -1), indices.reshape(tokens, k))
+        out = self.run_packed(x.reshape(tokens, -1), indices.reshape(tokens, k), dense)
         return out.reshape(*indices.shape, -1)
 
     def run_dense(self, x: mx.array, indices: mx.array) -> mx.array:
@@ -95,12 +106,14 @@ class Experts(SwitchGLU):
                            sorted_indices=True)
         return _scatter_unsort(out, inv_order, indices.shape).squeeze(-2)
 
-    def run_packed(self, x: mx.array, indices: mx.array) -> mx.array:
-        """(tokens, k, hidden), each projection one batched gather_qmm over every expert's block."""
+    def run_packed(self, x: mx.array, indices: mx.array, dense: bool = False) -> mx.array:
+        """(tokens, k, hidden), each projection one batched gather_qmm over every expert's block, or
+        (`dense`) one batched product on its weights dequantized for the call."""
         block, place = pack_per_expert(x, indices, self.up_proj.num_experts)
         every = mx.arange(block.shape[0])
-        h = self.activation(self.up_proj(block, every), self.gate_proj(block, every))
-        return unpack(self.down_proj(h, every), place, indices.shape)
+        project = (lambda proj, h: h @ dequantized(proj)) if dense else (lambda proj, h: proj(h, every))
+        h = self.activation(project(self.up_proj, block), project(self.gate_proj, block))
+        return unpack(project(self.down_proj, h), place, indices.shape)
 
 
 def pack_per_expert(x: mx.array, indices: mx.array, experts: int) -> tuple:

@@ -16,7 +16,7 @@ from mlx_lm.models import afmoe
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from .experts import Experts, dense_tokens, packed_tokens
+from .experts import Experts, dense_block_tokens, dense_tokens, packed_tokens
 from .kv_quant import QuantizedKVCache
 from .sizes import KVQuantization
 
@@ -42,7 +42,7 @@ class Stage(nn.Module):
         for layer in self.layers:
             if isinstance(layer.mlp, afmoe.AfmoeMoE):
                 shape = (args.hidden_size, args.moe_intermediate_size, args.num_experts)
-                layer.mlp.experts = Experts(*shape, packed_tokens(), dense_tokens(*shape))
+                layer.mlp.experts = Experts(*shape, packed_tokens(), dense_tokens(*shape), dense_block_tokens())
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)

@@ -8,17 +8,21 @@ import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from distributed.runtime.caches import SlotCaches
-from distributed.shard.experts import Experts, dense_tokens, packed_tokens
+from distributed.shard.experts import Experts, dense_block_tokens, dense_tokens, packed_tokens
 from distributed.shard.loader import load_stage
 
 EVERY_COUNT = range(1, 1 << 20)
+
+
+WAYS = {"packed": dict(packed=EVERY_COUNT), "dense": dict(dense=EVERY_COUNT),
+        "dense_block": dict(dense=EVERY_COUNT, dense_block=EVERY_COUNT)}
 
 
 def pair(bits, way="packed"):
     """mlx-lm's SwitchGLU with random weights, and Experts holding the same ones, taking `way` for
     every token count."""
     reference = SwitchGLU(64, 32, 8)
-    experts = Experts(64, 32, 8, **{way: EVERY_COUNT})
+    experts = Experts(64, 32, 8, **WAYS[way])
     if bits:
         nn.quantize(reference, group_size=32, bits=bits)
         nn.quantize(experts, group_size=32, bits=bits)
@@ -26,7 +30,7 @@ def pair(bits, way="packed"):
     return reference, experts
 
 
-@pytest.mark.parametrize("way", ["packed", "dense"])
+@pytest.mark.parametrize("way", list(WAYS))
 @pytest.mark.parametrize("bits", [0, 4])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 1), (17, 1), (2, 9)])  # decode batches; a prefill chunk
 def test_packed_or_dense_pairs_equal_mlx_lms_sorted_ones(way, bits, shape):
@@ -44,25 +48,26 @@ def test_a_token_count_outside_the_range_takes_mlx_lms_path():
     experts.packed = range(0)
     x, inds = mx.ones((4, 1, 64)), mx.array([[[0, 1, 2]]] * 4)
     assert mx.array_equal(experts(x, inds), reference(x, inds)).item()
-    assert packed_tokens() == dense_tokens(2048, 1024, 128) == range(0)  # this CPU: mlx-lm's path for every batch
+    assert packed_tokens() == dense_tokens(2048, 1024, 128) == dense_block_tokens() == range(0)  # this CPU: mlx-lm's
 
 
 def test_dense_prefill_only_where_a_layer_dequantized_fits():
     """On CUDA, Trinity-Mini's layer (128 experts of 2,048 x 1,024: 1.5 GiB in bf16) runs its prefill
     chunks on dequantized weights; a layer four times as wide keeps the quantized path."""
-    assert 2048 in dense_tokens(2048, 1024, 128, cuda=True) and 256 not in dense_tokens(2048, 1024, 128, cuda=True)
+    assert 2048 in dense_tokens(2048, 1024, 128, cuda=True) and 128 not in dense_tokens(2048, 1024, 128, cuda=True)
     assert dense_tokens(4096, 2048, 128, cuda=True) == range(0)
     assert dense_tokens(2048, 1024, 128, cuda=False) == range(0)
 
 
-@pytest.mark.parametrize("way", ["packed", "dense"])
+@pytest.mark.parametrize("way", list(WAYS))
 def test_a_stage_taking_either_way_for_every_batch_decodes_as_it_does_sorted(hf_checkpoint, way):
     sorted_stage = load_stage(hf_checkpoint, 0, 8, first=True)
     packed_stage = load_stage(hf_checkpoint, 0, 8, first=True)
     moe = [layer.mlp.experts for layer in packed_stage.layers if hasattr(layer.mlp, "experts")]
     assert moe, "the checkpoint has MoE layers"
     for experts in moe:
-        setattr(experts, way, EVERY_COUNT)
+        for key, counts in WAYS[way].items():
+            setattr(experts, key, counts)
     prompt = mx.array([[(7 * i + r) % 250 + 1 for i in range(12)] for r in range(4)], dtype=mx.uint32)
     tokens = []
     for stage in (sorted_stage, packed_stage):

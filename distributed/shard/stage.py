@@ -1,8 +1,9 @@
 """One pipeline stage: decoder layers [start, end) of an AFMoE model.
 
 The layer math is mlx-lm's (`mlx_lm.models.afmoe.DecoderLayer`); this module
-only slices the model, and gives its MoE layers experts that pack a batch's tokens
-per expert where the device gains from it (experts.py). The first stage (rank 0)
+only slices the model, compiles its layers' elementwise tails (fused.py), and gives
+its MoE layers experts that pack a batch's tokens per expert where the device gains
+from it (experts.py). The first stage (rank 0)
 also holds the embedding and the tail (final norm, lm_head or the tied embedding);
 the others hold neither.
 """
@@ -16,6 +17,7 @@ from mlx_lm.models import afmoe
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from . import fused
 from .experts import Experts, dense_block_tokens, dense_tokens, packed_tokens
 from .kv_quant import QuantizedKVCache
 from .sizes import KVQuantization
@@ -40,6 +42,7 @@ class Stage(nn.Module):
             for i in range(start, end)
         ]
         for layer in self.layers:
+            fused.fuse(layer)
             if isinstance(layer.mlp, afmoe.AfmoeMoE):
                 shape = (args.hidden_size, args.moe_intermediate_size, args.num_experts)
                 layer.mlp.experts = Experts(*shape, packed_tokens(), dense_tokens(*shape), dense_block_tokens())

@@ -32,10 +32,11 @@ from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx_lm.models import afmoe
 
 from .. import TrinityError
+from .fused import MoE
 
 
-class ShardedMoE(afmoe.AfmoeMoE):
-    """AfmoeMoE whose experts and shared expert hold 1/T of their intermediate width: each
+class ShardedMoE(MoE):
+    """AfmoeMoE (its tails compiled: fused.py) whose experts and shared expert hold 1/T of their intermediate width: each
     rank's output is a partial sum (the router is replicated, so every rank weighs its slice
     of the same experts alike), summed over the group once, after the shared expert."""
 

@@ -31,10 +31,12 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, _gathe
 CUDA_PACKED_TOKENS = range(64, 2049)  # 2,048: a prefill chunk
 # Token counts run on weights dequantized for the call (a prefill chunk): measured on an H100 at Trinity-Mini's
 # shape (scripts/moe_kernels.py, 2026-12-08), one MoE layer: 1,024 tokens 4.9 against 12.8 ms packed, 2,048
-# tokens 5.3 against 24.9, 4,096 tokens 7.9 against 81.5; at 256 tokens packed still wins (3.9 against 4.5).
+# tokens 5.3 against 24.9, 4,096 tokens 7.9 against 81.5; at 256 tokens the packed block dequantized 3.1 against
+# 3.9 packed (sorted pairs dequantized: 4.5); at 64 tokens packed wins (1.3 against 3.1).
 CUDA_DENSE_TOKENS = range(256, 1 << 31)
 # Of those, the counts run as the packed block (dequantized) rather than as sorted pairs: at 256 tokens
-# 3.1 against 4.5 ms, at 1,024 4.9 either way, at 2,048 7.6 against 5.3.
+# 3.1 against 4.5 ms, at 1,024 4.9 either way, at 2,048 7.6 against 5.3 (from 257 to 1,023 interpolated:
+# bench/gpu_step.sh moe measures 384, 512 and 768).
 CUDA_DENSE_BLOCK_TOKENS = range(0, 1024)
 MOST_DEQUANTIZED_BYTES = 2 << 30  # one layer's three projections in bf16 at most (Trinity-Mini's: 1.5 GiB),
 # held for the call beside the quantized ones: a wider model keeps the quantized path until measured

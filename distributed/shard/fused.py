@@ -1,13 +1,15 @@
 """mlx-lm's AFMoE attention and MoE, their elementwise tails compiled.
 
-A decode step is many small kernels: Trinity-Mini's 32 layers launch about 50 each, and at 1 to 8 rows
-a step's time goes more to launching them than to reading the weights (docs/benchmarks.md). The chains
-of elementwise operations around the matrix products need no kernel of their own each: mx.compile fuses
+A decode step is many small kernels: Trinity-Mini's 32 layers launch about 50 each, and on one H100 a
+step of 1 to 8 rows spends most of its time inside mx.async_eval, building and launching them, with the
+device seldom the one waited for (docs/benchmarks.md). The chains of elementwise operations around the
+matrix products need no kernel of their own each: mx.compile fuses
 the router's scores (sigmoid, expert bias, top-k, normalisation, scale: 10 operations), the experts'
 weighted sum with the shared expert (4) and the attention gate (2), as mlx-lm already compiles its
 SwiGLU. Each is the same arithmetic in the same order and dtypes as mlx-lm's `afmoe` (bitwise equal:
 tests/shard/test_fused.py); only the grouped routing (n_group > 1) and softmax scores keep mlx-lm's
-call.
+call. On a CPU a step costs the same either way (the arithmetic dominates); what it saves on a GPU is
+measured by `bench/gpu_step.sh anatomy` (mlx-lm's model with these tails: the `fused` variant).
 """
 
 import functools

@@ -19,6 +19,8 @@
 # budget:   python -m bench load at 8 / 64 streams and a 2,048-token prompt alone: mlx-lm, the
 #           runner, and the runner with --max-step-tokens 1024 and with --itl-target-ms 200
 # repeat:   mlx-lm against the runner at 1 and 8 streams, three invocations (their figures swing)
+# fused:    the runner against a copy of it whose layers keep mlx-lm's uncompiled tails (shard/fused.py
+#           off), and mlx-lm, at 1 / 8 / 64 streams in one invocation
 #
 # Everything writes under $OUT (or /tmp/out). Time on a fresh machine: the checkpoint about 50 s, the
 # first model run compiles kernels for 100-200 s, `load` about 360 s; `all` does not fit one 10-minute
@@ -57,6 +59,14 @@ for part in $what; do
                 timeout -s INT 180 python3 -m bench load --make-mini /tmp/mini --streams 1,8 --prompt-lens 128 \
                     --max-tokens 128 --ranks 1 --check 1 --blas reference --out "$OUT/load_repeat$i.json" 2>&1 | tail -8
             done ;;
+        fused)
+            rm -rf /tmp/nofuse && mkdir -p /tmp/nofuse && cp -r distributed launch bench scripts run_trinity.py /tmp/nofuse/
+            sed -i 's/^            fused.fuse(layer)$/            pass  # fused off/' /tmp/nofuse/distributed/shard/stage.py
+            grep -c "fused off" /tmp/nofuse/distributed/shard/stage.py
+            pgrep -af run_trinity || true
+            timeout -s INT 560 python3 -m bench load --make-mini /tmp/mini --streams 1,8,64 --prompt-lens 128 \
+                --max-tokens 128 --ranks 1 --check 1 --baseline /tmp/nofuse --blas reference \
+                --out "$OUT/load_fused.json" 2>&1 | tail -30 ;;
         dense)
             timeout 150 python3 scripts/moe_kernels.py --rows 64,128,256,512,1024,2048,4096 --reps 10 \
                 --variants sorted,packed,dense_sorted,dense_packed,dequantize --json "$OUT/moe_dense.json"

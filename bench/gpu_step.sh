@@ -8,7 +8,8 @@
 #           the runner's packed ones, and both on dequantized weights (distributed/shard/experts.py)
 # anatomy:  scripts/step_anatomy.py: a decode step of mlx-lm's model at 1 / 8 / 64 rows, split into
 #           build (Python), launch (mx.async_eval) and wait, as mlx-lm runs it, with its elementwise
-#           tails compiled (fused), with projections of one input joined (proj) and with packed
+#           tails compiled (fused), its MoE block compiled whole at decode shapes (block), with
+#           projections of one input joined (proj) and with packed
 #           experts; three rounds, interleaved (steps vary more between processes than within one)
 # load:     python -m bench load at 1 / 8 / 64 streams, mlx-lm against the runner, then the runner
 #           with --itl-target-ms 150 (rank 0's loop per step is printed for each)
@@ -43,7 +44,7 @@ for part in $what; do
                 --variants sorted,packed,dense_packed,dense_sorted --json "$OUT/moe_kernels.json" ;;&
         anatomy|all)
             timeout 400 python3 scripts/step_anatomy.py --model /tmp/mini --rows 1,8,64 --steps 24 --rounds 3 \
-                --variants mlx-lm,fused,proj,packed --json "$OUT/step_anatomy.json" 2>&1 | grep -v INFO ;;&
+                --variants mlx-lm,fused,block,proj,packed --json "$OUT/step_anatomy.json" 2>&1 | grep -v INFO ;;&
         load|all)
             pgrep -af run_trinity || true  # a ring left by an earlier call holds memory and ports
             timeout -s INT 540 python3 -m bench load --make-mini /tmp/mini --streams 1,8,64 --prompt-lens 128 \

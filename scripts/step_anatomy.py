@@ -5,7 +5,8 @@ graph is built and launched before the current token is read). Per step: host ms
 graph, ms inside mx.async_eval (launching its kernels), ms waiting for the token, and the wall.
 
 Variants: `mlx-lm` as it is; `fused`: the layer's elementwise tails (router scores, residual adds,
-the attention gate) compiled with mx.compile; `proj`: `fused` with the projections that read the same input joined into one (attention's q, k,
+the attention gate) compiled with mx.compile; `block`: `fused` with the whole MoE block compiled at decode
+shapes (Python builds none of its operations); `proj`: `fused` with the projections that read the same input joined into one (attention's q, k,
 v and gate; the experts' and the shared expert's gate and up), so a step launches fewer matrix
 kernels; `packed`: the routed experts as the runner runs them
 (distributed/shard/experts.py: a batch's tokens packed per expert where the device gains from it);
@@ -91,6 +92,19 @@ def fused_moe(self, x):
     return _combine(self.experts(x, inds), weights, self.shared_experts(x))
 
 
+_WHOLE: dict = {}
+
+
+def whole_moe(self, x):
+    """`fused`, and at a decode step's shape (one position a row) the whole MoE block compiled: its graph
+    traced once per row count and replayed, so Python builds none of its operations."""
+    if x.shape[1] != 1:
+        return fused_moe(self, x)
+    if id(self) not in _WHOLE:
+        _WHOLE[id(self)] = mx.compile(lambda h: fused_moe(self, h))
+    return _WHOLE[id(self)](x)
+
+
 def shared_only_moe(self, x):
     return self.shared_experts(x)
 
@@ -167,7 +181,8 @@ def joined_attention(self, x, mask=None, cache=None):
 
 ORIGINAL = (afmoe.AfmoeMoE.__call__, afmoe.Attention.__call__, afmoe.MLP.__call__)
 VARIANTS = {"mlx-lm": ORIGINAL, "fused": (fused_moe, fused_attention, ORIGINAL[2]),
-            "proj": (joined_moe, joined_attention, joined_mlp), "packed": ORIGINAL,
+            "proj": (joined_moe, joined_attention, joined_mlp), "block": (whole_moe, fused_attention, ORIGINAL[2]),
+            "packed": ORIGINAL,
             "shared-only": (shared_only_moe, *ORIGINAL[1:])}
 
 

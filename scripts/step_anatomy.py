@@ -4,13 +4,14 @@ caches after a --context-token prompt, decoded greedily with mlx-lm's pipelining
 graph is built and launched before the current token is read). Per step: host ms building the
 graph, ms inside mx.async_eval (launching its kernels), ms waiting for the token, and the wall.
 
-Variants: `mlx-lm` as it is; `fused`: the layer's elementwise tails (router scores, residual adds,
-the attention gate) compiled with mx.compile; `block`: `fused` with the whole MoE block compiled at decode
-shapes (Python builds none of its operations); `proj`: `fused` with the projections that read the same input joined into one (attention's q, k,
-v and gate; the experts' and the shared expert's gate and up), so a step launches fewer matrix
-kernels; `packed`: the routed experts as the runner runs them
-(distributed/shard/experts.py: a batch's tokens packed per expert where the device gains from it);
-`shared-only`: the routed experts left out (what the gather_qmm kernels cost).
+Variants: `mlx-lm` as it is; `fused`: the layer's elementwise tails (router scores, the experts' weighted
+sum, the attention gate) compiled with mx.compile, as distributed/shard/fused.py runs them; `block`:
+`fused` with the whole MoE block compiled at decode shapes (Python builds none of its operations);
+`proj`: `fused` with the projections that read the same input joined into one (attention's q, k, v
+and gate; the experts' and the shared expert's gate and up), so a step launches fewer matrix kernels;
+`packed`: the routed experts as the runner runs them (distributed/shard/experts.py: a batch's tokens
+packed per expert where the device gains from it); `shared-only`: the routed experts left out (what
+the gather_qmm kernels cost).
 
 MLX's CUDA backend launches a step's kernels as CUDA graphs of at most MLX_MAX_OPS_PER_BUFFER
 operations each (30 on an H100); run the script under other values to see what launching costs.
